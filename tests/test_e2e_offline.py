@@ -1,0 +1,189 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``LLM(..., decode_backend="megakernel")`` in reference mode against vLLM's
+default path: the same greedy tokens, and proof the decode steps went
+through the megakernel runner."""
+
+import gc
+
+import pytest
+import torch
+
+from tests.utils import check_logprobs_close
+
+pytestmark = pytest.mark.e2e
+
+# Prompts of different lengths and outputs of different lengths: with the
+# MEGAKERNEL attention backend's 16-token blocks the sequences cross block
+# boundaries at different steps, and requests finish at different steps, so
+# decode batches shrink as the run goes.
+PROMPTS = [
+    "Return the number of items in a list",
+    "The path",
+    "A",
+    "Create a new dictionary with keys from iterable and values set to value, "
+    "then return the dictionary and the string",
+    "Parse command line arguments",
+    "Write the object to the file in the format",
+    "x",
+    "Encode the string using the codec registered for encoding, and return "
+    "a bytes object; errors may be given to set a different error handling",
+    "Return a copy of the string",
+]
+MAX_TOKENS = [40, 17, 33, 5, 24, 48, 12, 30, 3]
+NUM_LOGPROBS = 5
+
+
+def _generate(model: str, dtype: str, **engine_kwargs):
+    from vllm import LLM, SamplingParams
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    llm = LLM(
+        model,
+        dtype=dtype,
+        enforce_eager=True,
+        max_model_len=512,
+        seed=0,
+        **engine_kwargs,
+    )
+    params = [
+        SamplingParams(
+            max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=NUM_LOGPROBS
+        )
+        for n in MAX_TOKENS
+    ]
+    try:
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        backend = runner.decode_backend
+        stats = None if backend is None else (backend.stats.steps, backend.stats.tokens)
+        results = [
+            (
+                list(o.outputs[0].token_ids),
+                [
+                    {t: lp.logprob for t, lp in step.items()}
+                    for step in o.outputs[0].logprobs
+                ],
+            )
+            for o in outputs
+        ]
+        return results, stats
+    finally:
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_megakernel_matches_default(demo_model, monkeypatch, arch, dtype):
+    monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
+    model = demo_model(arch)
+    default, no_stats = _generate(model, dtype)
+    mega, stats = _generate(model, dtype, decode_backend="megakernel")
+    assert no_stats is None
+
+    assert [len(ids) for ids, _ in mega] == MAX_TOKENS
+    # All prompts are scheduled in the first step, so every later token is
+    # produced by a decode-only step, each through the megakernel runner.
+    steps, tokens = stats
+    assert tokens == sum(n - 1 for n in MAX_TOKENS)
+    assert steps == max(MAX_TOKENS) - 1
+
+    if dtype == "float32":
+        assert [ids for ids, _ in mega] == [ids for ids, _ in default]
+    else:
+        check_logprobs_close(default, mega, "default", "megakernel")
+
+
+def test_cli_flag_parses_into_kernel_config():
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--decode-backend", "megakernel"])
+    assert EngineArgs.from_cli_args(args).decode_backend == "megakernel"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--decode-backend", "bogus"])
+
+
+def test_default_is_auto_and_hashed():
+    from vllm.config import KernelConfig
+
+    auto, mega = KernelConfig(), KernelConfig(decode_backend="megakernel")
+    assert auto.decode_backend == "auto"
+    assert auto.compute_hash() != mega.compute_hash()
+
+
+@pytest.mark.parametrize(
+    "env, kwargs, message",
+    [
+        ({}, {}, "needs an NVIDIA GPU.*VLLM_MEGAKERNEL_INTERPRET=1"),
+        (
+            {"VLLM_MEGAKERNEL_INTERPRET": "1"},
+            {"dtype": "float16"},
+            "dtype torch.float16",
+        ),
+        (
+            {"VLLM_MEGAKERNEL_INTERPRET": "1"},
+            {"attention_backend": "CPU_ATTN"},
+            "drop --attention-backend",
+        ),
+        ({"VLLM_MEGAKERNEL_INTERPRET": "yes please"}, {}, "is not a boolean"),
+    ],
+)
+def test_startup_errors_are_clear(demo_model, monkeypatch, env, kwargs, message):
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.delenv("VLLM_MEGAKERNEL_INTERPRET", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    kwargs = {"dtype": "float32", **kwargs}
+    args = EngineArgs(
+        demo_model("llama"), decode_backend="megakernel", max_model_len=512, **kwargs
+    )
+    with pytest.raises(ValueError, match=message):
+        args.create_engine_config()
+
+
+def test_unsupported_architecture_is_refused(demo_model, tmp_path, monkeypatch):
+    import json
+    import shutil
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
+    model = tmp_path / "gemma"
+    shutil.copytree(demo_model("llama"), model)
+    config = json.loads((model / "config.json").read_text())
+    config.update(architectures=["GemmaForCausalLM"], model_type="gemma")
+    (model / "config.json").write_text(json.dumps(config))
+    args = EngineArgs(str(model), decode_backend="megakernel", max_model_len=512)
+    with pytest.raises(ValueError, match="GemmaForCausalLM.*not supported"):
+        args.create_engine_config()
+
+
+def test_decode_backend_runs_only_decode_steps(demo_model, monkeypatch):
+    """Prefill and mixed steps keep vLLM's path: with one prompt, the
+    megakernel sees exactly max_tokens - 1 single-request steps."""
+    monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    llm = LLM(
+        demo_model("qwen3"),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        decode_backend="megakernel",
+    )
+    try:
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        backend = runner.decode_backend
+        params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+        llm.generate(["The path"], params, use_tqdm=False)
+        assert (backend.stats.steps, backend.stats.tokens) == (19, 19)
+        assert torch.is_tensor(backend.executor.weights.layers[0].qkv)
+    finally:
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()

@@ -1,0 +1,58 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Which models the megakernel takes, and the message for those it refuses."""
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from vllm_ext import configs
+from vllm_ext.model_spec import ModelSpec, UnsupportedModelError
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("llama-3.2-1b", dict(head_dim=64, num_kv_heads=8, tie_word_embeddings=True)),
+        ("llama-3.1-8b", dict(head_dim=128, num_kv_heads=8, qkv_bias=False)),
+        ("qwen3-8b", dict(head_dim=128, qk_norm=True, qkv_bias=False)),
+        ("qwen2.5-0.5b", dict(head_dim=64, num_kv_heads=2, qkv_bias=True)),
+        ("mistral-7b-v0.3", dict(head_dim=128, tie_word_embeddings=False)),
+    ],
+)
+def test_real_configs(name, expected):
+    spec = ModelSpec.from_hf_config(configs.hf_config(name), torch.bfloat16, 4096)
+    for field, value in expected.items():
+        assert getattr(spec, field) == value, field
+    assert spec.q_size == spec.num_q_heads * spec.head_dim
+
+
+def _config(**changes):
+    data = {**configs.load("llama-3.2-1b"), **changes}
+    return AutoConfig.for_model(data.pop("model_type"), **data)
+
+
+@pytest.mark.parametrize(
+    "changes, dtype, message",
+    [
+        (dict(architectures=["GPT2LMHeadModel"]), torch.bfloat16, "GPT2LMHeadModel"),
+        ({}, torch.float16, "dtype torch.float16"),
+        (dict(head_dim=96), torch.bfloat16, "head dim 96"),
+        (dict(hidden_act="gelu"), torch.bfloat16, "activation 'gelu'"),
+        (dict(attention_bias=True), torch.bfloat16, "attention bias"),
+        (dict(mlp_bias=True), torch.bfloat16, "MLP bias"),
+        (dict(sliding_window=256), torch.bfloat16, "sliding-window"),
+        (
+            dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
+            torch.bfloat16,
+            "rope type 'yarn'",
+        ),
+    ],
+)
+def test_unsupported_is_named(changes, dtype, message):
+    with pytest.raises(UnsupportedModelError, match=message):
+        ModelSpec.from_hf_config(_config(**changes), dtype, 4096)
+
+
+def test_sliding_window_wider_than_context_is_fine():
+    spec = ModelSpec.from_hf_config(_config(sliding_window=8192), torch.float32, 4096)
+    assert spec.architecture == "LlamaForCausalLM"

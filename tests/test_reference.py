@@ -1,0 +1,101 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The reference executor against HF transformers run in float64.
+
+The executor decodes several sequences of different lengths one token per
+step, through a shuffled paged cache, from weights taken out of the HF
+model; HF runs each whole sequence at once. Independent code, independent
+precision: they must agree to the rounding of the executor's dtype.
+"""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.utils import make_kv_cache, random_block_tables, slots_of
+from vllm_ext.model_spec import ModelSpec
+from vllm_ext.reference import ReferenceExecutor
+from vllm_ext.runner import DecodeInputs
+from vllm_ext.weights import DecodeWeights, LayerWeights
+
+BLOCK_SIZE = 16
+
+
+def weights_from_hf(model, spec: ModelSpec, dtype, max_pos: int) -> DecodeWeights:
+    """vLLM's fused layout (QKV, gate/up) built from an HF model's modules."""
+    inner = model.model
+
+    def w(t):
+        return t.detach().to(dtype)
+
+    layers = []
+    for layer in inner.layers:
+        a, m = layer.self_attn, layer.mlp
+        bias = None
+        if spec.qkv_bias:
+            bias = w(torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]))
+        layers.append(
+            LayerWeights(
+                input_norm=w(layer.input_layernorm.weight),
+                qkv=w(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
+                qkv_bias=bias,
+                q_norm=w(a.q_norm.weight) if spec.qk_norm else None,
+                k_norm=w(a.k_norm.weight) if spec.qk_norm else None,
+                o_proj=w(a.o_proj.weight),
+                post_norm=w(layer.post_attention_layernorm.weight),
+                gate_up=w(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
+                down=w(m.down_proj.weight),
+            )
+        )
+    rotary = inner.rotary_emb
+    freqs = torch.outer(torch.arange(max_pos).double(), rotary.inv_freq.double())
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * rotary.attention_scaling
+    return DecodeWeights(
+        embed=w(inner.embed_tokens.weight),
+        layers=tuple(layers),
+        final_norm=w(inner.norm.weight),
+        lm_head=w(model.lm_head.weight),
+        cos_sin=cos_sin.float(),
+        attn_scale=spec.head_dim**-0.5,
+    )
+
+
+# fp32: 1e-4 covers fp32 sums over the hidden size. bf16: the executor rounds
+# activations to bf16 (8 mantissa bits) at each of ~10 hand-offs per layer;
+# the reference gets the same bf16 weights, so the gap is that rounding.
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 0.15)])
+def test_decode_matches_hf_float64(demo_model, arch, dtype, atol):
+    gen = torch.Generator().manual_seed(2)
+    hf = AutoModelForCausalLM.from_pretrained(demo_model(arch))
+    spec = ModelSpec.from_hf_config(hf.config, dtype, 512)
+    weights = weights_from_hf(hf, spec, dtype, 512)
+    hf = hf.to(dtype).double()  # the same (rounded) weights, float64 math
+    executor = ReferenceExecutor(spec, weights)
+
+    seq_lens = [1, 7, BLOCK_SIZE, BLOCK_SIZE + 3, 2 * BLOCK_SIZE + 5]
+    tokens = [torch.randint(3, spec.vocab_size, (n,), generator=gen) for n in seq_lens]
+    table = random_block_tables(seq_lens, BLOCK_SIZE, 12, gen)
+    caches = tuple(
+        make_kv_cache(12, spec.num_kv_heads, BLOCK_SIZE, spec.head_dim, dtype)
+        for _ in range(spec.num_layers)
+    )
+    got = [torch.empty(n, spec.hidden_size, dtype=torch.float64) for n in seq_lens]
+    for t in range(max(seq_lens)):
+        live = [i for i, n in enumerate(seq_lens) if t < n]
+        inputs = DecodeInputs(
+            input_ids=torch.stack([tokens[i][t] for i in live]),
+            positions=torch.full((len(live),), t),
+            block_table=table[live],
+            seq_lens=torch.full((len(live),), t + 1, dtype=torch.int32),
+            slot_mapping=slots_of(table[live], [t] * len(live), BLOCK_SIZE),
+            kv_caches=caches,
+        )
+        hidden = executor.step(inputs)
+        assert hidden.dtype == dtype and not hidden.isnan().any()
+        for row, i in enumerate(live):
+            got[i][t] = hidden[row].double()
+
+    with torch.no_grad():
+        for i, ids in enumerate(tokens):
+            expected = hf.model(ids[None]).last_hidden_state[0]
+            torch.testing.assert_close(got[i], expected, rtol=0, atol=atol)

@@ -1,0 +1,68 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Helpers shared by the tests: caches in vLLM's layout, random paging."""
+
+import torch
+
+
+def make_kv_cache(
+    num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int, dtype
+) -> torch.Tensor:
+    """A layer's cache as vLLM allocates it for FlashAttention (LBNHC): the
+    logical view ``[blocks, kv_heads, block_size, 2*head_dim]`` over memory
+    ordered ``[blocks, block_size, kv_heads, 2*head_dim]``. Filled with NaN,
+    so a read of a slot nobody wrote poisons the result."""
+    phys = torch.full(
+        (num_blocks, block_size, num_kv_heads, 2 * head_dim), float("nan"), dtype=dtype
+    )
+    return phys.permute(0, 2, 1, 3)
+
+
+def random_block_tables(
+    seq_lens: list[int], block_size: int, num_blocks: int, gen: torch.Generator
+) -> torch.Tensor:
+    """Disjoint, shuffled physical blocks for each sequence, int32 like vLLM's."""
+    need = [(n + block_size - 1) // block_size for n in seq_lens]
+    assert sum(need) <= num_blocks
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.zeros(len(seq_lens), max(need), dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[start : start + n]
+        start += n
+    return table
+
+
+def slots_of(block_table: torch.Tensor, positions: list[int], block_size: int):
+    """vLLM's slot mapping of token ``positions[i]`` of sequence ``i``."""
+    return torch.tensor(
+        [
+            int(block_table[i, p // block_size]) * block_size + p % block_size
+            for i, p in enumerate(positions)
+        ],
+        dtype=torch.int64,
+    )
+
+
+def check_logprobs_close(outputs_0, outputs_1, name_0: str, name_1: str) -> None:
+    """vLLM's rule for comparing greedy runs at low precision: where two
+    sequences first part, each one's token must be among the other's top
+    logprobs at that step; after that they are not compared.
+
+    ``outputs_*``: lists of (token_ids, logprobs) with logprobs a list of
+    {token_id: logprob} per step.
+    """
+    for i, ((ids_0, lp_0), (ids_1, lp_1)) in enumerate(
+        zip(outputs_0, outputs_1, strict=True)
+    ):
+        for step, (t0, t1) in enumerate(zip(ids_0, ids_1, strict=True)):
+            if t0 == t1:
+                continue
+            assert t0 in lp_1[step], (
+                f"prompt {i} step {step}: {name_0} picked {t0}, which is not in "
+                f"{name_1}'s top logprobs {lp_1[step]}"
+            )
+            assert t1 in lp_0[step], (
+                f"prompt {i} step {step}: {name_1} picked {t1}, which is not in "
+                f"{name_0}'s top logprobs {lp_0[step]}"
+            )
+            break

@@ -1,0 +1,187 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What vLLM sees: the ``megakernel`` decode backend.
+
+``verify_and_update_config`` runs at start-up (in ``VllmConfig``) and refuses,
+with the reason, anything the megakernel cannot serve. The backend object
+lives in the model runner and takes every decode-only step it ``accepts``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.platforms import current_platform
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm.v1.worker.decode_backend import DecodeBackend
+
+from vllm_ext import envs
+from vllm_ext.model_spec import ModelSpec
+from vllm_ext.runner import DecodeExecutor, decode_inputs_from_forward_context
+from vllm_ext.weights import DecodeWeights
+
+# Under "vllm." so records go through vLLM's handlers, level and format.
+logger = init_logger(f"vllm.{__name__}")
+
+MIN_CAPABILITY = (9, 0)
+INTERPRET_HINT = (
+    "To run the same decode steps through the PyTorch reference executor "
+    "(slow, for testing), set VLLM_MEGAKERNEL_INTERPRET=1."
+)
+
+
+@dataclass
+class DecodeStats:
+    """What went through the backend, so tests and logs can tell a real run
+    from a silent fallback."""
+
+    steps: int = 0
+    tokens: int = 0
+
+
+def model_spec(vllm_config: VllmConfig) -> ModelSpec:
+    model_config = vllm_config.model_config
+    return ModelSpec.from_hf_config(
+        model_config.hf_text_config, model_config.dtype, model_config.max_model_len
+    )
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """Decode batch sizes the megakernel is planned for: 1, 2, 4, ... up to
+    the largest power of two not above ``max_batch``."""
+    buckets = [1]
+    while buckets[-1] * 2 <= max_batch:
+        buckets.append(buckets[-1] * 2)
+    return tuple(buckets)
+
+
+class MegakernelDecodeBackend(DecodeBackend):
+    @classmethod
+    def verify_and_update_config(cls, vllm_config: VllmConfig) -> None:
+        model_spec(vllm_config)  # raises UnsupportedModelError
+        _check_deployment(vllm_config)
+        interpret = envs.VLLM_MEGAKERNEL_INTERPRET
+        attention = _attention_backend_for_platform(interpret)
+        chosen = vllm_config.attention_config.backend
+        if chosen is not None and chosen != attention:
+            raise ValueError(
+                f"--decode-backend megakernel reads the KV cache in the "
+                f"{attention.name} layout, but --attention-backend "
+                f"{chosen.name} was given; drop --attention-backend."
+            )
+        vllm_config.attention_config.backend = attention
+        if interpret:
+            logger.warning(
+                "VLLM_MEGAKERNEL_INTERPRET=1: decode steps run through the "
+                "megakernel's PyTorch reference executor (slow; for testing)."
+            )
+
+    def __init__(
+        self, vllm_config: VllmConfig, model: torch.nn.Module, device: torch.device
+    ) -> None:
+        self.spec = model_spec(vllm_config)
+        self.layer_names = [
+            layer.self_attn.attn.layer_name for layer in model.model.layers
+        ]
+        self.buckets = batch_buckets(envs.VLLM_MEGAKERNEL_MAX_BATCH)
+        self.executor = self._make_executor(model)
+        self.stats = DecodeStats()
+
+    def _make_executor(self, model: torch.nn.Module) -> DecodeExecutor:
+        weights = DecodeWeights.from_vllm_model(model, self.spec)
+        if envs.VLLM_MEGAKERNEL_INTERPRET:
+            from vllm_ext.reference import ReferenceExecutor
+
+            return ReferenceExecutor(self.spec, weights)
+        # verify_and_update_config refused every other case at start-up.
+        raise ValueError(
+            "The CuTe DSL megakernel executor is not part of this build yet. "
+            + INTERPRET_HINT
+        )
+
+    def accepts(self, num_reqs: int, num_tokens: int, max_query_len: int) -> bool:
+        return (
+            max_query_len == 1
+            and num_tokens == num_reqs
+            and 0 < num_reqs <= self.buckets[-1]
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, num_reqs: int
+    ) -> torch.Tensor:
+        inputs = decode_inputs_from_forward_context(
+            input_ids, positions, num_reqs, self.layer_names
+        )
+        hidden = self.executor.step(inputs)
+        if self.stats.steps == 0:
+            logger.info(
+                "First decode step through the megakernel backend "
+                "(%s executor, batch %d).",
+                type(self.executor).__name__,
+                num_reqs,
+            )
+        self.stats.steps += 1
+        self.stats.tokens += num_reqs
+        if hidden.shape[0] == input_ids.shape[0]:
+            return hidden
+        out = hidden.new_zeros(input_ids.shape[0], hidden.shape[1])
+        out[:num_reqs] = hidden
+        return out
+
+
+def _attention_backend_for_platform(interpret: bool) -> AttentionBackendEnum:
+    """The attention backend that writes the cache layout the megakernel
+    reads: FlashAttention on a GPU, our PyTorch one in CPU reference mode."""
+    if current_platform.is_cuda():
+        capability = current_platform.get_device_capability()
+        if not interpret:
+            if capability is None or tuple(capability) < MIN_CAPABILITY:
+                raise ValueError(
+                    "--decode-backend megakernel needs an NVIDIA GPU of compute "
+                    f"capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer "
+                    f"(Hopper, Blackwell); this one has {capability}. " + INTERPRET_HINT
+                )
+            raise ValueError(
+                "The CuTe DSL megakernel executor is not part of this build yet. "
+                + INTERPRET_HINT
+            )
+        return AttentionBackendEnum.FLASH_ATTN
+    if current_platform.is_cpu():
+        if not interpret:
+            raise ValueError(
+                "--decode-backend megakernel needs an NVIDIA GPU of compute "
+                f"capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer "
+                "(Hopper, Blackwell), and this machine has none (vLLM platform: "
+                "cpu). " + INTERPRET_HINT
+            )
+        return AttentionBackendEnum.MEGAKERNEL
+    raise ValueError(
+        f"--decode-backend megakernel does not support the "
+        f"{current_platform.device_name!r} platform; it needs an NVIDIA GPU "
+        f"(sm_90 or newer), or a CPU with VLLM_MEGAKERNEL_INTERPRET=1."
+    )
+
+
+def _check_deployment(vllm_config: VllmConfig) -> None:
+    parallel = vllm_config.parallel_config
+    unsupported = {
+        "tensor parallelism": parallel.tensor_parallel_size > 1,
+        "pipeline parallelism": parallel.pipeline_parallel_size > 1,
+        "decode context parallelism": parallel.decode_context_parallel_size > 1,
+        "data parallelism": parallel.data_parallel_size > 1,
+        "LoRA adapters": vllm_config.lora_config is not None,
+        "speculative decoding": vllm_config.speculative_config is not None,
+        f"KV cache dtype {vllm_config.cache_config.cache_dtype!r}": (
+            vllm_config.cache_config.cache_dtype != "auto"
+        ),
+        f"quantization {vllm_config.model_config.quantization!r}": (
+            vllm_config.model_config.quantization is not None
+        ),
+    }
+    named = [name for name, present in unsupported.items() if present]
+    if named:
+        raise ValueError(
+            f"--decode-backend megakernel does not support: {', '.join(named)}."
+        )

@@ -1,0 +1,195 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Small random-weight models built from real architectures' configs.
+
+No model hub is needed: the weights are drawn from a seeded generator, the
+tokenizer is a byte-level BPE trained on text that ships with Python. The
+models are tiny (a few MB) so the whole decode path runs in tests on a CPU,
+yet each one exercises a feature of the architecture it is named for.
+
+    python -m vllm_ext.demo_models --arch qwen3 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+VOCAB_SIZE = 1024
+
+# Text to train the tokenizer on: docstrings of a few stdlib modules, so the
+# vocabulary is the same on every machine with the same Python.
+_CORPUS_MODULES = ("argparse", "json", "pathlib", "dataclasses", "textwrap", "string")
+
+
+@dataclass(frozen=True)
+class DemoArch:
+    """One tiny model: the HF config class and what it exercises."""
+
+    name: str
+    config_cls: str
+    features: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+_COMMON: dict[str, Any] = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    initializer_range=0.05,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+DEMO_ARCHS: dict[str, DemoArch] = {
+    a.name: a
+    for a in (
+        DemoArch(
+            "llama",
+            "LlamaConfig",
+            "GQA (4 q / 2 kv heads), head dim 64, untied LM head",
+            dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+        ),
+        DemoArch(
+            "mistral",
+            "MistralConfig",
+            "GQA (2 q / 1 kv head), head dim 128, untied LM head",
+            dict(
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=128,
+                sliding_window=None,
+            ),
+        ),
+        DemoArch(
+            "qwen2",
+            "Qwen2Config",
+            "QKV bias, MHA (4 q / 4 kv heads), head dim 64, tied embeddings",
+            dict(
+                num_attention_heads=4,
+                num_key_value_heads=4,
+                tie_word_embeddings=True,
+                use_sliding_window=False,
+            ),
+        ),
+        DemoArch(
+            "qwen3",
+            "Qwen3Config",
+            "QK norm, GQA (4 q / 2 kv heads), head dim 128, tied embeddings",
+            dict(
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=128,
+                tie_word_embeddings=True,
+            ),
+        ),
+    )
+}
+
+
+def _corpus() -> list[str]:
+    import importlib
+
+    lines: list[str] = []
+    for name in _CORPUS_MODULES:
+        module = importlib.import_module(name)
+        for _, obj in inspect.getmembers(module):
+            doc = inspect.getdoc(obj)
+            if doc:
+                lines.extend(doc.splitlines())
+    return lines
+
+
+def build_tokenizer(out: Path, vocab_size: int = VOCAB_SIZE) -> None:
+    """Train a byte-level BPE tokenizer of VOCAB_SIZE tokens and save it,
+    padded with reserved special tokens up to ``vocab_size`` (as real models
+    pad theirs), so every id the model can produce decodes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+    )
+    reserved = [f"<|reserved_{i}|>" for i in range(vocab_size - len(fast))]
+    if reserved:
+        fast.add_special_tokens({"additional_special_tokens": reserved})
+    fast.save_pretrained(out)
+
+
+def build_model(
+    arch: str, out: str | Path, seed: int = 0, vocab_size: int = VOCAB_SIZE
+) -> Path:
+    """Write a tiny random-weight model of `arch` (a DEMO_ARCHS key) to `out`.
+
+    ``vocab_size`` above the tokenizer's 1024 pads the vocabulary (for tools
+    that draw random token ids, like ``vllm bench latency``: ids < 10000).
+
+    Idempotent: a directory that already holds this model is left alone.
+    """
+    import torch
+    import transformers
+
+    if arch not in DEMO_ARCHS:
+        raise ValueError(
+            f"unknown demo architecture {arch!r}; choose one of {sorted(DEMO_ARCHS)}"
+        )
+    spec = DEMO_ARCHS[arch]
+    out = Path(out)
+    stamp = out / "demo_model.json"
+    if vocab_size < VOCAB_SIZE:
+        raise ValueError(f"vocab_size must be at least {VOCAB_SIZE}")
+    meta = {"arch": arch, "seed": seed, "features": spec.features}
+    if vocab_size != VOCAB_SIZE:
+        meta["vocab_size"] = vocab_size
+    if stamp.exists() and json.loads(stamp.read_text()) == meta:
+        return out
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = getattr(transformers, spec.config_cls)(
+        **{**_COMMON, **spec.overrides, "vocab_size": vocab_size}
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    # Norm weights start at 1; draw them too, so a wrong norm cannot pass.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(out)
+    build_tokenizer(out, vocab_size)
+    stamp.write_text(json.dumps(meta))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", choices=sorted(DEMO_ARCHS), default="llama")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
+    args = parser.parse_args()
+    print(build_model(args.arch, args.out, args.seed, args.vocab_size))
+
+
+if __name__ == "__main__":
+    main()

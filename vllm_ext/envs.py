@@ -1,0 +1,59 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Every VLLM_MEGAKERNEL_* environment variable, typed, with its default.
+
+Read lazily (module ``__getattr__``, as in ``vllm.envs``) so tests can set
+them with ``monkeypatch.setenv`` after import.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    VLLM_MEGAKERNEL_INTERPRET: bool = False
+    VLLM_MEGAKERNEL_MAX_BATCH: int = 64
+
+
+def _bool(name: str) -> bool:
+    value = os.environ.get(name, "0").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={value!r} is not a boolean (use 1 or 0)")
+
+
+def _positive_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+    if value < 1:
+        raise ValueError(f"{name}={value} must be at least 1")
+    return value
+
+
+environment_variables: dict[str, Callable[[], Any]] = {
+    # Run decode steps through the PyTorch reference executor instead of the
+    # GPU megakernel (like Triton's interpreter mode). The only way to use
+    # --decode-backend megakernel without a Hopper-or-newer GPU.
+    "VLLM_MEGAKERNEL_INTERPRET": lambda: _bool("VLLM_MEGAKERNEL_INTERPRET"),
+    # Largest decode batch (number of requests) the megakernel runs; larger
+    # decode steps take vLLM's normal path. Rounded down to a power of two.
+    "VLLM_MEGAKERNEL_MAX_BATCH": lambda: _positive_int("VLLM_MEGAKERNEL_MAX_BATCH", 64),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in environment_variables:
+        return environment_variables[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(environment_variables)

@@ -1,0 +1,134 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Shapes and features of a model, read from its Hugging Face config.
+
+This is the one place that decides which models the megakernel runs. Anything
+it does not know is refused here, at start-up, with the feature named, never
+discovered as wrong tokens later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# Architecture -> (has QKV bias, has per-head QK RMSNorm).
+SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
+    "LlamaForCausalLM": (False, False),
+    "MistralForCausalLM": (False, False),
+    "Qwen2ForCausalLM": (True, False),
+    "Qwen3ForCausalLM": (False, True),
+}
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
+
+
+class UnsupportedModelError(ValueError):
+    """The model (or a feature of it) is outside what the megakernel runs."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    architecture: str
+    dtype: torch.dtype
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+
+    @property
+    def q_size(self) -> int:
+        return self.num_q_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf_config(
+        cls, hf_config: Any, dtype: torch.dtype, max_model_len: int | None = None
+    ) -> ModelSpec:
+        archs = list(getattr(hf_config, "architectures", None) or [])
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise UnsupportedModelError(
+                f"architecture {archs or '(none)'} is not supported by the "
+                f"megakernel decode backend; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if dtype not in SUPPORTED_DTYPES:
+            raise UnsupportedModelError(
+                f"dtype {dtype} is not supported by the megakernel decode "
+                "backend; use --dtype bfloat16 or --dtype float32"
+            )
+
+        def need(cond: bool, feature: str) -> None:
+            if not cond:
+                raise UnsupportedModelError(
+                    f"{arch}: {feature} is not supported by the megakernel "
+                    "decode backend"
+                )
+
+        hidden = hf_config.hidden_size
+        num_q = hf_config.num_attention_heads
+        num_kv = getattr(hf_config, "num_key_value_heads", None) or num_q
+        head_dim = getattr(hf_config, "head_dim", None) or hidden // num_q
+        need(
+            head_dim in SUPPORTED_HEAD_DIMS,
+            f"head dim {head_dim} (supported: {SUPPORTED_HEAD_DIMS})",
+        )
+        need(num_q % num_kv == 0, f"{num_q} q heads over {num_kv} kv heads")
+        act = getattr(hf_config, "hidden_act", "silu")
+        need(act == "silu", f"activation {act!r}")
+        need(not getattr(hf_config, "mlp_bias", False), "MLP bias")
+        qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
+        if arch in ("LlamaForCausalLM", "MistralForCausalLM"):
+            need(not getattr(hf_config, "attention_bias", False), "attention bias")
+        window = getattr(hf_config, "sliding_window", None)
+        if getattr(hf_config, "use_sliding_window", True) and window is not None:
+            need(
+                max_model_len is not None and window >= max_model_len,
+                f"sliding-window attention (window {window} < max model len "
+                f"{max_model_len})",
+            )
+        need(getattr(hf_config, "quantization_config", None) is None, "quantization")
+        rope = _rope_parameters(hf_config)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        need(rope_type in ("default", "linear", "llama3"), f"rope type {rope_type!r}")
+        need(
+            float(rope.get("partial_rotary_factor", 1.0)) == 1.0,
+            "partial rotary embedding",
+        )
+        return cls(
+            architecture=arch,
+            dtype=dtype,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hidden,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_q_heads=num_q,
+            num_kv_heads=num_kv,
+            head_dim=head_dim,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            qkv_bias=qkv_bias,
+            qk_norm=qk_norm,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        )
+
+
+def _rope_parameters(hf_config: Any) -> dict[str, Any]:
+    # transformers 5 keeps rope settings in `rope_parameters`; older configs
+    # in `rope_scaling`.
+    for name in ("rope_parameters", "rope_scaling"):
+        value = getattr(hf_config, name, None)
+        if isinstance(value, dict):
+            return value
+    return {}

@@ -1,0 +1,92 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The weights one decode step reads, taken from vLLM's loaded model.
+
+No copies on a GPU: the tensors are vLLM's own parameters (fused QKV and
+gate/up as vLLM stores them). On a CPU, vLLM's linear layers keep their
+original weights when a decode backend is selected (see the patch series),
+because its oneDNN prepacking otherwise empties them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_ext.model_spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
+    q_norm: torch.Tensor | None  # [head_dim]
+    k_norm: torch.Tensor | None  # [head_dim]
+    o_proj: torch.Tensor  # [hidden, q_size]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+@dataclass(frozen=True)
+class DecodeWeights:
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: tuple[LayerWeights, ...]
+    final_norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden]; the embedding when tied
+    cos_sin: torch.Tensor  # [max_position, head_dim], cos half then sin half
+    attn_scale: float
+
+    @classmethod
+    def from_vllm_model(cls, model: torch.nn.Module, spec: ModelSpec) -> DecodeWeights:
+        inner = model.model
+        layers = []
+        for i, layer in enumerate(inner.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            weights = LayerWeights(
+                input_norm=layer.input_layernorm.weight,
+                qkv=attn.qkv_proj.weight,
+                qkv_bias=attn.qkv_proj.bias if spec.qkv_bias else None,
+                q_norm=attn.q_norm.weight if spec.qk_norm else None,
+                k_norm=attn.k_norm.weight if spec.qk_norm else None,
+                o_proj=attn.o_proj.weight,
+                post_norm=layer.post_attention_layernorm.weight,
+                gate_up=mlp.gate_up_proj.weight,
+                down=mlp.down_proj.weight,
+            )
+            _check_layer(i, weights, spec)
+            layers.append(weights)
+        rotary = inner.layers[0].self_attn.rotary_emb
+        if not rotary.is_neox_style or rotary.rotary_dim != spec.head_dim:
+            raise ValueError("megakernel: only full NeoX-style rotary embedding")
+        lm_head = inner.embed_tokens.weight if spec.tie_word_embeddings else None
+        if lm_head is None:
+            lm_head = model.lm_head.weight
+        return cls(
+            embed=inner.embed_tokens.weight,
+            layers=tuple(layers),
+            final_norm=inner.norm.weight,
+            lm_head=lm_head,
+            cos_sin=rotary.cos_sin_cache,
+            attn_scale=float(inner.layers[0].self_attn.scaling),
+        )
+
+
+def _check_layer(index: int, w: LayerWeights, spec: ModelSpec) -> None:
+    """Fail loudly if vLLM handed us weights of an unexpected shape (e.g. a
+    CPU layer whose weight was emptied by prepacking)."""
+    h, qkv = spec.hidden_size, spec.q_size + 2 * spec.kv_size
+    expected = {
+        "qkv": (w.qkv, (qkv, h)),
+        "o_proj": (w.o_proj, (h, spec.q_size)),
+        "gate_up": (w.gate_up, (2 * spec.intermediate_size, h)),
+        "down": (w.down, (h, spec.intermediate_size)),
+    }
+    for name, (tensor, shape) in expected.items():
+        if tuple(tensor.shape) != shape:
+            raise ValueError(
+                f"megakernel: layer {index} {name} weight has shape "
+                f"{tuple(tensor.shape)}, expected {shape}; is the vLLM patch "
+                "series applied (CPU linear layers must keep their weights)?"
+            )
