@@ -20,6 +20,7 @@ not fit. Reversing restores the original files byte for byte.
     scripts/apply_patches.py check   --tree DIR
     scripts/apply_patches.py reverse --installed
     scripts/apply_patches.py status  --installed
+    scripts/apply_patches.py export  --tree DIR   # regenerate patches/ from DIR
 """
 
 from __future__ import annotations
@@ -242,6 +243,8 @@ def tree(args: argparse.Namespace) -> str:
     applied = code == 0 and log.splitlines() == subjects
     if args.action == "status":
         return f"{'patched' if applied else 'not patched'}: {root}"
+    if args.action == "export":
+        return export(root)
     if args.action == "reverse":
         if not applied:
             raise PatchError(f"the last commits of {root} are not this series")
@@ -266,12 +269,33 @@ def tree(args: argparse.Namespace) -> str:
     return f"applied {len(patches)} patches as commits to {root}"
 
 
+def export(root: Path) -> str:
+    """Rewrite patches/ from the commits on top of the tree's base commit."""
+    code, base = _git(root, "rev-list", "--max-parents=0", "HEAD")
+    if code != 0:
+        raise PatchError(f"cannot find the base commit of {root}")
+    base = base.split()[0]
+    for old in PATCH_DIR.glob("*.patch"):
+        old.unlink()
+    code, out = _git(
+        root, "format-patch", "--zero-commit", "--no-signature",
+        "-o", str(PATCH_DIR), f"{base}..HEAD",
+    )  # fmt: skip
+    if code != 0:
+        raise PatchError(f"git format-patch failed:\n{out}")
+    names = sorted(p.name for p in PATCH_DIR.glob("*.patch"))
+    (PATCH_DIR / "series").write_text("".join(n + "\n" for n in names))
+    return f"wrote {len(names)} patches to {PATCH_DIR}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("action", choices=["apply", "check", "reverse", "status"])
+    parser.add_argument(
+        "action", choices=["apply", "check", "reverse", "status", "export"]
+    )
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--tree", help="a vLLM 0.32.0 source tree (git repo)")
     target.add_argument(
@@ -281,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         "--python", default=sys.executable, help="Python whose vLLM to patch"
     )
     args = parser.parse_args(argv)
+    if args.action == "export" and args.installed:
+        parser.error("export needs --tree")
     try:
         print(installed(args) if args.installed else tree(args))
     except PatchError as e:

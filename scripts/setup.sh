@@ -90,7 +90,8 @@ case $status in
     *) "$PY" "$ROOT/scripts/apply_patches.py" apply --installed --python "$PY" ;;
 esac
 
-if ! "$PY" -c 'import vllm_ext' 2>/dev/null; then
+# -P: do not let the current directory make vllm_ext look installed.
+if ! "$PY" -P -c 'import vllm_ext, pytest, tblib' 2>/dev/null || [[ ! -x $VENV/bin/ruff ]]; then
     say "installing vllm_ext (editable) with test extras"
     pip install -e "$ROOT[test]"
 fi
