@@ -37,15 +37,16 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3"])
+def server(request, tmp_path_factory, demo_model):
+    arch = request.param
     port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
     env = {k: v for k, v in os.environ.items() if k != "VLLM_MEGAKERNEL_INTERPRET"}
     # serve.sh must turn reference mode on by itself on this GPU-less machine.
     env["VLLM_MEGAKERNEL_VENV"] = str(Path(sys.executable).parent.parent)
     cmd = [
-        str(ROOT / "scripts" / "serve.sh"),
+        str(ROOT / "scripts" / "serve.sh"), demo_model(arch),
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
         "--enforce-eager", "--max-model-len", "512",
     ]  # fmt: skip
@@ -68,7 +69,7 @@ def server(tmp_path_factory):
                 if time.monotonic() > deadline:
                     pytest.fail(f"server not ready:\n{log.read_text()[-4000:]}")
                 time.sleep(1)
-        yield base, log
+        yield arch, base, log
     finally:
         os.killpg(proc.pid, 15)
         try:
@@ -78,7 +79,7 @@ def server(tmp_path_factory):
 
 
 def test_serve_matches_default_path(server, demo_model, monkeypatch):
-    base, log = server
+    arch, base, log = server
     served = json.loads(urllib.request.urlopen(base + "/v1/models").read())
     name = served["data"][0]["id"]
 
@@ -93,13 +94,16 @@ def test_serve_matches_default_path(server, demo_model, monkeypatch):
         }
         return _post(base + "/v1/completions", body)["choices"][0]["token_ids"]
 
+    single = complete(0)  # alone: decode batches of one
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         served_ids = list(pool.map(complete, range(len(PROMPTS))))
 
     monkeypatch.delenv("VLLM_MEGAKERNEL_INTERPRET", raising=False)
-    expected, _ = _generate(demo_model("llama"), "float32")
+    expected, _ = _generate(demo_model(arch), "float32")
+    assert single == expected[0][0]
     assert served_ids == [ids for ids, _ in expected]
 
     text = log.read_text()
     assert "reference executor (VLLM_MEGAKERNEL_INTERPRET=1)" in text
+    assert "ProgramExecutor" in text
     assert "First decode step through the megakernel backend" in text

@@ -18,6 +18,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.worker.decode_backend import DecodeBackend
 
 from vllm_ext import envs
+from vllm_ext.megakernel.planner import batch_buckets
 from vllm_ext.model_spec import ModelSpec
 from vllm_ext.runner import DecodeExecutor, decode_inputs_from_forward_context
 from vllm_ext.weights import DecodeWeights
@@ -46,15 +47,6 @@ def model_spec(vllm_config: VllmConfig) -> ModelSpec:
     return ModelSpec.from_hf_config(
         model_config.hf_text_config, model_config.dtype, model_config.max_model_len
     )
-
-
-def batch_buckets(max_batch: int) -> tuple[int, ...]:
-    """Decode batch sizes the megakernel is planned for: 1, 2, 4, ... up to
-    the largest power of two not above ``max_batch``."""
-    buckets = [1]
-    while buckets[-1] * 2 <= max_batch:
-        buckets.append(buckets[-1] * 2)
-    return tuple(buckets)
 
 
 class MegakernelDecodeBackend(DecodeBackend):
@@ -92,9 +84,17 @@ class MegakernelDecodeBackend(DecodeBackend):
     def _make_executor(self, model: torch.nn.Module) -> DecodeExecutor:
         weights = DecodeWeights.from_vllm_model(model, self.spec)
         if envs.VLLM_MEGAKERNEL_INTERPRET:
-            from vllm_ext.reference import ReferenceExecutor
+            # The instruction program the GPU would run, interpreted.
+            from vllm_ext.megakernel.cost import DEVICES
+            from vllm_ext.megakernel.interpret import ProgramExecutor
 
-            return ReferenceExecutor(self.spec, weights)
+            return ProgramExecutor(
+                self.spec,
+                weights,
+                DEVICES[envs.VLLM_MEGAKERNEL_INTERPRET_DEVICE],
+                self.buckets,
+                seed=envs.VLLM_MEGAKERNEL_INTERPRET_SEED,
+            )
         # verify_and_update_config refused every other case at start-up.
         raise ValueError(
             "The CuTe DSL megakernel executor is not part of this build yet. "

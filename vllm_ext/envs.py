@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     VLLM_MEGAKERNEL_INTERPRET: bool = False
     VLLM_MEGAKERNEL_MAX_BATCH: int = 64
+    VLLM_MEGAKERNEL_INTERPRET_DEVICE: str = "h200"
+    VLLM_MEGAKERNEL_INTERPRET_SEED: int = 0
 
 
 def _bool(name: str) -> bool:
@@ -25,7 +27,7 @@ def _bool(name: str) -> bool:
     raise ValueError(f"{name}={value!r} is not a boolean (use 1 or 0)")
 
 
-def _positive_int(name: str, default: int) -> int:
+def _int(name: str, default: int, minimum: int) -> int:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -33,8 +35,15 @@ def _positive_int(name: str, default: int) -> int:
         value = int(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not an integer") from None
-    if value < 1:
-        raise ValueError(f"{name}={value} must be at least 1")
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be at least {minimum}")
+    return value
+
+
+def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    value = os.environ.get(name, "") or default
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: choose one of {', '.join(choices)}")
     return value
 
 
@@ -45,7 +54,18 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_MEGAKERNEL_INTERPRET": lambda: _bool("VLLM_MEGAKERNEL_INTERPRET"),
     # Largest decode batch (number of requests) the megakernel runs; larger
     # decode steps take vLLM's normal path. Rounded down to a power of two.
-    "VLLM_MEGAKERNEL_MAX_BATCH": lambda: _positive_int("VLLM_MEGAKERNEL_MAX_BATCH", 64),
+    "VLLM_MEGAKERNEL_MAX_BATCH": lambda: _int(
+        "VLLM_MEGAKERNEL_MAX_BATCH", 64, minimum=1
+    ),
+    # In reference mode: the device whose program is interpreted (a key of
+    # megakernel.cost.DEVICES), i.e. the program that GPU would run.
+    "VLLM_MEGAKERNEL_INTERPRET_DEVICE": lambda: _choice(
+        "VLLM_MEGAKERNEL_INTERPRET_DEVICE", "h200", ("h100", "h200", "b200")
+    ),
+    # In reference mode: seed of the random interleaving of the SMs' queues.
+    "VLLM_MEGAKERNEL_INTERPRET_SEED": lambda: _int(
+        "VLLM_MEGAKERNEL_INTERPRET_SEED", 0, minimum=0
+    ),
 }
 
 

@@ -1,0 +1,56 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`python -m vllm_ext.megakernel.plan`: the command people run."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from vllm_ext import configs
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "vllm_ext.megakernel.plan", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+def test_json_summary_with_interleavings():
+    result = run(
+        "--config", str(configs.path("qwen2.5-0.5b")), "--batch", "4",
+        "--arch", "sm_90a", "--json", "--interleavings", "2",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["verified"] is True and summary["interleavings_ok"] is True
+    assert summary["device"] == "h200" and summary["num_sms"] == 132
+    assert summary["num_instructions"] > 0
+    assert 0 < summary["floor_us"] < summary["predicted_us"]
+
+
+def test_blackwell_default_device():
+    result = run(
+        "--config", "llama-3.2-1b", "--batch", "1", "--arch", "sm_100a", "--json"
+    )
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert result.returncode == 0 and summary["device"] == "b200"
+    assert summary["num_sms"] == 148
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            {"architectures": ["GemmaForCausalLM"], "model_type": "gemma"},
+            "not supported",
+        ),
+        ({"head_dim": 96}, "head dim 96"),
+    ],
+)
+def test_unsupported_config_exits_2(tmp_path, changes, message):
+    config = {**configs.load("llama-3.2-1b"), **changes}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    result = run("--config", str(path), "--batch", "1", "--arch", "sm_90a")
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr

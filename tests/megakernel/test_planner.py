@@ -1,0 +1,82 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The planner on real model shapes: fast, verified, balanced, costed."""
+
+import time
+
+import pytest
+import torch
+
+from vllm_ext import configs
+from vllm_ext.megakernel.cost import DEVICES, predict
+from vllm_ext.megakernel.isa import decode
+from vllm_ext.megakernel.planner import batch_buckets, plan, split
+from vllm_ext.megakernel.verify import verify
+from vllm_ext.model_spec import ModelSpec
+
+REAL = ["llama-3.2-1b", "llama-3.1-8b", "qwen3-0.6b", "qwen3-8b", "mistral-7b-v0.3"]
+BUCKETS = batch_buckets(64)
+
+
+def spec_of(name: str) -> ModelSpec:
+    return ModelSpec.from_hf_config(configs.hf_config(name), torch.bfloat16, 4096)
+
+
+def test_buckets():
+    assert BUCKETS == (1, 2, 4, 8, 16, 32, 64)
+    assert batch_buckets(100) == BUCKETS and batch_buckets(1) == (1,)
+
+
+@pytest.mark.parametrize(
+    "n, parts, multiple", [(2048, 132, 16), (100, 7, 16), (5, 9, 1)]
+)
+def test_split_covers_exactly(n, parts, multiple):
+    ranges = split(n, parts, multiple)
+    assert ranges[0][0] == 0 and ranges[-1][1] == n and len(ranges) <= parts
+    for (_, hi), (lo, _) in zip(ranges, ranges[1:], strict=False):
+        assert hi == lo
+    assert all(lo % multiple == 0 for lo, _ in ranges)
+
+
+@pytest.mark.parametrize("name", REAL)
+@pytest.mark.parametrize("batch", BUCKETS)
+def test_plans_fast_and_in_global_order(name, batch):
+    spec = spec_of(name)
+    t0 = time.perf_counter()
+    program = plan(spec, batch, DEVICES["h200"], with_lm_head=True)
+    assert time.perf_counter() - t0 < 1.0
+    # Every queue is a subsequence of the global order: (sm, idx) pairs of one
+    # SM appear in increasing idx.
+    seen = [-1] * len(program.queues)
+    for sm, idx in program.order:
+        assert idx == seen[sm] + 1
+        seen[sm] = idx
+    assert [len(q) for q in program.queues] == [s + 1 for s in seen]
+    # The encoding the kernel reads round-trips.
+    table, lengths = program.encode()
+    assert decode(table, lengths) == [list(q) for q in program.queues]
+
+
+@pytest.mark.parametrize("name", REAL)
+@pytest.mark.parametrize("batch", BUCKETS)
+def test_real_programs_verify(name, batch):
+    program = plan(spec_of(name), batch, DEVICES["h200"], with_lm_head=True)
+    report = verify(program)
+    assert report.num_instructions == program.num_instructions
+
+
+@pytest.mark.parametrize("device", ["h100", "h200", "b200"])
+def test_weights_are_balanced_over_sms(device):
+    pred = predict(plan(spec_of("llama-3.1-8b"), 1, DEVICES[device], with_lm_head=True))
+    lo, hi = min(pred.sm_weight_bytes), max(pred.sm_weight_bytes)
+    assert hi / lo < 1.1
+
+
+def test_llama_1b_batch1_within_15_percent_of_floor_on_h200():
+    """The design target (docs/design.md says why the larger and the
+    deeper-narrower shapes do not reach it yet)."""
+    program = plan(spec_of("llama-3.2-1b"), 1, DEVICES["h200"], with_lm_head=True)
+    pred = predict(program)
+    # Floor: bf16 weights incl. the tied 128256 x 2048 LM head at 4.3 TB/s.
+    assert 0.55e-3 < pred.floor_s < 0.60e-3
+    assert pred.step_s <= 1.15 * pred.floor_s
+    assert pred.critical_path_s < pred.step_s

@@ -1,0 +1,122 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Mutation tests: the verifier rejects broken programs, with the reason."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from vllm_ext.megakernel.cost import DEVICES
+from vllm_ext.megakernel.isa import NO_COUNTER, Op
+from vllm_ext.megakernel.planner import plan
+from vllm_ext.megakernel.verify import VerificationError, verify
+from vllm_ext.model_spec import ModelSpec
+
+SPEC = ModelSpec(
+    architecture="Qwen3ForCausalLM", dtype=torch.bfloat16, vocab_size=1024,
+    hidden_size=256, intermediate_size=512, num_layers=2, num_q_heads=4,
+    num_kv_heads=2, head_dim=128, rms_norm_eps=1e-6, qkv_bias=False,
+    qk_norm=True, tie_word_embeddings=True,
+)  # fmt: skip
+DEVICE = dataclasses.replace(DEVICES["h200"], num_sms=8)
+
+
+@pytest.fixture
+def program():
+    p = plan(SPEC, 4, DEVICE, with_lm_head=True)
+    verify(p)  # the unmodified program is fine
+    return p
+
+
+def mutate(program, sm: int, queue) -> object:
+    queues = list(program.queues)
+    queues[sm] = tuple(queue)
+    return dataclasses.replace(program, queues=tuple(queues))
+
+
+def find(program, op: Op, nth: int = 0) -> tuple[int, int]:
+    hits = [
+        (sm, i)
+        for sm, q in enumerate(program.queues)
+        for i, instr in enumerate(q)
+        if instr.op == op
+    ]
+    return hits[nth]
+
+
+def replace_instr(program, where, **changes):
+    sm, i = where
+    q = list(program.queues[sm])
+    q[i] = dataclasses.replace(q[i], **changes)
+    return mutate(program, sm, q)
+
+
+def test_missing_signal(program):
+    bad = replace_instr(program, find(program, Op.O_PROJ, 3), signal_counter=NO_COUNTER)
+    with pytest.raises(VerificationError, match="waits for .* but .* signal it"):
+        verify(bad)
+
+
+@pytest.mark.parametrize("delta", [1, -1])
+def test_wait_on_wrong_value(program, delta):
+    where = find(program, Op.GATE_UP, 2)
+    instr = program.queues[where[0]][where[1]]
+    bad = replace_instr(program, where, wait_count=instr.wait_count + delta)
+    with pytest.raises(VerificationError, match="waits for"):
+        verify(bad)
+
+
+def test_order_swapped_within_a_queue_deadlocks(program):
+    # Put an instruction before one it (transitively) depends on, same SM.
+    for sm, q in enumerate(program.queues):
+        for i in range(len(q) - 1):
+            if q[i].op == Op.O_PROJ and q[i + 1].op == Op.GATE_UP:
+                swapped = [*q[:i], q[i + 1], q[i], *q[i + 2 :]]
+                with pytest.raises(VerificationError, match="deadlock"):
+                    verify(mutate(program, sm, swapped))
+                return
+    pytest.fail("no O_PROJ followed by GATE_UP on one SM")
+
+
+def test_two_sms_order_swapped_deadlocks(program):
+    # Each SM's queue reversed: the first instruction of each waits on a
+    # counter that only instructions behind it (on every SM) signal.
+    queues = tuple(tuple(reversed(q)) for q in program.queues)
+    with pytest.raises(VerificationError, match="deadlock"):
+        verify(dataclasses.replace(program, queues=queues))
+
+
+def test_wait_on_the_wrong_phase_is_a_race(program):
+    # GATE_UP waiting for QKV instead of O_PROJ: counts match, no deadlock,
+    # but it would read hmid before O_PROJ wrote it.
+    qkv = program.queues[find(program, Op.QKV)[0]][find(program, Op.QKV)[1]]
+    gate_up = find(program, Op.GATE_UP, 0)
+    bad = replace_instr(
+        program,
+        gate_up,
+        wait_counter=qkv.signal_counter,
+        wait_count=sum(
+            1
+            for q in program.queues
+            for i in q
+            if i.signal_counter == qkv.signal_counter
+        ),
+    )
+    with pytest.raises(VerificationError, match="reads hmid.*before"):
+        verify(bad)
+
+
+def test_double_write(program):
+    where = find(program, Op.DOWN, 0)
+    instr = program.queues[where[0]][where[1]]
+    bad = replace_instr(program, where, arg1=instr.arg1 + 16)
+    with pytest.raises(VerificationError, match="written twice"):
+        verify(bad)
+
+
+def test_unwritten_read(program):
+    where = find(program, Op.DOWN, 1)
+    instr = program.queues[where[0]][where[1]]
+    bad = replace_instr(program, where, arg1=instr.arg1 - 8)
+    with pytest.raises(VerificationError, match="no instruction writes"):
+        verify(bad)

@@ -1,0 +1,210 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The cost model: predicted step time of a program from the bytes each
+instruction moves, and the one table of device ceilings.
+
+A design tool, not a claim. Its assumptions, all here:
+
+* Each SM streams its instructions' weights from HBM back to back, at an
+  equal share of the device's measured copy bandwidth, whatever the
+  instruction waits for (weights never depend on activations), up to
+  ``Device.lookahead_bytes`` ahead of what it has executed: its shared-memory
+  pipeline plus its share of the L2 half that bulk L2 prefetches may fill.
+* An instruction executes once its weights are in and its wait is met; the
+  wait is met ``dependency_latency_s`` after the last signal it needs (a
+  release/acquire round trip through L2). Executing costs
+  ``instruction_overhead_s`` plus its activation and KV bytes at the SM's
+  share of bandwidth.
+* The weight-read floor is all weight bytes at the full copy bandwidth.
+
+GPU measurements update ``DEVICES``; docs/perf.md keeps predicted and
+measured figures side by side.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    arch: str
+    num_sms: int
+    # Achieved large device-to-device copy, bytes/s (read + write counted
+    # once each, i.e. what a weight stream can reach).
+    hbm_bytes_per_s: float
+    smem_bytes: int  # shared memory per SM for the weight pipeline
+    l2_bytes: int  # L2 cache, half of which weight prefetches may use
+    dependency_latency_s: float = 1.0e-6
+    instruction_overhead_s: float = 0.3e-6
+    source: str = ""
+
+    @property
+    def sm_bytes_per_s(self) -> float:
+        return self.hbm_bytes_per_s / self.num_sms
+
+    @property
+    def lookahead_bytes(self) -> int:
+        return self.smem_bytes + self.l2_bytes // 2 // self.num_sms
+
+
+DEVICES: dict[str, Device] = {
+    d.name: d
+    for d in (
+        Device(
+            "h200", "sm_90a", 132, 4.3e12, 200 * 1024, 50 << 20,
+            source="copy bandwidth measured on an H200 (shared/GUIDE.md)",
+        ),
+        Device(
+            "h100", "sm_90a", 132, 3.0e12, 200 * 1024, 50 << 20,
+            source="not measured here: 90% of the 3.35 TB/s datasheet figure",
+        ),
+        Device(
+            "b200", "sm_100a", 148, 7.2e12, 200 * 1024, 126 << 20,
+            source="not measured here: 90% of the 8 TB/s datasheet figure",
+        ),
+    )
+}  # fmt: skip
+DEFAULT_DEVICE = {"sm_90a": "h200", "sm_100a": "b200"}
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Bytes one instruction moves: weights (prefetchable) and the rest
+    (activations, KV cache: read once its wait is met)."""
+
+    weight_bytes: int
+    other_bytes: int
+
+
+@dataclass(frozen=True)
+class Prediction:
+    step_s: float
+    floor_s: float
+    sm_finish_s: tuple[float, ...]
+    sm_weight_bytes: tuple[int, ...]
+    critical_path_s: float
+
+    @property
+    def fraction_of_floor(self) -> float:
+        """floor / predicted: 1.0 means the weight stream never stalls."""
+        return self.floor_s / self.step_s
+
+
+def predict(program, device: Device | None = None) -> Prediction:
+    """Simulate ``program`` (a planner.Program) under the assumptions above."""
+    from vllm_ext.megakernel.isa import NO_COUNTER
+
+    device = device or program.device
+    bw = device.sm_bytes_per_s
+    queues = program.queues
+    costs = [[program.cost(i) for i in q] for q in queues]
+    # When each instruction's weights are in, per SM (the stream never waits).
+    load_done: list[list[float]] = []
+    cum_bytes: list[list[int]] = []
+    for sm_costs in costs:
+        total, cum = 0, []
+        for c in sm_costs:
+            total += c.weight_bytes
+            cum.append(total)
+        cum_bytes.append(cum)
+        load_done.append([b / bw for b in cum])
+
+    # Event simulation: an SM's next instruction is scheduled once its wait
+    # is met; instructions start in time order (ends are never earlier than
+    # the start of the instruction that signalled them).
+    need = {i.wait_counter: i.wait_count for q in queues for i in q}
+    signals: dict[int, list[float]] = {}
+    blocked: dict[int, list[int]] = {}
+    pos = [0] * len(queues)
+    finish = [0.0] * len(queues)
+    heap: list[tuple[float, int]] = []
+
+    def schedule(sm: int) -> None:
+        if pos[sm] == len(queues[sm]):
+            return
+        instr = queues[sm][pos[sm]]
+        ready = 0.0
+        if instr.wait_counter != NO_COUNTER:
+            got = signals.get(instr.wait_counter, [])
+            if len(got) < need[instr.wait_counter]:
+                blocked.setdefault(instr.wait_counter, []).append(sm)
+                return
+            ready = max(got) + device.dependency_latency_s
+        heapq.heappush(heap, (max(finish[sm], ready, load_done[sm][pos[sm]]), sm))
+
+    for sm in range(len(queues)):
+        schedule(sm)
+    while heap:
+        start, sm = heapq.heappop(heap)
+        instr, cost = queues[sm][pos[sm]], costs[sm][pos[sm]]
+        end = start + device.instruction_overhead_s + cost.other_bytes / bw
+        _stall_stream(
+            load_done[sm], cum_bytes[sm], pos[sm], end, device.lookahead_bytes, bw
+        )
+        finish[sm] = end
+        pos[sm] += 1
+        schedule(sm)
+        if instr.signal_counter != NO_COUNTER:
+            got = signals.setdefault(instr.signal_counter, [])
+            got.append(end)
+            if len(got) == need.get(instr.signal_counter):
+                for waiter in blocked.pop(instr.signal_counter, []):
+                    schedule(waiter)
+    if any(p != len(q) for p, q in zip(pos, queues, strict=True)):
+        raise ValueError("program deadlocks (run the verifier)")
+
+    weight_bytes = tuple(sum(c.weight_bytes for c in q) for q in costs)
+    floor = program.weight_bytes() / device.hbm_bytes_per_s
+    return Prediction(
+        step_s=max(finish),
+        floor_s=floor,
+        sm_finish_s=tuple(finish),
+        sm_weight_bytes=weight_bytes,
+        critical_path_s=_critical_path(program, costs, device),
+    )
+
+
+def _stall_stream(done, cum, executed, now, window, bw) -> None:
+    """Instruction ``executed`` ends at ``now`` and frees its buffer: stream
+    bytes past ``window`` beyond everything consumed so far could not have
+    arrived before ``now``. Push the later load times back accordingly (the
+    stream is sequential, so each push carries to what follows)."""
+    consumed = cum[executed]
+    for k in range(executed + 1, len(done)):
+        t = done[k]
+        excess = cum[k] - consumed - window
+        if excess > 0:
+            t = max(t, now + excess / bw)
+        if k > executed + 1:
+            t = max(t, done[k - 1] + (cum[k] - cum[k - 1]) / bw)
+        if t == done[k]:
+            break
+        done[k] = t
+
+
+def _critical_path(program, costs, device: Device) -> float:
+    """Longest chain of waits and queue order, counting only execution (as if
+    every weight were already on chip): the latency floor of the program."""
+    from vllm_ext.megakernel.isa import NO_COUNTER
+
+    bw = device.sm_bytes_per_s
+    by_counter: dict[int, float] = {}
+    sm_end: dict[int, float] = {}
+    done = 0.0
+    # Phases appear in global order in every queue, so one pass over the
+    # instructions in that order sees every signaller before its waiters.
+    for sm, idx, instr in program.in_global_order():
+        ready = sm_end.get(sm, 0.0)
+        if instr.wait_counter != NO_COUNTER:
+            ready = max(ready, by_counter.get(instr.wait_counter, 0.0)
+                        + device.dependency_latency_s)  # fmt: skip
+        end = ready + device.instruction_overhead_s + costs[sm][idx].other_bytes / bw
+        sm_end[sm] = end
+        if instr.signal_counter != NO_COUNTER:
+            by_counter[instr.signal_counter] = max(
+                by_counter.get(instr.signal_counter, 0.0), end
+            )
+        done = max(done, end)
+    return done

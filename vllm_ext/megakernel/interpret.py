@@ -1,0 +1,268 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The reference executor of a program: runs the instructions one by one in
+PyTorch, in any order the counters allow.
+
+A seeded random scheduler picks, at each step, one SM whose next
+instruction's wait is met (``counters[c] >= epoch * count``), runs it, and
+signals. Counters persist across steps and are never reset (epochs), as on
+the GPU. Every instruction computes its output from its inputs alone, and
+reductions run in a fixed order, so the result is bit for bit the same
+under every interleaving; the tests check that.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from vllm_ext.megakernel.isa import NO_COUNTER, Instruction, Op
+from vllm_ext.megakernel.ops import (
+    attn,
+    combine,
+    down,
+    embed,
+    final_norm,
+    gate_up,
+    lm_head,
+    o_proj,
+    qkv,
+)
+from vllm_ext.megakernel.planner import Program
+from vllm_ext.runner import DecodeInputs
+from vllm_ext.weights import DecodeWeights
+
+
+class DeadlockError(RuntimeError):
+    pass
+
+
+class ProgramInterpreter:
+    def __init__(self, program: Program, weights: DecodeWeights, seed: int = 0):
+        self.program = program
+        self.weights = weights
+        self.rng = random.Random(seed)
+        self.counters = [0] * program.num_counters
+        self.epoch = 0
+
+    def step(self, inputs: DecodeInputs) -> torch.Tensor:
+        """One decode step of exactly ``program.batch`` rows; returns the
+        final-normed hidden states (and, with an LM head, sets
+        ``self.logits``)."""
+        p = self.program
+        if inputs.batch_size != p.batch:
+            raise ValueError(f"program is for batch {p.batch}, got {inputs.batch_size}")
+        self.epoch += 1
+        self._begin(inputs)
+        queues = p.queues
+        pos = [0] * len(queues)
+        ready: list[int] = []
+        blocked: dict[int, list[int]] = {}
+
+        def arrive(sm: int) -> None:
+            """Queue ``sm`` as ready, or park it on the counter it waits for."""
+            if pos[sm] == len(queues[sm]):
+                return
+            instr = queues[sm][pos[sm]]
+            if self._wait_met(instr):
+                ready.append(sm)
+            else:
+                blocked.setdefault(instr.wait_counter, []).append(sm)
+
+        for sm in range(len(queues)):
+            arrive(sm)
+        while ready:
+            k = self.rng.randrange(len(ready))
+            ready[k], ready[-1] = ready[-1], ready[k]
+            sm = ready.pop()
+            instr = queues[sm][pos[sm]]
+            self._execute(instr)
+            pos[sm] += 1
+            if instr.signal_counter != NO_COUNTER:
+                self.counters[instr.signal_counter] += 1
+                for waiter in blocked.pop(instr.signal_counter, []):
+                    arrive(waiter)
+            arrive(sm)
+        stuck = [sm for sm in range(len(queues)) if pos[sm] < len(queues[sm])]
+        if stuck:
+            shown = [f"SM {sm}: {queues[sm][pos[sm]]}" for sm in stuck[:4]]
+            raise DeadlockError("no SM can proceed: " + "; ".join(shown))
+        return self.buf["out"]
+
+    def _wait_met(self, instr: Instruction) -> bool:
+        c = instr.wait_counter
+        return c == NO_COUNTER or self.counters[c] >= self.epoch * instr.wait_count
+
+    # ------------------------------------------------------------ buffers
+
+    def _begin(self, inputs: DecodeInputs) -> None:
+        s, b = self.program.spec, self.program.batch
+        dtype, dev = s.dtype, self.weights.embed.device
+        layers, chunks = s.num_layers, self.program.attn_chunks
+        group = s.num_q_heads // s.num_kv_heads
+
+        def nan(*shape, dt=dtype):
+            # Poisoned: an instruction that reads what nobody wrote yields NaN.
+            return torch.full(shape, float("nan"), dtype=dt, device=dev)
+
+        self.inputs = inputs
+        self.seq_lens = inputs.seq_lens
+        self.cos, self.sin = self.weights.cos_sin[inputs.positions.long()].chunk(2, -1)
+        self.buf = {
+            "h": [nan(b, s.hidden_size) for _ in range(layers + 1)],
+            "hmid": [nan(b, s.hidden_size) for _ in range(layers)],
+            "q": [nan(b, s.num_q_heads, s.head_dim) for _ in range(layers)],
+            "attn": [nan(b, s.num_q_heads, s.head_dim) for _ in range(layers)],
+            "act": [nan(b, s.intermediate_size) for _ in range(layers)],
+            "part_o": [
+                nan(chunks, s.num_kv_heads, b, group, s.head_dim, dt=torch.float32)
+                for _ in range(layers)
+            ],
+            "part_lse": [
+                nan(chunks, s.num_kv_heads, b, group, dt=torch.float32)
+                for _ in range(layers)
+            ],
+            "out": nan(b, s.hidden_size),
+        }
+        if self.program.with_lm_head:
+            self.logits = nan(b, s.vocab_size, dt=torch.float32)
+
+    # ------------------------------------------------------------ dispatch
+
+    def _execute(self, i: Instruction) -> None:
+        s, w, buf = self.program.spec, self.weights, self.buf
+        layer, a, b = i.layer, i.arg0, i.arg1
+        dtype = s.dtype
+        if i.op == Op.EMBED:
+            buf["h"][0][:, a:b] = embed.reference(
+                w.embed, self.inputs.input_ids, a, b, dtype
+            )
+        elif i.op == Op.QKV:
+            heads = qkv.reference(
+                buf["h"][layer], w.layers[layer], s, a, b, self.cos, self.sin
+            )
+            self._store_qkv(layer, a, b, heads)
+        elif i.op == Op.ATTN:
+            group = s.num_q_heads // s.num_kv_heads
+            o, lse = attn.reference(
+                buf["q"][layer][:, a * group : (a + 1) * group],
+                self.inputs.kv_caches[layer],
+                a,
+                self.inputs.block_table,
+                self.seq_lens,
+                b,
+                self.program.attn_chunks,
+                w.attn_scale,
+            )
+            buf["part_o"][layer][b, a] = o
+            buf["part_lse"][layer][b, a] = lse
+        elif i.op == Op.COMBINE:
+            group = s.num_q_heads // s.num_kv_heads
+            merged = combine.reference(
+                buf["part_o"][layer][:, a], buf["part_lse"][layer][:, a], dtype
+            )
+            buf["attn"][layer][:, a * group : (a + 1) * group] = merged
+        elif i.op == Op.O_PROJ:
+            attn_flat = buf["attn"][layer].reshape(self.program.batch, -1)
+            buf["hmid"][layer][:, a:b] = o_proj.reference(
+                attn_flat, buf["h"][layer], w.layers[layer].o_proj, a, b, dtype
+            )
+        elif i.op == Op.GATE_UP:
+            buf["act"][layer][:, a:b] = gate_up.reference(
+                buf["hmid"][layer], w.layers[layer], s, a, b
+            )
+        elif i.op == Op.DOWN:
+            buf["h"][layer + 1][:, a:b] = down.reference(
+                buf["act"][layer], buf["hmid"][layer], w.layers[layer].down, a, b, dtype
+            )
+        elif i.op == Op.FINAL_NORM:
+            buf["out"][:, a:b] = final_norm.reference(
+                buf["h"][layer], w.final_norm, s.rms_norm_eps, a, b, dtype
+            )
+        elif i.op == Op.LM_HEAD:
+            self.logits[:, a:b] = lm_head.reference(buf["out"], w.lm_head, a, b)
+        else:
+            raise ValueError(f"cannot execute {i}")
+
+    def _store_qkv(self, layer: int, lo: int, hi: int, heads: torch.Tensor) -> None:
+        s = self.program.spec
+        nq, nkv = s.num_q_heads, s.num_kv_heads
+        cache = self.inputs.kv_caches[layer]
+        d = s.head_dim
+        for j, head in enumerate(range(lo, hi)):
+            y = heads[:, j]
+            if head < nq:
+                self.buf["q"][layer][:, head] = y
+                continue
+            kind, g = ("k", head - nq) if head < nq + nkv else ("v", head - nq - nkv)
+            # Append this kv head's new K or V at each request's slot.
+            part = slice(0, d) if kind == "k" else slice(d, 2 * d)
+            _write_head(cache, g, part, y, self.inputs.slot_mapping)
+
+
+def _write_head(cache, kv_head, part, values, slot_mapping) -> None:
+    """Store one kv head's K (or V) of each request's new token."""
+    block_size = cache.shape[2]
+    slots = slot_mapping.long()
+    valid = slots >= 0
+    blocks, offsets = slots[valid] // block_size, slots[valid] % block_size
+    cache[blocks, kv_head, offsets, part] = values[valid].to(cache.dtype)
+
+
+class ProgramExecutor:
+    """What ``VLLM_MEGAKERNEL_INTERPRET=1`` runs: each decode step planned for
+    its batch bucket (once per bucket, verified), padded to the bucket, and
+    interpreted under a seeded random interleaving."""
+
+    def __init__(
+        self,
+        spec,
+        weights: DecodeWeights,
+        device,
+        buckets: tuple[int, ...],
+        seed: int = 0,
+    ) -> None:
+        self.spec, self.weights, self.device = spec, weights, device
+        self.buckets, self.seed = buckets, seed
+        self.interpreters: dict[int, ProgramInterpreter] = {}
+
+    def interpreter(self, batch: int) -> ProgramInterpreter:
+        bucket = next((b for b in self.buckets if b >= batch), None)
+        if bucket is None:
+            raise ValueError(f"batch {batch} is above the largest bucket")
+        if bucket not in self.interpreters:
+            from vllm_ext.megakernel.planner import plan
+            from vllm_ext.megakernel.verify import verify
+
+            program = plan(self.spec, bucket, self.device)
+            verify(program)
+            self.interpreters[bucket] = ProgramInterpreter(
+                program, self.weights, seed=self.seed + bucket
+            )
+        return self.interpreters[bucket]
+
+    def step(self, inputs: DecodeInputs) -> torch.Tensor:
+        batch = inputs.batch_size
+        interp = self.interpreter(batch)
+        return interp.step(pad_inputs(inputs, interp.program.batch))[:batch]
+
+
+def pad_inputs(inputs: DecodeInputs, batch: int) -> DecodeInputs:
+    """Pad to ``batch`` rows the way a captured CUDA graph's padding looks:
+    token 0 at position 0, no cache slot (-1), sequence length 0."""
+    extra = batch - inputs.batch_size
+    if extra == 0:
+        return inputs
+
+    def pad(t: torch.Tensor, value: int) -> torch.Tensor:
+        tail = torch.full((extra, *t.shape[1:]), value, dtype=t.dtype, device=t.device)
+        return torch.cat([t, tail])
+
+    return DecodeInputs(
+        input_ids=pad(inputs.input_ids, 0),
+        positions=pad(inputs.positions, 0),
+        block_table=pad(inputs.block_table, 0),
+        seq_lens=pad(inputs.seq_lens, 0),
+        slot_mapping=pad(inputs.slot_mapping, -1),
+        kv_caches=inputs.kv_caches,
+    )

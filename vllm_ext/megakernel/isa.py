@@ -1,0 +1,124 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The megakernel's instruction set and its encoding.
+
+A program is one queue of instructions per SM. Each instruction is
+``WORDS`` int32 words::
+
+    [opcode, layer, arg0, arg1, wait_counter, wait_count, signal_counter, 0]
+
+It first waits until ``counters[wait_counter] >= epoch * wait_count``
+(``wait_counter == NO_COUNTER``: no wait), runs, makes its stores visible,
+then adds 1 to ``counters[signal_counter]``. ``epoch`` is the 1-based step
+number, a kernel argument: counters only grow, so the same program replays
+step after step (inside a CUDA graph too) with no host reset.
+
+What ``arg0``/``arg1`` mean per opcode (all instructions cover every request
+of the batch):
+
+========== ======================================== ========================
+opcode     computes                                 args
+========== ======================================== ========================
+EMBED      h[0][:, lo:hi] = embed[ids, lo:hi]       hidden cols [lo, hi)
+QKV        RMSNorm(h[l]) @ Wqkv (+bias) for heads   fused heads [lo, hi):
+           [lo, hi); q/k: QK-norm, RoPE; k/v:       q heads, then k, then v
+           appended to the paged KV cache
+ATTN       partial attention of kv head g's q       g, chunk c (of
+           heads over chunk c of each sequence      ``attn_chunks``)
+           -> (o, lse) in fp32
+COMBINE    merge kv head g's chunks by lse          g
+           -> attn[l][:, heads of g]
+O_PROJ     hmid[l][:, lo:hi] = h[l][:, lo:hi]       hidden cols [lo, hi)
+           + attn[l] @ Wo[lo:hi].T
+GATE_UP    act[l][:, lo:hi] = SiLU(x @ Wg.T) *      intermediate cols
+           (x @ Wu.T), x = RMSNorm(hmid[l])         [lo, hi)
+DOWN       h[l+1][:, lo:hi] = hmid[l][:, lo:hi]     hidden cols [lo, hi)
+           + act[l] @ Wd[lo:hi].T
+FINAL_NORM out = RMSNorm(h[L])                      hidden cols [lo, hi)
+LM_HEAD    logits[:, lo:hi] = out @ Wlm[lo:hi].T    vocab cols [lo, hi)
+           (fp32)
+========== ======================================== ========================
+
+Every activation buffer is written once per step (per-layer buffers), so
+the only hazards are read-after-write, which the counters order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+WORDS = 8
+NO_COUNTER = -1
+
+
+class Op(IntEnum):
+    NOP = 0
+    EMBED = 1
+    QKV = 2
+    ATTN = 3
+    COMBINE = 4
+    O_PROJ = 5
+    GATE_UP = 6
+    DOWN = 7
+    FINAL_NORM = 8
+    LM_HEAD = 9
+
+
+@dataclass(frozen=True)
+class Instruction:
+    op: Op
+    layer: int
+    arg0: int
+    arg1: int
+    wait_counter: int = NO_COUNTER
+    wait_count: int = 0
+    signal_counter: int = NO_COUNTER
+
+    def words(self) -> tuple[int, ...]:
+        return (
+            int(self.op),
+            self.layer,
+            self.arg0,
+            self.arg1,
+            self.wait_counter,
+            self.wait_count,
+            self.signal_counter,
+            0,
+        )
+
+    @classmethod
+    def from_words(cls, words) -> Instruction:
+        op, layer, a0, a1, wc, wn, sc, _ = (int(w) for w in words)
+        return cls(Op(op), layer, a0, a1, wc, wn, sc)
+
+    def __str__(self) -> str:
+        wait = (
+            ""
+            if self.wait_counter == NO_COUNTER
+            else (f" wait c{self.wait_counter}>={self.wait_count}")
+        )
+        return (
+            f"{self.op.name}(l={self.layer}, {self.arg0}, {self.arg1}){wait}"
+            f" signal c{self.signal_counter}"
+        )
+
+
+def encode(queues: list[list[Instruction]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queues -> (``[num_sms, max_len, WORDS]`` int32 padded with NOP,
+    ``[num_sms]`` int32 queue lengths): what the kernel reads."""
+    max_len = max((len(q) for q in queues), default=0)
+    table = torch.zeros(len(queues), max(max_len, 1), WORDS, dtype=torch.int32)
+    lengths = torch.tensor([len(q) for q in queues], dtype=torch.int32)
+    for sm, queue in enumerate(queues):
+        if queue:
+            table[sm, : len(queue)] = torch.tensor([i.words() for i in queue])
+    return table, lengths
+
+
+def decode(table: torch.Tensor, lengths: torch.Tensor) -> list[list[Instruction]]:
+    return [
+        [Instruction.from_words(table[sm, i].tolist()) for i in range(int(n))]
+        for sm, n in enumerate(lengths.tolist())
+    ]

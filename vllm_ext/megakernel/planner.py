@@ -1,0 +1,206 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Model shape + batch bucket + device -> a program: per-SM queues.
+
+The planner lists the step's instructions phase by phase in one global
+topological order (embedding; per layer QKV, ATTN, COMBINE, O_PROJ, GATE_UP,
+DOWN; final norm; LM head) and deals each to the SM with the fewest bytes so
+far. Every queue is therefore a subsequence of the global order, which is
+what makes the program deadlock-free when all CTAs are co-resident (see
+verify.py). Each phase waits for the whole previous phase through one
+counter; tiles are sized from bytes so every phase spreads over all SMs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_ext.megakernel.cost import Cost, Device
+from vllm_ext.megakernel.isa import NO_COUNTER, Instruction, Op, encode
+from vllm_ext.model_spec import ModelSpec
+
+# Smallest GEMV tile: 16 output columns (one MMA N-tile, 128-bit rows of bf16).
+COL_MULTIPLE = 16
+# Upper bound on KV chunks per kv head: enough to fill the SMs for models
+# with few kv heads, few enough that the combine stays short.
+MAX_ATTN_CHUNKS = 16
+# Context length the cost model assumes for attention (plans do not depend
+# on it: chunks are sized at run time from each sequence's length).
+NOMINAL_CONTEXT = 1024
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to the largest power of two <= max_batch."""
+    buckets = [1]
+    while buckets[-1] * 2 <= max_batch:
+        buckets.append(buckets[-1] * 2)
+    return tuple(buckets)
+
+
+def split(n: int, parts: int, multiple: int = 1) -> list[tuple[int, int]]:
+    """[0, n) in at most ``parts`` ranges, each a multiple of ``multiple``
+    (the last may be shorter), as even as that allows."""
+    units = math.ceil(n / multiple)
+    parts = max(1, min(parts, units))
+    base, extra = divmod(units, parts)
+    ranges, lo = [], 0
+    for p in range(parts):
+        hi = min(n, lo + (base + (p < extra)) * multiple)
+        ranges.append((lo, hi))
+        lo = hi
+    return ranges
+
+
+@dataclass(frozen=True)
+class Program:
+    spec: ModelSpec
+    batch: int
+    device: Device
+    attn_chunks: int
+    with_lm_head: bool
+    queues: tuple[tuple[Instruction, ...], ...]
+    counter_names: tuple[str, ...]
+    # (sm, index in queue) of every instruction, in the global order.
+    order: tuple[tuple[int, int], ...] = field(repr=False)
+
+    @property
+    def num_instructions(self) -> int:
+        return len(self.order)
+
+    @property
+    def num_counters(self) -> int:
+        return len(self.counter_names)
+
+    def in_global_order(self) -> Iterator[tuple[int, int, Instruction]]:
+        for sm, idx in self.order:
+            yield sm, idx, self.queues[sm][idx]
+
+    def encode(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return encode([list(q) for q in self.queues])
+
+    def weight_bytes(self) -> int:
+        return sum(self.cost(i).weight_bytes for q in self.queues for i in q)
+
+    def cost(self, instr: Instruction) -> Cost:
+        """Bytes ``instr`` moves: weights (prefetchable) and the rest."""
+        s, b = self.spec, self.batch
+        e = s.dtype.itemsize
+        lo, hi = instr.arg0, instr.arg1
+        h, d = s.hidden_size, s.head_dim
+        if instr.op == Op.EMBED:
+            return Cost(0, 2 * b * (hi - lo) * e)
+        if instr.op == Op.QKV:
+            cols = (hi - lo) * d
+            w = cols * h * e + h * e + (cols * e if s.qkv_bias else 0)
+            return Cost(w, b * h * e + 2 * b * cols * e)
+        if instr.op == Op.ATTN:
+            group = s.num_q_heads // s.num_kv_heads
+            tokens = math.ceil(NOMINAL_CONTEXT / self.attn_chunks)
+            kv = b * tokens * 2 * d * e
+            return Cost(0, kv + b * group * d * (e + 4) + b * group * 4)
+        if instr.op == Op.COMBINE:
+            group = s.num_q_heads // s.num_kv_heads
+            return Cost(
+                0, self.attn_chunks * b * group * (d + 1) * 4 + b * group * d * e
+            )
+        if instr.op == Op.O_PROJ:
+            return Cost(
+                (hi - lo) * s.q_size * e, b * s.q_size * e + 2 * b * (hi - lo) * e
+            )
+        if instr.op == Op.GATE_UP:
+            w = 2 * (hi - lo) * h * e + h * e
+            return Cost(w, b * h * e + b * (hi - lo) * e)
+        if instr.op == Op.DOWN:
+            w = (hi - lo) * s.intermediate_size * e
+            return Cost(w, b * s.intermediate_size * e + 2 * b * (hi - lo) * e)
+        if instr.op == Op.FINAL_NORM:
+            return Cost(h * e, b * h * e + b * (hi - lo) * e)
+        if instr.op == Op.LM_HEAD:
+            return Cost((hi - lo) * h * e, b * h * e + b * (hi - lo) * 4)
+        raise ValueError(f"no cost for {instr}")
+
+
+def plan(
+    spec: ModelSpec,
+    batch: int,
+    device: Device,
+    *,
+    with_lm_head: bool = False,
+    max_attn_chunks: int = MAX_ATTN_CHUNKS,
+) -> Program:
+    """The program of one decode step of ``batch`` requests on ``device``."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    n_sm = device.num_sms
+    counters: list[str] = []
+
+    def counter(name: str) -> int:
+        counters.append(name)
+        return len(counters) - 1
+
+    # Phases in global order: (op, layer, tiles, wait (counter, count), signal).
+    phases: list[tuple[Op, int, list[tuple[int, int]], tuple[int, int], int]] = []
+    none = (NO_COUNTER, 0)
+
+    def gemv_tiles(n: int) -> list[tuple[int, int]]:
+        return split(n, n_sm, COL_MULTIPLE)
+
+    def phase(op, layer, tiles, wait, name) -> tuple[int, int]:
+        c = counter(name)
+        phases.append((op, layer, tiles, wait, c))
+        return (c, len(tiles))
+
+    h = spec.hidden_size
+    small = split(h, max(1, h // 512), COL_MULTIPLE)  # embed / final norm
+    heads = spec.num_q_heads + 2 * spec.num_kv_heads
+    chunks = max(1, min(max_attn_chunks, n_sm // spec.num_kv_heads))
+    prev = phase(Op.EMBED, 0, small, none, "embed")
+    for layer in range(spec.num_layers):
+        qkv_tiles = split(heads, n_sm, 1)
+        qkv = phase(Op.QKV, layer, qkv_tiles, prev, f"L{layer}.qkv")
+        combine_c = counter(f"L{layer}.combine")
+        for g in range(spec.num_kv_heads):
+            attn_tiles = [(g, c) for c in range(chunks)]
+            a = phase(Op.ATTN, layer, attn_tiles, qkv, f"L{layer}.attn.g{g}")
+            phases.append((Op.COMBINE, layer, [(g, 0)], a, combine_c))
+        combined = (combine_c, spec.num_kv_heads)
+        o = phase(Op.O_PROJ, layer, gemv_tiles(h), combined, f"L{layer}.o_proj")
+        gu = phase(
+            Op.GATE_UP,
+            layer,
+            gemv_tiles(spec.intermediate_size),
+            o,
+            f"L{layer}.gate_up",
+        )
+        prev = phase(Op.DOWN, layer, gemv_tiles(h), gu, f"L{layer}.down")
+    prev = phase(Op.FINAL_NORM, spec.num_layers, small, prev, "final_norm")
+    if with_lm_head:
+        phase(Op.LM_HEAD, spec.num_layers, gemv_tiles(spec.vocab_size), prev, "lm_head")
+
+    program = Program(
+        spec, batch, device, chunks, with_lm_head, (), tuple(counters), ()
+    )
+    queues: list[list[Instruction]] = [[] for _ in range(n_sm)]
+    load = [0] * n_sm
+    order = []
+    for op, layer, tiles, (wait_c, wait_n), signal in phases:
+        for a0, a1 in tiles:
+            instr = Instruction(op, layer, a0, a1, wait_c, wait_n, signal)
+            cost = program.cost(instr)
+            sm = min(range(n_sm), key=load.__getitem__)
+            load[sm] += cost.weight_bytes + cost.other_bytes
+            order.append((sm, len(queues[sm])))
+            queues[sm].append(instr)
+    return Program(
+        spec,
+        batch,
+        device,
+        chunks,
+        with_lm_head,
+        tuple(tuple(q) for q in queues),
+        tuple(counters),
+        tuple(order),
+    )

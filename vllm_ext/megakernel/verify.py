@@ -1,0 +1,241 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Proofs over a program: no deadlock, every read after its writers, no
+buffer unit written twice in a step.
+
+The argument, checked here rather than assumed:
+
+1. *Counting.* Every wait names a counter and a count; the count must equal
+   the number of instructions that signal that counter. A wait that is met
+   therefore means every one of those signallers has finished (and, on the
+   GPU, released its stores), for any interleaving.
+2. *No deadlock.* With all CTAs co-resident, each SM runs its queue in order
+   and a met wait stays met (counters only grow). The system is monotone, so
+   if one maximal run completes every instruction, every run does: the
+   verifier simulates one, and names the stuck SMs otherwise.
+3. *Happens-before.* Queue order and "signaller -> waiter" edges give a
+   partial order. Every read of a buffer unit must come after every
+   instruction that writes that unit (or be by the writer itself).
+4. *Single assignment.* No buffer unit is written by two instructions, and
+   every unit read is written by some instruction (activations are per-layer
+   buffers, so a step has no write-after-read hazards to order).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from vllm_ext.megakernel.isa import NO_COUNTER, Instruction, Op
+
+
+class VerificationError(ValueError):
+    """The program is wrong; the message says where."""
+
+
+@dataclass(frozen=True)
+class Region:
+    """Units [lo, hi) of one buffer of one layer (units: columns, heads,
+    or attention partials, depending on the buffer)."""
+
+    buffer: str
+    layer: int
+    lo: int
+    hi: int
+
+
+def accesses(program, instr: Instruction) -> tuple[list[Region], list[Region]]:
+    """(reads, writes) of ``instr``: what the ISA says each opcode touches."""
+    s, ly = program.spec, instr.layer
+    a, b = instr.arg0, instr.arg1
+    nq, nkv = s.num_q_heads, s.num_kv_heads
+    group, chunks = nq // nkv, program.attn_chunks
+    h, L = s.hidden_size, s.num_layers
+    op = instr.op
+    if op == Op.EMBED:
+        return [], [Region("h", 0, a, b)]
+    if op == Op.QKV:
+        writes = []
+        for name, base, n in (("q", 0, nq), ("k", nq, nkv), ("v", nq + nkv, nkv)):
+            lo, hi = max(a, base) - base, min(b, base + n) - base
+            if lo < hi:
+                writes.append(Region(name, ly, lo, hi))
+        return [Region("h", ly, 0, h)], writes
+    if op == Op.ATTN:
+        reads = [
+            Region("q", ly, a * group, (a + 1) * group),
+            Region("k", ly, a, a + 1),
+            Region("v", ly, a, a + 1),
+        ]
+        return reads, [Region("part", ly, a * chunks + b, a * chunks + b + 1)]
+    if op == Op.COMBINE:
+        reads = [Region("part", ly, a * chunks, (a + 1) * chunks)]
+        return reads, [Region("attn", ly, a * group, (a + 1) * group)]
+    if op == Op.O_PROJ:
+        reads = [Region("attn", ly, 0, nq), Region("h", ly, a, b)]
+        return reads, [Region("hmid", ly, a, b)]
+    if op == Op.GATE_UP:
+        return [Region("hmid", ly, 0, h)], [Region("act", ly, a, b)]
+    if op == Op.DOWN:
+        reads = [Region("act", ly, 0, s.intermediate_size), Region("hmid", ly, a, b)]
+        return reads, [Region("h", ly + 1, a, b)]
+    if op == Op.FINAL_NORM:
+        return [Region("h", L, 0, h)], [Region("out", L, a, b)]
+    if op == Op.LM_HEAD:
+        return [Region("out", L, 0, h)], [Region("logits", L, a, b)]
+    raise VerificationError(f"unknown opcode in {instr}")
+
+
+@dataclass(frozen=True)
+class Report:
+    num_sms: int
+    num_instructions: int
+    num_counters: int
+    # A valid execution order: (sm, index) pairs.
+    schedule: tuple[tuple[int, int], ...]
+
+
+def verify(program) -> Report:
+    queues = program.queues
+    _check_counting(program)
+    schedule = _simulate(queues)
+    hb = _happens_before(queues, schedule)
+    _check_data(program, schedule, hb)
+    return Report(
+        num_sms=len(queues),
+        num_instructions=sum(len(q) for q in queues),
+        num_counters=program.num_counters,
+        schedule=tuple(schedule),
+    )
+
+
+def _check_counting(program) -> None:
+    signallers: dict[int, int] = defaultdict(int)
+    for q in program.queues:
+        for instr in q:
+            if instr.signal_counter != NO_COUNTER:
+                if not 0 <= instr.signal_counter < program.num_counters:
+                    raise VerificationError(f"{instr}: no such counter")
+                signallers[instr.signal_counter] += 1
+    for sm, q in enumerate(program.queues):
+        for idx, instr in enumerate(q):
+            c = instr.wait_counter
+            if c == NO_COUNTER:
+                continue
+            if not 0 <= c < program.num_counters:
+                raise VerificationError(f"SM {sm} #{idx} {instr}: no such counter")
+            if instr.wait_count != signallers[c]:
+                raise VerificationError(
+                    f"SM {sm} #{idx} {instr}: waits for {instr.wait_count} "
+                    f"signals of counter {c} ({program.counter_names[c]}), but "
+                    f"{signallers[c]} instructions signal it"
+                )
+
+
+def _simulate(queues) -> list[tuple[int, int]]:
+    """One maximal run; raise if it gets stuck."""
+    need = defaultdict(int)
+    for q in queues:
+        for instr in q:
+            if instr.signal_counter != NO_COUNTER:
+                need[instr.signal_counter] += 1
+    count: dict[int, int] = defaultdict(int)
+    pos = [0] * len(queues)
+    blocked: dict[int, list[int]] = defaultdict(list)
+    ready = list(range(len(queues)))
+    schedule = []
+    while ready:
+        sm = ready.pop()
+        while pos[sm] < len(queues[sm]):
+            instr = queues[sm][pos[sm]]
+            c = instr.wait_counter
+            if c != NO_COUNTER and count[c] < instr.wait_count:
+                blocked[c].append(sm)
+                break
+            schedule.append((sm, pos[sm]))
+            pos[sm] += 1
+            s = instr.signal_counter
+            if s != NO_COUNTER:
+                count[s] += 1
+                woken = [w for w in blocked[s]
+                         if count[s] >= queues[w][pos[w]].wait_count]  # fmt: skip
+                if woken:
+                    blocked[s] = [w for w in blocked[s] if w not in woken]
+                    ready.extend(woken)
+    stuck = [
+        f"SM {sm} #{pos[sm]} {queues[sm][pos[sm]]} (counter at "
+        f"{count[queues[sm][pos[sm]].wait_counter]})"
+        for sm in range(len(queues))
+        if pos[sm] < len(queues[sm])
+    ]
+    if stuck:
+        shown = "; ".join(stuck[:4]) + (" ..." if len(stuck) > 4 else "")
+        raise VerificationError(f"deadlock: {len(stuck)} SMs stuck: {shown}")
+    return schedule
+
+
+def _happens_before(queues, schedule) -> dict[tuple[int, int], int]:
+    """For each instruction, the set (a bitmask over ``schedule`` positions)
+    of instructions that must finish before it starts."""
+    index = {key: i for i, key in enumerate(schedule)}
+    closure_of_counter: dict[int, int] = defaultdict(int)
+    hb: dict[tuple[int, int], int] = {}
+    for sm, idx in schedule:
+        instr = queues[sm][idx]
+        before = 0
+        if idx > 0:
+            prev = (sm, idx - 1)
+            before = hb[prev] | (1 << index[prev])
+        if instr.wait_counter != NO_COUNTER:
+            # Counting (checked first) makes a met wait imply that every
+            # signaller finished; they all precede this in the schedule.
+            before |= closure_of_counter[instr.wait_counter]
+        hb[(sm, idx)] = before
+        if instr.signal_counter != NO_COUNTER:
+            closure_of_counter[instr.signal_counter] |= before | (1 << index[(sm, idx)])
+    return hb
+
+
+def _check_data(program, schedule, hb) -> None:
+    index = {key: i for i, key in enumerate(schedule)}
+    writers: dict[tuple[str, int], list[tuple[int, int, tuple[int, int]]]] = (
+        defaultdict(list)
+    )
+    reads = []
+    for sm, idx in schedule:
+        r, w = accesses(program, program.queues[sm][idx])
+        for region in w:
+            writers[(region.buffer, region.layer)].append(
+                (region.lo, region.hi, (sm, idx))
+            )
+        reads.extend((region, (sm, idx)) for region in r)
+
+    for (buffer, layer), spans in writers.items():
+        spans.sort()
+        for (_, hi0, k0), (lo1, hi1, k1) in zip(spans, spans[1:], strict=False):
+            if lo1 < hi0:
+                raise VerificationError(
+                    f"{buffer}[layer {layer}] units [{lo1}, {min(hi0, hi1)}) "
+                    f"written twice: SM {k0[0]} #{k0[1]} and SM {k1[0]} #{k1[1]}"
+                )
+
+    for region, key in reads:
+        spans = writers.get((region.buffer, region.layer), [])
+        covered = 0
+        for lo, hi, writer in spans:
+            if hi <= region.lo or lo >= region.hi:
+                continue
+            covered += min(hi, region.hi) - max(lo, region.lo)
+            if writer != key and not hb[key] >> index[writer] & 1:
+                instr, w_instr = program.queues[key[0]][key[1]], None
+                w_instr = program.queues[writer[0]][writer[1]]
+                raise VerificationError(
+                    f"SM {key[0]} #{key[1]} {instr} reads {region.buffer}"
+                    f"[layer {region.layer}] before SM {writer[0]} #{writer[1]} "
+                    f"{w_instr} is known to have written it"
+                )
+        if covered != region.hi - region.lo:
+            raise VerificationError(
+                f"SM {key[0]} #{key[1]} reads {region.buffer}[layer "
+                f"{region.layer}] units [{region.lo}, {region.hi}) that no "
+                "instruction writes"
+            )

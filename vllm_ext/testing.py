@@ -1,0 +1,86 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Random weights, caches and decode inputs of a given model shape, for the
+plan command's interleaving check and the tests (no checkpoint needed)."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_ext.model_spec import ModelSpec
+from vllm_ext.runner import DecodeInputs
+from vllm_ext.weights import DecodeWeights, LayerWeights
+
+BLOCK_SIZE = 16
+MAX_POSITION = 512
+
+
+def random_weights(spec: ModelSpec, seed: int = 0) -> DecodeWeights:
+    gen = torch.Generator().manual_seed(seed)
+    dt, h, d = spec.dtype, spec.hidden_size, spec.head_dim
+
+    def mat(rows: int, cols: int) -> torch.Tensor:
+        # std 1/sqrt(cols) keeps activations O(1) through the layers.
+        return (torch.randn(rows, cols, generator=gen) / cols**0.5).to(dt)
+
+    def norm(n: int) -> torch.Tensor:
+        return (0.5 + torch.rand(n, generator=gen)).to(dt)
+
+    qkv_rows = spec.q_size + 2 * spec.kv_size
+    layers = tuple(
+        LayerWeights(
+            input_norm=norm(h),
+            qkv=mat(qkv_rows, h),
+            qkv_bias=(0.1 * torch.randn(qkv_rows, generator=gen)).to(dt)
+            if spec.qkv_bias
+            else None,
+            q_norm=norm(d) if spec.qk_norm else None,
+            k_norm=norm(d) if spec.qk_norm else None,
+            o_proj=mat(h, spec.q_size),
+            post_norm=norm(h),
+            gate_up=mat(2 * spec.intermediate_size, h),
+            down=mat(h, spec.intermediate_size),
+        )
+        for _ in range(spec.num_layers)
+    )
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    freqs = torch.outer(torch.arange(MAX_POSITION, dtype=torch.float64), inv_freq)
+    embed = mat(spec.vocab_size, h)
+    return DecodeWeights(
+        embed=embed,
+        layers=layers,
+        final_norm=norm(h),
+        lm_head=embed,
+        cos_sin=torch.cat([freqs.cos(), freqs.sin()], dim=-1).float(),
+        attn_scale=d**-0.5,
+    )
+
+
+def random_decode_inputs(
+    spec: ModelSpec, batch: int, seed: int = 0, max_len: int = 3 * BLOCK_SIZE + 5
+) -> DecodeInputs:
+    """A decode step over fresh caches: each request has a random history of
+    1..max_len tokens (crossing blocks), in shuffled physical blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = torch.randint(1, max_len + 1, (batch,), generator=gen)
+    blocks_per_seq = (max_len + BLOCK_SIZE - 1) // BLOCK_SIZE
+    num_blocks = batch * blocks_per_seq
+    table = torch.randperm(num_blocks, generator=gen).view(batch, blocks_per_seq)
+    table = table.to(torch.int32)
+    positions = seq_lens - 1
+    slots = table[torch.arange(batch), positions // BLOCK_SIZE].long() * BLOCK_SIZE
+    slots += positions % BLOCK_SIZE
+    caches = []
+    for _ in range(spec.num_layers):
+        # LBNHC: memory [block, token, head, K|V], viewed as vLLM does.
+        phys = torch.randn(
+            num_blocks, BLOCK_SIZE, spec.num_kv_heads, 2 * spec.head_dim, generator=gen
+        ).to(spec.dtype)
+        caches.append(phys.permute(0, 2, 1, 3))
+    return DecodeInputs(
+        input_ids=torch.randint(0, spec.vocab_size, (batch,), generator=gen),
+        positions=positions,
+        block_table=table,
+        seq_lens=seq_lens.to(torch.int32),
+        slot_mapping=slots,
+        kv_caches=tuple(caches),
+    )
