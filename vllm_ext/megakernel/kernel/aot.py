@@ -1,0 +1,188 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Ahead-of-time build of the persistent kernel, on a machine without a GPU:
+CuTe DSL compile for one arch -> ``export_to_c`` -> a shared library that
+needs only libc (libcuda is opened at run time), and the kept cubin's
+resource usage and SASS facts.
+
+    python -m vllm_ext.megakernel.kernel.aot --arch sm_90a --out DIR [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ARCHS = ("sm_90a", "sm_100a")
+HERE = Path(__file__).resolve().parent
+PREFIX = "megakernel"
+
+_COMPILE = """
+import sys, time
+from vllm_ext.megakernel.kernel import persistent
+import cutlass.cute as cute
+arch, out, dump = sys.argv[1:4]
+t0 = time.perf_counter()
+compiled = cute.compile(
+    persistent.launch, *persistent.fake_args(),
+    options=f"--gpu-arch {arch} --keep-cubin --keep-ptx --dump-dir={dump}",
+)
+compiled.export_to_c(out, "megakernel", "megakernel")
+print(time.perf_counter() - t0)
+"""
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    library: str
+    arch: str
+    registers: int
+    spill_bytes: int  # local memory per thread (spills)
+    stack_bytes: int
+    shared_bytes: int
+    ldg128: int  # 128-bit global loads in the SASS
+    acquire_loads: int  # acquire = strong load + L1 invalidate (CCTL.IVALL)
+    release_atomics: int  # strong GPU-scope adds on a counter
+    release_fences: int  # MEMBAR.ALL.GPU before them
+    compile_s: float
+
+
+def cuda_home() -> Path:
+    for candidate in (
+        os.environ.get("CUDA_HOME"),
+        "/usr/local/cuda-13.0",
+        "/usr/local/cuda",
+    ):
+        if candidate and (Path(candidate) / "lib" / "libcudart_static.a").exists():
+            return Path(candidate)
+        if candidate and (Path(candidate) / "lib64" / "libcudart_static.a").exists():
+            return Path(candidate)
+    raise FileNotFoundError(
+        "CUDA 13 toolkit with libcudart_static.a not found; set CUDA_HOME"
+    )
+
+
+def _cudart_static(cuda: Path) -> Path:
+    for sub in ("lib", "lib64"):
+        if (cuda / sub / "libcudart_static.a").exists():
+            return cuda / sub / "libcudart_static.a"
+    raise FileNotFoundError(f"no libcudart_static.a under {cuda}")
+
+
+def _dsl_runtime() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia_cutlass_dsl")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("nvidia-cutlass-dsl is not installed")
+    root = Path(list(spec.submodule_search_locations)[0])
+    lib = root / "cu13" / "lib" / "libcuda_dialect_runtime_static.a"
+    if not lib.exists():
+        raise FileNotFoundError(f"{lib} missing: install nvidia-cutlass-dsl[cu13]")
+    return lib
+
+
+def sass_tool(name: str) -> str:
+    """cuobjdump / nvdisasm: on PATH, or the copy Triton ships."""
+    found = shutil.which(name)
+    if found:
+        return found
+    import importlib.util
+
+    spec = importlib.util.find_spec("triton")
+    if spec and spec.submodule_search_locations:
+        path = Path(list(spec.submodule_search_locations)[0])
+        path = path / "backends" / "nvidia" / "bin" / name
+        if path.exists():
+            return str(path)
+    raise FileNotFoundError(f"{name} not found (pip install nvidia-cuda-cuobjdump)")
+
+
+def build(arch: str, out: str | Path) -> BuildResult:
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, not {arch!r}")
+    out = Path(out)
+    dump = out / "dump"
+    dump.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "CUTE_DSL_ARCH": arch}  # must match --gpu-arch
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE, arch, str(out), str(dump)],
+        capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"CuTe DSL compile for {arch} failed:\n{proc.stderr[-4000:]}"
+        )
+    compile_s = float(proc.stdout.strip().splitlines()[-1])
+
+    cuda = cuda_home()
+    library = out / f"lib{PREFIX}_{arch}.so"
+    glue_o = out / "glue.o"
+    subprocess.run(
+        ["gcc", "-O2", "-fPIC", "-fvisibility=hidden", f"-I{cuda / 'include'}",
+         f'-DMEGAKERNEL_HEADER="{out / (PREFIX + ".h")}"', "-c", str(HERE / "glue.c"),
+         "-o", str(glue_o)],
+        check=True,
+    )  # fmt: skip
+    subprocess.run(
+        ["gcc", "-shared", "-o", str(library), str(glue_o), str(out / f"{PREFIX}.o"),
+         str(_dsl_runtime()), str(_cudart_static(cuda)), "-ldl", "-lpthread", "-lrt",
+         "-Wl,--exclude-libs,ALL", "-Wl,-z,defs"],
+        check=True,
+    )  # fmt: skip
+
+    cubin = sorted(glob.glob(str(dump / "*.cubin")))[0]
+    usage = subprocess.run(
+        [sass_tool("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True
+    ).stdout
+    sass = subprocess.run(
+        [sass_tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True
+    ).stdout
+
+    def field(name: str) -> int:
+        m = re.search(rf"{name}:(\d+)", usage)
+        return int(m.group(1)) if m else -1
+
+    return BuildResult(
+        library=str(library),
+        arch=arch,
+        registers=field("REG"),
+        spill_bytes=field("LOCAL"),
+        stack_bytes=field("STACK"),
+        shared_bytes=field("SHARED"),
+        ldg128=len(re.findall(r"LDG\.E\.128", sass)),
+        acquire_loads=sass.count("CCTL.IVALL"),
+        release_atomics=len(
+            re.findall(r"(?:REDG|ATOMG)\.E\.ADD\S*\.STRONG\.GPU", sass)
+        ),
+        release_fences=sass.count("MEMBAR.ALL.GPU"),
+        compile_s=round(compile_s, 3),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", choices=ARCHS, default="sm_90a")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    result = build(args.arch, args.out)
+    for key, value in asdict(result).items():
+        print(f"{key:>16}: {value}")
+    print(f"{'total_s':>16}: {time.perf_counter() - t0:.2f}")
+    if args.json:
+        print(json.dumps(asdict(result)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
