@@ -31,6 +31,10 @@ INTERPRET_HINT = (
     "To run the same decode steps through the PyTorch reference executor "
     "(slow, for testing), set VLLM_MEGAKERNEL_INTERPRET=1."
 )
+NO_KERNEL_YET = (
+    "The CuTe DSL megakernel cannot run whole decode steps yet (only its GEMV "
+    "instruction is built). " + INTERPRET_HINT
+)
 
 
 @dataclass
@@ -96,10 +100,7 @@ class MegakernelDecodeBackend(DecodeBackend):
                 seed=envs.VLLM_MEGAKERNEL_INTERPRET_SEED,
             )
         # verify_and_update_config refused every other case at start-up.
-        raise ValueError(
-            "The CuTe DSL megakernel executor is not part of this build yet. "
-            + INTERPRET_HINT
-        )
+        raise ValueError(NO_KERNEL_YET)
 
     def accepts(self, num_reqs: int, num_tokens: int, max_query_len: int) -> bool:
         return (
@@ -143,10 +144,7 @@ def _attention_backend_for_platform(interpret: bool) -> AttentionBackendEnum:
                     f"capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer "
                     f"(Hopper, Blackwell); this one has {capability}. " + INTERPRET_HINT
                 )
-            raise ValueError(
-                "The CuTe DSL megakernel executor is not part of this build yet. "
-                + INTERPRET_HINT
-            )
+            raise ValueError(NO_KERNEL_YET)
         return AttentionBackendEnum.FLASH_ATTN
     if current_platform.is_cpu():
         if not interpret:
