@@ -187,3 +187,19 @@ def test_decode_backend_runs_only_decode_steps(demo_model, monkeypatch):
         del llm
         gc.collect()
         cleanup_dist_env_and_memory()
+
+
+def test_batches_above_the_largest_bucket_share_the_cache(demo_model, monkeypatch):
+    """With buckets up to 4, the first decode steps (9 requests) run vLLM's
+    path and the later ones (4 or fewer left) the megakernel's, on the same
+    KV cache: the tokens must still be the default path's."""
+    monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
+    monkeypatch.setenv("VLLM_MEGAKERNEL_MAX_BATCH", "5")  # buckets 1, 2, 4
+    model = demo_model("llama")
+    default, _ = _generate(model, "float32")
+    mega, (steps, tokens) = _generate(model, "float32", decode_backend="megakernel")
+    assert [ids for ids, _ in mega] == [ids for ids, _ in default]
+    # Decode step s runs every request asking for more than s tokens.
+    live = [sum(1 for n in MAX_TOKENS if n > s) for s in range(1, max(MAX_TOKENS))]
+    assert tokens == sum(n for n in live if n <= 4) > 0
+    assert steps == sum(1 for n in live if n <= 4) < len(live)

@@ -103,11 +103,16 @@ class MegakernelDecodeBackend(DecodeBackend):
         raise ValueError(NO_KERNEL_YET)
 
     def accepts(self, num_reqs: int, num_tokens: int, max_query_len: int) -> bool:
-        return (
-            max_query_len == 1
-            and num_tokens == num_reqs
-            and 0 < num_reqs <= self.buckets[-1]
-        )
+        if max_query_len != 1 or num_tokens != num_reqs or num_reqs < 1:
+            return False
+        if num_reqs > self.buckets[-1]:
+            logger.info_once(
+                "Decode steps of more than %d requests (VLLM_MEGAKERNEL_MAX_BATCH) "
+                "run through vLLM's default path.",
+                self.buckets[-1],
+            )
+            return False
+        return True
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, num_reqs: int
