@@ -68,6 +68,17 @@ class MegakernelDecodeBackend(DecodeBackend):
                 f"{chosen.name} was given; drop --attention-backend."
             )
         vllm_config.attention_config.backend = attention
+        if interpret and current_platform.is_cuda():
+            # The interpreter reads sequence lengths on the host: it cannot be
+            # captured in a CUDA graph.
+            from vllm.config.compilation import CUDAGraphMode
+
+            if vllm_config.compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
+                logger.warning(
+                    "VLLM_MEGAKERNEL_INTERPRET=1: CUDA graphs are turned off "
+                    "(the reference executor syncs with the host)."
+                )
+                vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode.NONE
         if interpret:
             logger.warning(
                 "VLLM_MEGAKERNEL_INTERPRET=1: decode steps run through the "
