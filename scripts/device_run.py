@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 WORDS = 8
-OP_GEMV = 5
+OP_GEMV = 100  # the kernel's test-only GEMV tile opcode
 NO_COUNTER = -1
 
 

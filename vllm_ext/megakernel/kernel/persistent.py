@@ -26,7 +26,7 @@ NUM_WARPS = NUM_THREADS // 32
 VEC = 8  # bf16 elements per 128-bit load
 WORDS = 8
 OP_NOP = 0
-OP_GEMV = 5  # isa.Op.O_PROJ's slot; the residual add is not in yet
+OP_GEMV = 100  # test-only opcode: no planned program uses it (no residual yet)
 POLL_NS = 32
 
 
