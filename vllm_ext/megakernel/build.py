@@ -25,10 +25,10 @@ import torch
 
 from vllm_ext.megakernel.cost import DEFAULT_DEVICE, DEVICES
 from vllm_ext.megakernel.kernel import aot
-from vllm_ext.megakernel.plan import DTYPES, load_spec
+from vllm_ext.megakernel.plan import DTYPES, print_summary, spec_or_exit
 from vllm_ext.megakernel.planner import plan
 from vllm_ext.megakernel.verify import verify
-from vllm_ext.model_spec import ModelSpec, UnsupportedModelError
+from vllm_ext.model_spec import ModelSpec
 
 KERNEL_DIR = Path(aot.__file__).resolve().parent
 
@@ -60,14 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    if args.batch < 1:
-        print("build: --batch must be at least 1", file=sys.stderr)
-        return 2
-    try:
-        spec = load_spec(args.config, DTYPES[args.dtype])
-    except UnsupportedModelError as e:
-        print(f"build: {e}", file=sys.stderr)
-        return 2
+    spec = spec_or_exit("build", args.config, args.dtype, args.batch)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -86,10 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         program=str(out / "program.pt"),
     )
     (out / "manifest.json").write_text(json.dumps(result, indent=2))
-    for key, value in result.items():
-        print(f"{key:>16}: {value}")
-    if args.json:
-        print(json.dumps(result))
+    print_summary(result, args.json)
     return 0
 
 

@@ -51,6 +51,26 @@ def load_spec(config: str, dtype: torch.dtype) -> ModelSpec:
     return ModelSpec.from_hf_config(hf_config, dtype)
 
 
+def spec_or_exit(prog: str, config: str, dtype: str, batch: int) -> ModelSpec:
+    """The commands' shared input check: a clear message and exit code 2."""
+    if batch < 1:
+        print(f"{prog}: --batch must be at least 1", file=sys.stderr)
+        raise SystemExit(2)
+    try:
+        return load_spec(config, DTYPES[dtype])
+    except UnsupportedModelError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def print_summary(result: dict, as_json: bool) -> None:
+    """One line per field; with ``as_json`` the last line is the JSON."""
+    for key, value in result.items():
+        print(f"{key:>26}: {value}")
+    if as_json:
+        print(json.dumps(result))
+
+
 def check_interleavings(program, n: int, seed: int = 0) -> tuple[bool, float]:
     """Interpret ``program`` (shrunk to INTERPRET_LAYERS layers) on random
     weights under ``n`` interleavings; compare with ReferenceExecutor.
@@ -107,14 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.arch != args.arch:
         print(f"plan: --device {device.name} is {device.arch}", file=sys.stderr)
         return 2
-    if args.batch < 1:
-        print("plan: --batch must be at least 1", file=sys.stderr)
-        return 2
-    try:
-        spec = load_spec(args.config, DTYPES[args.dtype])
-    except UnsupportedModelError as e:
-        print(f"plan: {e}", file=sys.stderr)
-        return 2
+    spec = spec_or_exit("plan", args.config, args.dtype, args.batch)
 
     t0 = time.perf_counter()
     program = plan(spec, args.batch, device, with_lm_head=args.lm_head)
@@ -155,10 +168,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if problem:
         print(f"NOT VERIFIED: {problem}")
-    for key, value in result.items():
-        print(f"{key:>26}: {value}")
-    if args.json:
-        print(json.dumps(result))
+    print_summary(result, args.json)
     return 0 if verified and result.get("interleavings_ok", True) else 1
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import re
 import shutil
@@ -175,12 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
-    result = build(args.arch, args.out)
-    for key, value in asdict(result).items():
-        print(f"{key:>16}: {value}")
-    print(f"{'total_s':>16}: {time.perf_counter() - t0:.2f}")
-    if args.json:
-        print(json.dumps(asdict(result)))
+    from vllm_ext.megakernel.plan import print_summary
+
+    result = asdict(build(args.arch, args.out))
+    result["total_s"] = round(time.perf_counter() - t0, 2)
+    print_summary(result, args.json)
     return 0
 
 
