@@ -6,7 +6,6 @@ through the megakernel runner."""
 import gc
 
 import pytest
-import torch
 
 from tests.utils import check_logprobs_close
 
@@ -182,7 +181,8 @@ def test_decode_backend_runs_only_decode_steps(demo_model, monkeypatch):
         params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
         llm.generate(["The path"], params, use_tqdm=False)
         assert (backend.stats.steps, backend.stats.tokens) == (19, 19)
-        assert torch.is_tensor(backend.executor.weights.layers[0].qkv)
+        # Reference mode ran the program planned for batch bucket 1 only.
+        assert set(backend.executor.interpreters) == {1}
     finally:
         del llm
         gc.collect()

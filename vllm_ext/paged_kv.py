@@ -27,8 +27,10 @@ def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,
     slot_mapping: torch.Tensor,
+    heads: slice = slice(None),
 ) -> None:
-    """Store ``key``/``value`` ``[T, kv_heads, head_dim]`` at their slots."""
+    """Store ``key``/``value`` ``[T, kv_heads, head_dim]`` at their slots
+    (only kv heads ``heads`` when given; ``None`` skips K or V)."""
     num_tokens = slot_mapping.shape[0]
     block_size = kv_cache.shape[2]
     head_dim = kv_cache.shape[3] // 2
@@ -36,10 +38,11 @@ def write_kv(
     valid = slots != PAD_SLOT_ID
     slots = slots[valid]
     blocks, offsets = slots // block_size, slots % block_size
-    kv_cache[blocks, :, offsets, :head_dim] = key[:num_tokens][valid].to(kv_cache.dtype)
-    kv_cache[blocks, :, offsets, head_dim:] = value[:num_tokens][valid].to(
-        kv_cache.dtype
-    )
+    for part, values in ((slice(0, head_dim), key), (slice(head_dim, None), value)):
+        if values is not None:
+            kv_cache[blocks, heads, offsets, part] = values[:num_tokens][valid].to(
+                kv_cache.dtype
+            )
 
 
 def gather_kv(

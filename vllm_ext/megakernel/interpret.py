@@ -29,6 +29,7 @@ from vllm_ext.megakernel.ops import (
     qkv,
 )
 from vllm_ext.megakernel.planner import Program
+from vllm_ext.paged_kv import write_kv
 from vllm_ext.runner import DecodeInputs
 from vllm_ext.weights import DecodeWeights
 
@@ -188,25 +189,22 @@ class ProgramInterpreter:
         s = self.program.spec
         nq, nkv = s.num_q_heads, s.num_kv_heads
         cache = self.inputs.kv_caches[layer]
-        d = s.head_dim
         for j, head in enumerate(range(lo, hi)):
             y = heads[:, j]
             if head < nq:
                 self.buf["q"][layer][:, head] = y
                 continue
-            kind, g = ("k", head - nq) if head < nq + nkv else ("v", head - nq - nkv)
             # Append this kv head's new K or V at each request's slot.
-            part = slice(0, d) if kind == "k" else slice(d, 2 * d)
-            _write_head(cache, g, part, y, self.inputs.slot_mapping)
-
-
-def _write_head(cache, kv_head, part, values, slot_mapping) -> None:
-    """Store one kv head's K (or V) of each request's new token."""
-    block_size = cache.shape[2]
-    slots = slot_mapping.long()
-    valid = slots >= 0
-    blocks, offsets = slots[valid] // block_size, slots[valid] % block_size
-    cache[blocks, kv_head, offsets, part] = values[valid].to(cache.dtype)
+            is_k = head < nq + nkv
+            g = head - nq if is_k else head - nq - nkv
+            y = y[:, None]  # [B, 1 head, d]
+            write_kv(
+                cache,
+                y if is_k else None,
+                None if is_k else y,
+                self.inputs.slot_mapping,
+                heads=slice(g, g + 1),
+            )
 
 
 class ProgramExecutor:
