@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# The one-call GPU check. Here (no GPU needed): build the kernel library for
-# sm_90a and sm_100a into .device/ (git-ignored) with a manifest. On the GPU
+# The one-call GPU check. Here (no GPU needed): build the megakernel for the
+# H200 (sm_90a) for a 1B-class and an 8B-class shape at batch 1, 4 and 16
+# into .device/ (git-ignored), with the programs and a manifest. On the GPU
 # machine (Python, torch with CUDA; no CuTe DSL, no vLLM):
 #
 #   python3 scripts/device_run.py .device "$OUT"
 #
-# checks correctness, the counter protocol and the trap, times the kernel
-# against a CUDA-graph torch baseline and the copy floor, and writes
-# $OUT/device_check.json. Record its figures in docs/perf.md.
+# checks every case against the program interpreter, times it against a
+# CUDA-graph per-op step and the weight-read floor, checks the trap, and
+# writes $OUT/device_check.{json,md}. Record its figures in docs/perf.md.
 #
 #   scripts/device_check.sh [--dry-run]   # --dry-run: build and report size only
 set -euo pipefail
@@ -16,17 +17,25 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${VLLM_MEGAKERNEL_VENV:-$ROOT/.venv}
 BUNDLE=$ROOT/.device
+MODELS=${DEVICE_CHECK_MODELS:-"llama-3.2-1b llama-3.1-8b"}
+BATCHES=${DEVICE_CHECK_BATCHES:-"1 4 16"}
 rm -rf "$BUNDLE"
 mkdir -p "$BUNDLE"
-for arch in sm_90a sm_100a; do
-    "$VENV/bin/python" -m vllm_ext.megakernel.kernel.aot --arch "$arch" \
-        --out "$ROOT/.cache/aot/$arch" --json | tail -1 >"$BUNDLE/$arch.json"
-    cp "$ROOT/.cache/aot/$arch/libmegakernel_$arch.so" "$BUNDLE/"
+cd "$ROOT"
+for model in $MODELS; do
+    for batch in $BATCHES; do
+        out=$BUNDLE/$model-b$batch
+        "$VENV/bin/python" -m vllm_ext.megakernel.build --config "$model" \
+            --batch "$batch" --arch sm_90a --out "$out" --json | tail -1 >"$out.json"
+        # Only the library, the program and the manifest travel.
+        rm -rf "$out/dump" "$out"/*.o "$out"/*.h
+        mv "$out.json" "$out/build.json"
+    done
 done
 "$VENV/bin/python" - "$BUNDLE" "$(git -C "$ROOT" rev-parse --short HEAD)" <<'PY'
 import json, sys, pathlib
 bundle, commit = pathlib.Path(sys.argv[1]), sys.argv[2]
-builds = {p.stem: json.loads(p.read_text()) for p in bundle.glob("sm_*.json")}
+builds = {p.parent.name: json.loads(p.read_text()) for p in bundle.glob("*/build.json")}
 (bundle / "manifest.json").write_text(json.dumps({"commit": commit, "builds": builds}))
 PY
 size=$(du -sb "$BUNDLE" | cut -f1)

@@ -38,5 +38,8 @@ fi
 if [[ ${VLLM_MEGAKERNEL_INTERPRET:-0} == 1 ]]; then
     export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
     set -- --max-model-len 1024 "$@"
+else
+    # The GPU kernel runs bf16 (the demo model is saved in fp32).
+    set -- --dtype bfloat16 "$@"
 fi
 exec "$VENV/bin/vllm" serve "$MODEL" --decode-backend megakernel "$@"

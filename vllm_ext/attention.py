@@ -26,7 +26,10 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from vllm_ext.paged_kv import KV_CACHE_LAYOUT, paged_attention, write_kv
+from vllm_ext.paged_kv import paged_attention, write_kv
+
+# The layout the megakernel reads (see paged_kv).
+KV_CACHE_LAYOUT = KVCacheLayout.LBNHC
 
 BLOCK_SIZE_MULTIPLE = 16
 

@@ -31,10 +31,6 @@ INTERPRET_HINT = (
     "To run the same decode steps through the PyTorch reference executor "
     "(slow, for testing), set VLLM_MEGAKERNEL_INTERPRET=1."
 )
-NO_KERNEL_YET = (
-    "The CuTe DSL megakernel cannot run whole decode steps yet (only its GEMV "
-    "instruction is built). " + INTERPRET_HINT
-)
 
 
 @dataclass
@@ -68,6 +64,8 @@ class MegakernelDecodeBackend(DecodeBackend):
                 f"{chosen.name} was given; drop --attention-backend."
             )
         vllm_config.attention_config.backend = attention
+        if current_platform.is_cuda() and not interpret:
+            _check_gpu_kernel(vllm_config)
         if interpret and current_platform.is_cuda():
             # The interpreter reads sequence lengths on the host: it cannot be
             # captured in a CUDA graph.
@@ -89,6 +87,7 @@ class MegakernelDecodeBackend(DecodeBackend):
         self, vllm_config: VllmConfig, model: torch.nn.Module, device: torch.device
     ) -> None:
         self.spec = model_spec(vllm_config)
+        self.vllm_config = vllm_config
         self.layer_names = [
             layer.self_attn.attn.layer_name for layer in model.model.layers
         ]
@@ -111,7 +110,20 @@ class MegakernelDecodeBackend(DecodeBackend):
                 seed=envs.VLLM_MEGAKERNEL_INTERPRET_SEED,
             )
         # verify_and_update_config refused every other case at start-up.
-        raise ValueError(NO_KERNEL_YET)
+        from vllm_ext.megakernel.kernel.executor import GpuExecutor
+
+        cache = self.vllm_config.cache_config
+        block_size = cache.block_size
+        max_len = self.vllm_config.model_config.max_model_len
+        return GpuExecutor(
+            self.spec,
+            weights,
+            weights.embed.device,
+            self.buckets,
+            block_size=block_size,
+            max_blocks=-(-max_len // block_size),
+            logger=logger,
+        )
 
     def accepts(self, num_reqs: int, num_tokens: int, max_query_len: int) -> bool:
         if max_query_len != 1 or num_tokens != num_reqs or num_reqs < 1:
@@ -153,14 +165,12 @@ def _attention_backend_for_platform(interpret: bool) -> AttentionBackendEnum:
     reads: FlashAttention on a GPU, our PyTorch one in CPU reference mode."""
     if current_platform.is_cuda():
         capability = current_platform.get_device_capability()
-        if not interpret:
-            if capability is None or tuple(capability) < MIN_CAPABILITY:
-                raise ValueError(
-                    "--decode-backend megakernel needs an NVIDIA GPU of compute "
-                    f"capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer "
-                    f"(Hopper, Blackwell); this one has {capability}. " + INTERPRET_HINT
-                )
-            raise ValueError(NO_KERNEL_YET)
+        if not interpret and (capability is None or tuple(capability) < MIN_CAPABILITY):
+            raise ValueError(
+                "--decode-backend megakernel needs an NVIDIA GPU of compute "
+                f"capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer "
+                f"(Hopper, Blackwell); this one has {capability}. " + INTERPRET_HINT
+            )
         return AttentionBackendEnum.FLASH_ATTN
     if current_platform.is_cpu():
         if not interpret:
@@ -176,6 +186,31 @@ def _attention_backend_for_platform(interpret: bool) -> AttentionBackendEnum:
         f"{current_platform.device_name!r} platform; it needs an NVIDIA GPU "
         f"(sm_90 or newer), or a CPU with VLLM_MEGAKERNEL_INTERPRET=1."
     )
+
+
+def _check_gpu_kernel(vllm_config: VllmConfig) -> None:
+    """What the compiled kernel (not the reference) needs."""
+    from vllm_ext.megakernel.kernel.launcher import ARCH_OF_CAPABILITY
+
+    capability = tuple(current_platform.get_device_capability() or ())
+    if capability not in ARCH_OF_CAPABILITY:
+        raise ValueError(
+            f"--decode-backend megakernel is built for compute capability "
+            f"{', '.join(f'{a}.{b}' for a, b in ARCH_OF_CAPABILITY)} "
+            f"(H100/H200, B200); this GPU has {capability}. " + INTERPRET_HINT
+        )
+    dtype = vllm_config.model_config.dtype
+    if dtype != torch.bfloat16:
+        raise ValueError(
+            f"--decode-backend megakernel runs bf16 models on the GPU; this one "
+            f"is {dtype}: use --dtype bfloat16. " + INTERPRET_HINT
+        )
+    block_size = vllm_config.cache_config.block_size
+    if block_size is not None and block_size % 16:
+        raise ValueError(
+            f"--decode-backend megakernel needs a KV block size that is a "
+            f"multiple of 16, not {block_size}"
+        )
 
 
 def _check_deployment(vllm_config: VllmConfig) -> None:

@@ -136,6 +136,18 @@ def build_tokenizer(out: Path, vocab_size: int = VOCAB_SIZE) -> None:
     fast.save_pretrained(out)
 
 
+def hf_config(arch: str, vocab_size: int = VOCAB_SIZE):
+    """The HF config of demo architecture ``arch`` (no files written)."""
+    import transformers
+
+    spec = DEMO_ARCHS[arch]
+    model_cls = spec.config_cls.replace("Config", "ForCausalLM")
+    return getattr(transformers, spec.config_cls)(
+        **{**_COMMON, **spec.overrides, "vocab_size": vocab_size},
+        architectures=[model_cls],
+    )
+
+
 def build_model(
     arch: str, out: str | Path, seed: int = 0, vocab_size: int = VOCAB_SIZE
 ) -> Path:
@@ -165,9 +177,7 @@ def build_model(
         return out
 
     out.mkdir(parents=True, exist_ok=True)
-    config = getattr(transformers, spec.config_cls)(
-        **{**_COMMON, **spec.overrides, "vocab_size": vocab_size}
-    )
+    config = hf_config(arch, vocab_size)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     # Norm weights start at 1; draw them too, so a wrong norm cannot pass.

@@ -9,15 +9,14 @@ layer's cache is a view ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``
 ``block * block_size + offset`` (what vLLM's slot mapping holds).
 
 These functions are the reference for the kernel's indexing: the reference
-executor and the reference attention backend both go through them.
+executor and the reference attention backend both go through them. Torch
+only (no vLLM import): the GPU check runs them where vLLM is not installed.
 """
 
 from __future__ import annotations
 
 import torch
-from vllm.v1.kv_cache_interface import KVCacheLayout
 
-KV_CACHE_LAYOUT = KVCacheLayout.LBNHC
 # vLLM's slot mapping marks padded tokens with -1 (PAD_SLOT_ID).
 PAD_SLOT_ID = -1
 

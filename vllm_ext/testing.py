@@ -11,26 +11,30 @@ from vllm_ext.runner import DecodeInputs
 from vllm_ext.weights import DecodeWeights, LayerWeights
 
 BLOCK_SIZE = 16
-MAX_POSITION = 512
+MAX_POSITION = 4096
 
 
-def random_weights(spec: ModelSpec, seed: int = 0) -> DecodeWeights:
-    gen = torch.Generator().manual_seed(seed)
+def random_weights(
+    spec: ModelSpec, seed: int = 0, device: str | torch.device = "cpu"
+) -> DecodeWeights:
+    """Drawn on ``device`` (fast for real shapes on a GPU)."""
+    gen = torch.Generator(device).manual_seed(seed)
     dt, h, d = spec.dtype, spec.hidden_size, spec.head_dim
 
     def mat(rows: int, cols: int) -> torch.Tensor:
         # std 1/sqrt(cols) keeps activations O(1) through the layers.
-        return (torch.randn(rows, cols, generator=gen) / cols**0.5).to(dt)
+        w = torch.randn(rows, cols, generator=gen, device=device, dtype=dt)
+        return w.mul_(cols**-0.5)
 
     def norm(n: int) -> torch.Tensor:
-        return (0.5 + torch.rand(n, generator=gen)).to(dt)
+        return (0.5 + torch.rand(n, generator=gen, device=device)).to(dt)
 
     qkv_rows = spec.q_size + 2 * spec.kv_size
     layers = tuple(
         LayerWeights(
             input_norm=norm(h),
             qkv=mat(qkv_rows, h),
-            qkv_bias=(0.1 * torch.randn(qkv_rows, generator=gen)).to(dt)
+            qkv_bias=(0.1 * torch.randn(qkv_rows, generator=gen, device=device)).to(dt)
             if spec.qkv_bias
             else None,
             q_norm=norm(d) if spec.qk_norm else None,
@@ -50,7 +54,7 @@ def random_weights(spec: ModelSpec, seed: int = 0) -> DecodeWeights:
         layers=layers,
         final_norm=norm(h),
         lm_head=embed,
-        cos_sin=torch.cat([freqs.cos(), freqs.sin()], dim=-1).float(),
+        cos_sin=torch.cat([freqs.cos(), freqs.sin()], dim=-1).float().to(device),
         attn_scale=d**-0.5,
     )
 

@@ -1,11 +1,26 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The GPU check is ready to run: the bundle builds here, under the size
-limit, and the GPU-side script's program obeys the counter protocol."""
+"""The GPU check is ready to run: the bundle builds here under the size
+limit, and its correctness harness (run here on CPU with a stand-in for the
+compiled kernel) passes a correct kernel and names the buffer of a wrong
+one."""
 
 import importlib.util
 import json
+import os
 import subprocess
 from pathlib import Path
+
+import pytest
+import torch
+from kernel_standin import KernelStandIn, register_executor
+from test_interpret import make_spec
+
+from vllm_ext.megakernel.build import save_program
+from vllm_ext.megakernel.cost import DEVICES
+from vllm_ext.megakernel.kernel.launcher import KernelExecutor
+from vllm_ext.megakernel.kernel.shape import KernelShape
+from vllm_ext.megakernel.planner import plan
+from vllm_ext.testing import BLOCK_SIZE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,33 +35,72 @@ def _device_run():
 
 
 def test_dry_run_builds_a_small_bundle():
+    env = {**os.environ, "DEVICE_CHECK_MODELS": "llama-3.2-1b",
+           "DEVICE_CHECK_BATCHES": "1"}  # fmt: skip
     proc = subprocess.run(
         [str(ROOT / "scripts" / "device_check.sh"), "--dry-run"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert "KiB (limit 60 MiB)" in proc.stdout
     bundle = ROOT / ".device"
     manifest = json.loads((bundle / "manifest.json").read_text())
-    assert set(manifest["builds"]) == {"sm_90a", "sm_100a"}
-    assert all(b["spill_bytes"] == 0 for b in manifest["builds"].values())
-    size = sum(p.stat().st_size for p in bundle.iterdir())
+    assert set(manifest["builds"]) == {"llama-3.2-1b-b1"}
+    build = manifest["builds"]["llama-3.2-1b-b1"]
+    assert build["spill_bytes"] == 0 and build["arch"] == "sm_90a"
+    case = bundle / "llama-3.2-1b-b1"
+    assert {p.name for p in case.iterdir()} == {
+        "libmegakernel_sm_90a.so", "program.pt", "manifest.json", "build.json",
+    }  # fmt: skip
+    size = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file())
     assert size < 60 << 20
 
 
-def test_gpu_program_counts_match():
+@pytest.fixture
+def harness(tmp_path, monkeypatch):
+    """device_run on CPU: a tiny Qwen3-shaped case, the kernel replaced by
+    the stand-in (optionally corrupting one buffer after each launch)."""
     d = _device_run()
-    table, lengths, (n1, n2) = d.two_phase_program(8, 256, 16, device="cpu")
-    words = [w for sm, n in enumerate(lengths.tolist()) for w in table[sm, :n].tolist()]
-    phase2 = [w for w in words if w[4] == 0]
-    assert len(phase2) == n2 and all(w[5] == n1 for w in phase2)
-    assert sum(1 for w in words if w[6] == 0) == n1  # phase 1 signals counter 0
-    # Queues keep phase order, so the program cannot deadlock.
-    for sm, n in enumerate(lengths.tolist()):
-        waits = [w[4] for w in table[sm, :n].tolist()]
-        assert waits == sorted(waits)
-    # The trap check's program waits for one signal more than exist.
-    broken, blens, _ = d.two_phase_program(8, 256, 16, broken=True, device="cpu")
-    rows = [w for sm, n in enumerate(blens.tolist()) for w in broken[sm, :n].tolist()]
-    waits = {w[5] for w in rows if w[4] == 0}
-    assert waits == {n1 + 1}
+    monkeypatch.setattr(d, "DEVICE", "cpu")
+    monkeypatch.setattr(d, "CONTEXT", 40)
+    spec = make_spec("qwen3", torch.bfloat16)
+    program = plan(spec, 2, DEVICES["h200"], with_lm_head=True)
+    save_program(tmp_path / "program.pt", program,
+                 KernelShape.from_program(program, BLOCK_SIZE))  # fmt: skip
+    corrupt: dict = {}
+
+    def make_executor(case_dir, program, weights, max_blocks):
+        standin = KernelStandIn(program, weights)
+
+        def launch(*args):
+            register_executor(standin, ex, ex.kv_caches)
+            standin(*args)
+            if corrupt:
+                ex.ws[corrupt["name"]][corrupt["layer"]] += 1.0
+
+        ex = KernelExecutor(program, weights, launch, block_size=BLOCK_SIZE,
+                            max_blocks=max_blocks)  # fmt: skip
+        return ex, None
+
+    monkeypatch.setattr(d, "make_executor", make_executor)
+    return d, tmp_path, corrupt
+
+
+def test_harness_passes_a_correct_kernel(harness):
+    d, case, _ = harness
+    result = d.correctness(case)
+    assert result["ok"], result
+    assert len(result["steps"]) == d.STEPS
+    assert all(
+        s["greedy_agree"] == f"{s['batch']}/{s['batch']}" for s in result["steps"]
+    )
+
+
+def test_harness_names_the_wrong_buffer(harness):
+    d, case, corrupt = harness
+    corrupt.update(name="act", layer=1)
+    result = d.correctness(case)
+    assert not result["ok"]
+    errors = result["steps"][0]["errors"]
+    assert errors["act"]["layer"] == 1 and errors["act"]["max"] > d.TOLERANCE
+    assert errors["q"]["max"] <= d.TOLERANCE  # upstream buffers still agree

@@ -18,17 +18,20 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
 import torch
 
+from vllm_ext.megakernel import isa
 from vllm_ext.megakernel.cost import DEFAULT_DEVICE, DEVICES
 from vllm_ext.megakernel.kernel import aot
-from vllm_ext.megakernel.plan import DTYPES, print_summary, spec_or_exit
+from vllm_ext.megakernel.kernel.shape import KernelShape
+from vllm_ext.megakernel.plan import print_summary, spec_or_exit
 from vllm_ext.megakernel.planner import plan
 from vllm_ext.megakernel.verify import verify
-from vllm_ext.model_spec import ModelSpec
 
 KERNEL_DIR = Path(aot.__file__).resolve().parent
 
@@ -36,16 +39,58 @@ KERNEL_DIR = Path(aot.__file__).resolve().parent
 def source_hash() -> str:
     """Hash of the kernel's sources: a change rebuilds every cached library."""
     h = hashlib.sha256()
-    for path in sorted(KERNEL_DIR.glob("*.py")) + sorted(KERNEL_DIR.glob("*.c")):
-        h.update(path.name.encode())
+    sources = sorted(KERNEL_DIR.rglob("*.py")) + sorted(KERNEL_DIR.glob("*.c"))
+    for path in sources + [Path(isa.__file__)]:
+        h.update(str(path.relative_to(KERNEL_DIR.parent)).encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
 
-def cache_key(spec: ModelSpec, batch: int, arch: str) -> str:
-    fields = {k: str(v) for k, v in dataclasses.asdict(spec).items()}
-    blob = json.dumps([fields, batch, arch, source_hash()], sort_keys=True)
+def cache_key(shape: KernelShape, arch: str) -> str:
+    """Model shape, batch bucket (both in ``shape``), arch, kernel sources."""
+    blob = json.dumps([shape.as_dict(), arch, source_hash()], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / (
+        "vllm_megakernel"
+    )
+
+
+def library_for(
+    shape: KernelShape, arch: str, cache_dir: Path | None = None, log=None
+) -> Path:
+    """The built library for ``shape`` on ``arch``: from the cache when
+    present, else compiled now (about 10 s; needs CuTe DSL, not a GPU)."""
+    out = (cache_dir or default_cache_dir()) / cache_key(shape, arch)
+    library = out / f"lib{aot.PREFIX}_{arch}.so"
+    if library.exists():
+        return library
+    if log is not None:
+        log(f"compiling the megakernel for {arch}, batch {shape.batch} into {out}")
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    result = aot.build(arch, tmp, shape)
+    (tmp / "manifest.json").write_text(json.dumps(dataclasses.asdict(result)))
+    try:
+        os.replace(tmp, out)  # atomic: no reader ever sees half a build
+    except OSError:  # another process finished the same build first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return library
+
+
+def save_program(path: Path, program, shape: KernelShape) -> None:
+    """What the GPU check needs to rebuild and run the program without
+    configs or vLLM: the encoded queues, the model shape, the bucket."""
+    table, lengths = program.encode()
+    spec = dataclasses.asdict(program.spec)
+    spec.pop("dtype")  # the kernel runs bf16
+    torch.save(
+        {"queues": table, "lengths": lengths, "batch": program.batch,
+         "num_counters": program.num_counters, "shape": shape.as_dict(),
+         "spec": spec},
+        path,
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,11 +101,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("--batch", type=int, required=True)
     parser.add_argument("--arch", choices=aot.ARCHS, required=True)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--dtype", choices=["bfloat16"], default="bfloat16")
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        help="KV cache block size (vLLM's, 16 by default)",
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     spec = spec_or_exit("build", args.config, args.dtype, args.batch)
+    if args.block_size < 16 or args.block_size % 16:
+        print("build: --block-size must be a multiple of 16", file=sys.stderr)
+        return 2
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -68,11 +122,15 @@ def main(argv: list[str] | None = None) -> int:
         spec, args.batch, DEVICES[DEFAULT_DEVICE[args.arch]], with_lm_head=True
     )
     verify(program)
-    table, lengths = program.encode()
-    torch.save({"queues": table, "lengths": lengths}, out / "program.pt")
-    result = dataclasses.asdict(aot.build(args.arch, out))
+    try:
+        shape = KernelShape.from_program(program, args.block_size)
+    except ValueError as e:
+        print(f"build: {e}", file=sys.stderr)
+        return 2
+    save_program(out / "program.pt", program, shape)
+    result = dataclasses.asdict(aot.build(args.arch, out, shape))
     result.update(
-        cache_key=cache_key(spec, args.batch, args.arch),
+        cache_key=cache_key(shape, args.arch),
         source_hash=source_hash(),
         batch=args.batch,
         num_instructions=program.num_instructions,

@@ -9,8 +9,9 @@ A program is one queue of instructions per SM. Each instruction is
 It first waits until ``counters[wait_counter] >= epoch * wait_count``
 (``wait_counter == NO_COUNTER``: no wait), runs, makes its stores visible,
 then adds 1 to ``counters[signal_counter]``. ``epoch`` is the 1-based step
-number, a kernel argument: counters only grow, so the same program replays
-step after step (inside a CUDA graph too) with no host reset.
+number, kept on the device (the cell after the last counter, bumped before
+each launch): counters only grow, so the same program replays step after
+step (inside a CUDA graph too) with no host reset.
 
 What ``arg0``/``arg1`` mean per opcode (all instructions cover every request
 of the batch):

@@ -2,36 +2,37 @@
 """Ahead-of-time build of the persistent kernel, on a machine without a GPU:
 CuTe DSL compile for one arch -> ``export_to_c`` -> a shared library that
 needs only libc (libcuda is opened at run time), and the kept cubin's
-resource usage and SASS facts.
-
-    python -m vllm_ext.megakernel.kernel.aot --arch sm_90a --out DIR [--json]
+resource usage and SASS facts. The command line is ``build.py``.
 """
 
 from __future__ import annotations
 
-import argparse
 import glob
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
+
+from vllm_ext.megakernel.kernel.shape import KernelShape
 
 ARCHS = ("sm_90a", "sm_100a")
 HERE = Path(__file__).resolve().parent
 PREFIX = "megakernel"
 
 _COMPILE = """
-import sys, time
+import json, sys, time
 from vllm_ext.megakernel.kernel import persistent
+from vllm_ext.megakernel.kernel.shape import KernelShape
 import cutlass.cute as cute
-arch, out, dump = sys.argv[1:4]
+arch, out, dump, shape = sys.argv[1:5]
+kernel = persistent.Megakernel(KernelShape(**json.loads(shape)))
 t0 = time.perf_counter()
 compiled = cute.compile(
-    persistent.launch, *persistent.fake_args(),
+    kernel, *persistent.fake_args(),
     options=f"--gpu-arch {arch} --keep-cubin --keep-ptx --dump-dir={dump}",
 )
 compiled.export_to_c(out, "megakernel", "megakernel")
@@ -44,13 +45,15 @@ class BuildResult:
     library: str
     arch: str
     registers: int
-    spill_bytes: int  # local memory per thread (spills)
+    spill_bytes: int  # local memory per thread (cuobjdump LOCAL)
+    local_loads: int  # LDL in the SASS: reloads of spilled registers
     stack_bytes: int
     shared_bytes: int
     ldg128: int  # 128-bit global loads in the SASS
     acquire_loads: int  # acquire = strong load + L1 invalidate (CCTL.IVALL)
     release_atomics: int  # strong GPU-scope adds on a counter
     release_fences: int  # MEMBAR.ALL.GPU before them
+    l2_prefetches: int  # bulk L2 prefetches of weight tiles (UBLKPF.L2)
     compile_s: float
 
 
@@ -105,15 +108,18 @@ def sass_tool(name: str) -> str:
     raise FileNotFoundError(f"{name} not found (pip install nvidia-cuda-cuobjdump)")
 
 
-def build(arch: str, out: str | Path) -> BuildResult:
+def build(arch: str, out: str | Path, shape: KernelShape) -> BuildResult:
+    """Compile the kernel for ``shape`` on ``arch`` into ``out``."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, not {arch!r}")
     out = Path(out)
     dump = out / "dump"
-    dump.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(dump, ignore_errors=True)  # one build per directory
+    dump.mkdir(parents=True)
     env = {**os.environ, "CUTE_DSL_ARCH": arch}  # must match --gpu-arch
     proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE, arch, str(out), str(dump)],
+        [sys.executable, "-c", _COMPILE, arch, str(out), str(dump),
+         json.dumps(shape.as_dict())],
         capture_output=True, text=True, env=env,
     )  # fmt: skip
     if proc.returncode != 0:
@@ -157,30 +163,13 @@ def build(arch: str, out: str | Path) -> BuildResult:
         spill_bytes=field("LOCAL"),
         stack_bytes=field("STACK"),
         shared_bytes=field("SHARED"),
+        local_loads=len(re.findall(r"\bLDL\b", sass)),
         ldg128=len(re.findall(r"LDG\.E\.128", sass)),
         acquire_loads=sass.count("CCTL.IVALL"),
         release_atomics=len(
             re.findall(r"(?:REDG|ATOMG)\.E\.ADD\S*\.STRONG\.GPU", sass)
         ),
         release_fences=sass.count("MEMBAR.ALL.GPU"),
+        l2_prefetches=sass.count("UBLKPF.L2"),
         compile_s=round(compile_s, 3),
     )
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arch", choices=ARCHS, default="sm_90a")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    t0 = time.perf_counter()
-    from vllm_ext.megakernel.plan import print_summary
-
-    result = asdict(build(args.arch, args.out))
-    result["total_s"] = round(time.perf_counter() - t0, 2)
-    print_summary(result, args.json)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -33,20 +33,21 @@ API int megakernel_unload(void) {
   return (int)cudaLibraryUnload(g_module.module);
 }
 
-// queue [num_sms, max_len, 8] int32; w [m, k] bf16 row-major, k % 8 == 0.
+// queue [num_sms, max_len, 8] int32; counters [num_counters + 1] int32, the
+// last one the step number; ptrs [num_rows, NUM_SLOTS] int64 (shape.py).
 API int megakernel_launch(void *queue, int32_t num_sms, int32_t max_len, void *lengths,
-                          void *counters, int32_t num_counters, void *w, int32_t m,
-                          int32_t k, void *x, void *y, int32_t epoch, int32_t max_spins,
+                          void *counters, int32_t num_counters, void *ptrs,
+                          int32_t num_rows, int32_t block_table_stride,
+                          int32_t kv_block_stride, float attn_scale, int32_t max_spins,
                           void *stream) {
   if (!g_loaded) return (int)cudaErrorInitializationError;
   megakernel_Tensor_queue_t tq = {queue, {num_sms, max_len}, {(int64_t)max_len * 8}};
   megakernel_Tensor_lengths_t tl = {lengths, {num_sms}};
   megakernel_Tensor_counters_t tc = {counters, {num_counters}};
-  megakernel_Tensor_w_t tw = {w, {m, k}, {(int64_t)k}};
-  megakernel_Tensor_x_t tx = {x, {k}};
-  megakernel_Tensor_y_t ty = {y, {m}};
-  return cute_dsl_megakernel_wrapper(&g_module, &tq, &tl, &tc, &tw, &tx, &ty, epoch,
-                                     max_spins, (cudaStream_t)stream);
+  megakernel_Tensor_ptrs_t tp = {ptrs, {num_rows}};
+  return cute_dsl_megakernel_wrapper(&g_module, &tq, &tl, &tc, &tp, block_table_stride,
+                                     kv_block_stride, attn_scale, max_spins,
+                                     (cudaStream_t)stream);
 }
 
 API const char *megakernel_error_string(int error) {

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""PTX the DSL has no wrapper for: ``trap`` (end a hung wait loudly) and
-``nanosleep`` (back off between polls of a counter)."""
+"""PTX the DSL has no wrapper for: ``trap`` (end a hung wait loudly),
+``nanosleep`` (back off between polls of a counter) and a bulk L2 prefetch
+(start a weight stream before its instruction may run)."""
 
-from cutlass import Int32
+from cutlass import Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
@@ -19,6 +20,19 @@ def trap(*, loc=None, ip=None) -> None:
 def nanosleep(ns: Int32, *, loc=None, ip=None) -> None:
     llvm.inline_asm(
         None, [Int32(ns).ir_value(loc=loc, ip=ip)], "nanosleep.u32 $0;", "r",
+        has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+    )  # fmt: skip
+
+
+@dsl_user_op
+def prefetch_l2(addr: Int64, size: Int32, *, loc=None, ip=None) -> None:
+    """``cp.async.bulk.prefetch.L2``: ``size`` bytes (a multiple of 16) from
+    ``addr`` into L2, asynchronously, no completion to wait for (sm_90+)."""
+    llvm.inline_asm(
+        None,
+        [Int64(addr).ir_value(loc=loc, ip=ip), Int32(size).ir_value(loc=loc, ip=ip)],
+        "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r",
         has_side_effects=True, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
     )  # fmt: skip

@@ -1,0 +1,138 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The host side of the kernel on CPU: the address table, the static input
+buffers with their padding, the device-side step number, the KV binding,
+and the refusals, driven through a stand-in for the compiled kernel that
+only sees what the kernel sees (see kernel_standin.py)."""
+
+import dataclasses
+
+import pytest
+import torch
+from kernel_standin import KernelStandIn, register_executor
+from test_interpret import SPECS, TOL, make_spec
+
+from vllm_ext.megakernel.cost import DEVICES
+from vllm_ext.megakernel.kernel.launcher import KernelExecutor, MegakernelError
+from vllm_ext.megakernel.kernel.shape import GlobalSlot, LayerSlot
+from vllm_ext.megakernel.planner import plan
+from vllm_ext.reference import ReferenceExecutor
+from vllm_ext.runner import DecodeInputs
+from vllm_ext.testing import BLOCK_SIZE, random_decode_inputs, random_weights
+
+DEVICE = dataclasses.replace(DEVICES["h200"], num_sms=16)
+MAX_LEN = 3 * BLOCK_SIZE + 5  # random_decode_inputs' default history
+
+
+def executor(arch: str, bucket: int, with_lm_head: bool = True):
+    spec = make_spec(arch, torch.bfloat16)
+    weights = random_weights(spec, seed=1)
+    program = plan(spec, bucket, DEVICE, with_lm_head=with_lm_head)
+    standin = KernelStandIn(program, weights)
+    max_blocks = -(-MAX_LEN // BLOCK_SIZE)
+    ex = KernelExecutor(program, weights, standin, block_size=BLOCK_SIZE,
+                        max_blocks=max_blocks)  # fmt: skip
+    return spec, weights, ex, standin
+
+
+def clone(inputs: DecodeInputs) -> DecodeInputs:
+    return dataclasses.replace(
+        inputs, kv_caches=tuple(c.clone() for c in inputs.kv_caches)
+    )
+
+
+@pytest.mark.parametrize("arch", sorted(SPECS))
+def test_steps_match_the_plain_forward(arch):
+    """Full and partly padded buckets over three steps (counters never
+    reset): the final hidden states, logits and appended K/V of the real
+    rows equal the plain PyTorch forward's."""
+    spec, weights, ex, standin = executor(arch, bucket=4)
+    for step, n in enumerate((4, 3, 1)):
+        inputs = random_decode_inputs(spec, n, seed=20 + step)
+        register_executor(standin, ex, inputs.kv_caches)
+        ref_inputs = clone(inputs)
+        got = ex.step(inputs)
+        want = ReferenceExecutor(spec, weights).step(ref_inputs)
+        assert got.shape == want.shape and not got.isnan().any()
+        torch.testing.assert_close(got, want, rtol=0, atol=TOL[torch.bfloat16])
+        for a, b in zip(inputs.kv_caches, ref_inputs.kv_caches, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=TOL[torch.bfloat16])
+        lm = got.float() @ weights.lm_head.float().t()
+        torch.testing.assert_close(ex.logits[:n], lm, rtol=1e-5, atol=1e-4)
+        # Padded rows: no token, no position, no history, no cache slot.
+        assert ex.input_ids[n:].eq(0).all() and ex.seq_lens[n:].eq(0).all()
+        assert ex.slot_mapping[n:].eq(-1).all()
+    assert int(ex.counters[-1]) == 3 and standin.launches == 3
+
+
+def test_table_points_at_the_weights_and_workspace():
+    spec, weights, ex, _ = executor("qwen2", bucket=2, with_lm_head=False)
+    table, layers = ex.ptrs_host, spec.num_layers
+    for i, lw in enumerate(weights.layers):
+        assert table[i, LayerSlot.QKV] == lw.qkv.data_ptr()
+        assert table[i, LayerSlot.QKV_BIAS] == lw.qkv_bias.data_ptr()
+        assert table[i, LayerSlot.Q_NORM] == 0  # qwen2 has no QK norm
+        assert table[i, LayerSlot.H_OUT] == table[i + 1, LayerSlot.H_IN]
+    assert table[layers, GlobalSlot.H_LAST] == ex.ws["h"][layers].data_ptr()
+    assert table[layers, GlobalSlot.LOGITS] == 0  # no LM head in the program
+    assert all(int(a) % 16 == 0 for a in table.flatten())
+
+
+def test_refusals():
+    spec, weights, ex, _ = executor("llama", bucket=2)
+    inputs = random_decode_inputs(spec, 3, seed=1)
+    with pytest.raises(MegakernelError, match="does not fit the bucket"):
+        ex.step(inputs)
+    inputs = random_decode_inputs(spec, 2, seed=1)
+    flat = tuple(c.contiguous() for c in inputs.kv_caches)  # not LBNHC
+    with pytest.raises(MegakernelError, match="LBNHC"):
+        ex.step(dataclasses.replace(inputs, kv_caches=flat))
+    wide = torch.zeros(2, 64, dtype=torch.int32)
+    with pytest.raises(MegakernelError, match="block table of 64"):
+        ex.step(dataclasses.replace(inputs, block_table=wide))
+    fp32 = random_weights(make_spec("llama", torch.float32), seed=1)
+    program = plan(make_spec("llama", torch.float32), 2, DEVICE)
+    with pytest.raises(MegakernelError, match="bf16 weights"):
+        KernelExecutor(program, fp32, None, block_size=BLOCK_SIZE, max_blocks=4)
+
+
+def test_gpu_executor_builds_every_bucket_and_picks_one(tmp_path, monkeypatch):
+    """GpuExecutor on CPU with only the GPU queries and the library load
+    replaced: it plans, builds (really, into a fresh cache) and prepares
+    every bucket at construction, and routes each step to the smallest
+    bucket that fits."""
+    from vllm_ext.megakernel.kernel import executor as gpu
+
+    spec = make_spec("mistral", torch.bfloat16)
+    weights = random_weights(spec, seed=1)
+    loaded = []
+
+    class Library:  # the loaded module: its launch is the stand-in
+        def __init__(self, path, device):
+            loaded.append(path)
+            self.path = path
+
+        def launch(self, *args):  # routed by the program's queue
+            standins[args[0].data_ptr()](*args)
+
+    monkeypatch.setattr(gpu, "arch_for_device", lambda device: "sm_90a")
+    monkeypatch.setattr(gpu, "device_for", lambda device, arch: DEVICE)
+    monkeypatch.setattr(gpu, "KernelLibrary", Library)
+    standins = {}
+    ex = gpu.GpuExecutor(spec, weights, torch.device("cpu"), (1, 2),
+                         block_size=BLOCK_SIZE, max_blocks=4,
+                         cache_dir=tmp_path)  # fmt: skip
+    assert sorted(ex.executors) == [1, 2] and len(set(loaded)) == 2
+    assert all(p.exists() and p.parent.parent == tmp_path for p in loaded)
+    for kex in ex.executors.values():
+        standins[kex.queue.data_ptr()] = KernelStandIn(kex.program, weights)
+    for n in (1, 2):
+        inputs = random_decode_inputs(spec, n, seed=n)
+        register_executor(standins[ex.executors[n].queue.data_ptr()],
+                          ex.executors[n], inputs.kv_caches)  # fmt: skip
+        ref_inputs = clone(inputs)
+        got = ex.step(inputs)
+        want = ReferenceExecutor(spec, weights).step(ref_inputs)
+        torch.testing.assert_close(got, want, rtol=0, atol=TOL[torch.bfloat16])
+        assert standins[ex.executors[n].queue.data_ptr()].launches == 1
+    with pytest.raises(MegakernelError, match="above the largest bucket"):
+        ex.step(random_decode_inputs(spec, 3, seed=3))

@@ -1,0 +1,95 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The GPU executor vLLM's decode steps go through: one built kernel per
+batch bucket, each with its own ``KernelExecutor``.
+
+Everything is prepared when the model loads (programs planned and
+verified, libraries compiled or taken from the cache, buffers allocated),
+so no decode step compiles, allocates or copies from the host, and every
+step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from vllm_ext.megakernel.cost import DEFAULT_DEVICE, DEVICES, Device
+from vllm_ext.megakernel.kernel.launcher import (
+    KernelExecutor,
+    KernelLibrary,
+    MegakernelError,
+    arch_for_device,
+)
+from vllm_ext.megakernel.kernel.shape import KernelShape
+from vllm_ext.megakernel.planner import plan
+from vllm_ext.megakernel.verify import verify
+from vllm_ext.model_spec import ModelSpec
+from vllm_ext.runner import DecodeInputs
+from vllm_ext.weights import DecodeWeights
+
+
+def device_for(device: torch.device, arch: str) -> Device:
+    """The cost-model device of ``arch`` with this GPU's SM count: the
+    program has one queue per SM, and a cooperative launch needs them all
+    resident."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return dataclasses.replace(DEVICES[DEFAULT_DEVICE[arch]], num_sms=sms)
+
+
+class GpuExecutor:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights: DecodeWeights,
+        device: torch.device,
+        buckets: tuple[int, ...],
+        *,
+        block_size: int,
+        max_blocks: int,
+        cache_dir: Path | None = None,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        from vllm_ext.megakernel.build import library_for
+
+        if spec.dtype != torch.bfloat16:
+            raise MegakernelError(
+                f"the megakernel runs bf16 models; this one is {spec.dtype} "
+                "(use --dtype bfloat16)"
+            )
+        arch = arch_for_device(device)
+        target = device_for(device, arch)
+        log = logger.info if logger else None
+        programs = {}
+        for bucket in buckets:
+            program = plan(spec, bucket, target)
+            verify(program)
+            programs[bucket] = program
+        shapes = {
+            b: KernelShape.from_program(p, block_size) for b, p in programs.items()
+        }
+        # Builds are separate compiler processes: run the missing ones at once.
+        with ThreadPoolExecutor(
+            max_workers=min(len(shapes), os.cpu_count() or 1)
+        ) as pool:
+            paths = dict(zip(shapes, pool.map(
+                lambda s: library_for(s, arch, cache_dir, log=log), shapes.values()
+            ), strict=True))  # fmt: skip
+        self.executors: dict[int, KernelExecutor] = {}
+        for bucket, program in programs.items():
+            library = KernelLibrary(paths[bucket], device.index or 0)
+            self.executors[bucket] = KernelExecutor(
+                program, weights, library.launch,
+                block_size=block_size, max_blocks=max_blocks,
+            )  # fmt: skip
+
+    def step(self, inputs: DecodeInputs) -> torch.Tensor:
+        n = inputs.batch_size
+        bucket = next((b for b in self.executors if b >= n), None)
+        if bucket is None:
+            raise MegakernelError(f"batch {n} is above the largest bucket")
+        return self.executors[bucket].step(inputs)

@@ -1,0 +1,277 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Host side of the kernel: load a built library and run decode steps.
+
+Needs torch and the CUDA driver only (no CuTe DSL, no vLLM), so the same
+code runs inside vLLM and in the GPU check. ``KernelExecutor`` owns what a
+CUDA graph needs to stay put: the program, the counters, the activation
+workspace, static copies of the step's inputs and the address table; a step
+copies the inputs in, bumps the device-side step number and launches, all
+on the current stream with no host sync, so it can be captured.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from vllm_ext.megakernel.kernel.shape import (
+    NUM_SLOTS,
+    GlobalSlot,
+    KernelShape,
+    LayerSlot,
+    workspace_sizes,
+)
+from vllm_ext.megakernel.planner import Program
+from vllm_ext.runner import DecodeInputs
+from vllm_ext.weights import DecodeWeights
+
+# Kernel architecture of each compute capability the kernel is built for.
+ARCH_OF_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
+# Polls of a counter before a wait traps (x 32 ns back-off: ~0.5 s at least,
+# far past any real step, far short of a hung server).
+DEFAULT_MAX_SPINS = 1 << 24
+
+
+class MegakernelError(RuntimeError):
+    pass
+
+
+def arch_for_device(device: torch.device) -> str:
+    capability = torch.cuda.get_device_capability(device)
+    arch = ARCH_OF_CAPABILITY.get(tuple(capability))
+    if arch is None:
+        raise MegakernelError(
+            f"the megakernel is built for compute capability "
+            f"{', '.join(f'{a}.{b}' for a, b in ARCH_OF_CAPABILITY)}; this GPU "
+            f"has {capability[0]}.{capability[1]}"
+        )
+    return arch
+
+
+class KernelLibrary:
+    """One library from ``build.py``: its module loaded on ``device``."""
+
+    def __init__(self, path: str | Path, device: int) -> None:
+        self.path = Path(path)
+        self.lib = ctypes.CDLL(str(self.path))
+        self.lib.megakernel_error_string.restype = ctypes.c_char_p
+        self.lib.megakernel_launch.argtypes = [
+            ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p,
+            ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32,
+            ctypes.c_int32, ctypes.c_int32, ctypes.c_float, ctypes.c_int32,
+            ctypes.c_void_p,
+        ]  # fmt: skip
+        self._check(self.lib.megakernel_load(device), "load")
+
+    def _check(self, err: int, what: str) -> None:
+        if err:
+            message = self.lib.megakernel_error_string(err).decode()
+            raise MegakernelError(f"megakernel {what} ({self.path.name}): {message}")
+
+    def launch(
+        self,
+        queue: torch.Tensor,
+        lengths: torch.Tensor,
+        counters: torch.Tensor,
+        ptrs: torch.Tensor,
+        block_table_stride: int,
+        kv_block_stride: int,
+        attn_scale: float,
+        max_spins: int,
+        stream: int,
+    ) -> None:
+        err = self.lib.megakernel_launch(
+            queue.data_ptr(), queue.shape[0], queue.shape[1], lengths.data_ptr(),
+            counters.data_ptr(), counters.shape[0], ptrs.data_ptr(), ptrs.shape[0],
+            block_table_stride, kv_block_stride, attn_scale, max_spins, stream,
+        )  # fmt: skip
+        self._check(err, "launch")
+
+
+def _address(t: torch.Tensor | None, what: str) -> int:
+    if t is None:
+        return 0
+    if not t.is_contiguous():
+        raise MegakernelError(f"megakernel: {what} must be contiguous")
+    if t.data_ptr() % 16:
+        raise MegakernelError(f"megakernel: {what} must be 16-byte aligned")
+    return t.data_ptr()
+
+
+class KernelExecutor:
+    """Runs decode steps of ``program.batch`` (or fewer, padded) requests."""
+
+    def __init__(
+        self,
+        program: Program,
+        weights: DecodeWeights,
+        launch,  # KernelLibrary.launch, or a stand-in in tests
+        *,
+        block_size: int,
+        max_blocks: int,
+        max_spins: int = DEFAULT_MAX_SPINS,
+    ) -> None:
+        self.program, self.weights, self.launch = program, weights, launch
+        self.max_spins = max_spins
+        self.shape = shape = KernelShape.from_program(program, block_size)
+        dev = weights.embed.device
+        self.device = dev
+        _check_weights(weights)
+        queue, lengths = program.encode()
+        self.queue, self.lengths = queue.to(dev), lengths.to(dev)
+        # One cell per counter, then the step number (epoch).
+        self.counters = torch.zeros(program.num_counters + 1, dtype=torch.int32,
+                                    device=dev)  # fmt: skip
+        layers = program.spec.num_layers
+        self.ws: dict[str, torch.Tensor] = {}
+        for name, dims in workspace_sizes(shape, layers).items():
+            fp32 = name in ("part_o", "part_lse", "logits")
+            dtype = torch.float32 if fp32 else torch.bfloat16
+            # NaN until written: a read of an unwritten value shows as NaN.
+            self.ws[name] = torch.full(dims, float("nan"), dtype=dtype, device=dev)
+        b = shape.batch
+        self.input_ids = torch.zeros(b, dtype=torch.int32, device=dev)
+        self.positions = torch.zeros(b, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(b, dtype=torch.int32, device=dev)
+        self.slot_mapping = torch.full((b,), -1, dtype=torch.int32, device=dev)
+        self.block_table = torch.zeros(b, max_blocks, dtype=torch.int32, device=dev)
+        self.cos_sin = weights.cos_sin.to(device=dev, dtype=torch.float32).contiguous()
+        self.ptrs_host = self._table()
+        self.ptrs = self.ptrs_host.to(dev)
+        self.kv_caches: tuple[torch.Tensor, ...] | None = None
+        self.kv_block_stride = 0
+
+    # ------------------------------------------------------------ table
+
+    def _table(self) -> torch.Tensor:
+        w, ws, p = self.weights, self.ws, self.program
+        layers = p.spec.num_layers
+        table = torch.zeros(layers + 1, NUM_SLOTS, dtype=torch.int64)
+        for i, lw in enumerate(w.layers):
+            row = {
+                LayerSlot.INPUT_NORM: lw.input_norm,
+                LayerSlot.QKV: lw.qkv,
+                LayerSlot.QKV_BIAS: lw.qkv_bias,
+                LayerSlot.Q_NORM: lw.q_norm,
+                LayerSlot.K_NORM: lw.k_norm,
+                LayerSlot.O_PROJ: lw.o_proj,
+                LayerSlot.POST_NORM: lw.post_norm,
+                LayerSlot.GATE_UP: lw.gate_up,
+                LayerSlot.DOWN: lw.down,
+                LayerSlot.H_IN: ws["h"][i],
+                LayerSlot.HMID: ws["hmid"][i],
+                LayerSlot.Q: ws["q"][i],
+                LayerSlot.ATTN: ws["attn"][i],
+                LayerSlot.ACT: ws["act"][i],
+                LayerSlot.PART_O: ws["part_o"][i],
+                LayerSlot.PART_LSE: ws["part_lse"][i],
+                LayerSlot.H_OUT: ws["h"][i + 1],
+            }
+            for slot, t in row.items():
+                table[i, slot] = _address(t, f"layer {i} {slot.name.lower()}")
+        glob = {
+            GlobalSlot.EMBED: w.embed,
+            GlobalSlot.FINAL_NORM: w.final_norm,
+            GlobalSlot.LM_HEAD: w.lm_head if p.with_lm_head else None,
+            GlobalSlot.COS_SIN: self.cos_sin,
+            GlobalSlot.INPUT_IDS: self.input_ids,
+            GlobalSlot.POSITIONS: self.positions,
+            GlobalSlot.BLOCK_TABLE: self.block_table,
+            GlobalSlot.SEQ_LENS: self.seq_lens,
+            GlobalSlot.SLOT_MAPPING: self.slot_mapping,
+            GlobalSlot.H0: ws["h"][0],
+            GlobalSlot.H_LAST: ws["h"][layers],
+            GlobalSlot.OUT: ws["out"],
+            GlobalSlot.LOGITS: ws["logits"] if p.with_lm_head else None,
+        }
+        for slot, t in glob.items():
+            table[layers, slot] = _address(t, slot.name.lower())
+        return table
+
+    def _bind_kv(self, kv_caches: tuple[torch.Tensor, ...]) -> None:
+        """Put each layer's cache address in the table (once: vLLM's caches
+        do not move), after checking the view is the LBNHC the kernel reads."""
+        s = self.shape
+        d2 = 2 * s.head_dim
+        layers = self.program.spec.num_layers
+        if len(kv_caches) != layers:
+            raise MegakernelError(f"expected {layers} KV caches, got {len(kv_caches)}")
+        strides = {c.stride(0) for c in kv_caches}
+        for i, c in enumerate(kv_caches):
+            ok = (
+                c.dtype == torch.bfloat16
+                and c.shape[1:] == (s.kv_heads, s.block_size, d2)
+                and c.stride()[1:] == (d2, s.kv_heads * d2, 1)
+                and c.data_ptr() % 16 == 0
+            )
+            if not ok:
+                raise MegakernelError(
+                    f"megakernel: layer {i} KV cache {tuple(c.shape)} strides "
+                    f"{c.stride()} {c.dtype} is not the bf16 LBNHC view "
+                    f"[blocks, {s.kv_heads}, {s.block_size}, {d2}] the kernel reads"
+                )
+            self.ptrs_host[i, LayerSlot.KV_CACHE] = c.data_ptr()
+        # Entries are read with 128-bit loads: block starts 16-byte aligned.
+        if len(strides) != 1 or max(strides) >= 2**31 or max(strides) % 8:
+            raise MegakernelError(f"megakernel: KV block strides {sorted(strides)}")
+        self.kv_block_stride = strides.pop()
+        self.ptrs.copy_(self.ptrs_host)
+        self.kv_caches = kv_caches
+
+    # ------------------------------------------------------------ step
+
+    def step(self, inputs: DecodeInputs) -> torch.Tensor:
+        n, b = inputs.batch_size, self.shape.batch
+        if not 1 <= n <= b:
+            raise MegakernelError(f"batch {n} does not fit the bucket of {b}")
+        bound = [] if self.kv_caches is None else self.kv_caches
+        if [c.data_ptr() for c in bound] != [c.data_ptr() for c in inputs.kv_caches]:
+            self._bind_kv(inputs.kv_caches)
+        width = inputs.block_table.shape[1]
+        if width > self.block_table.shape[1]:
+            raise MegakernelError(
+                f"block table of {width} blocks per request exceeds the "
+                f"{self.block_table.shape[1]} this executor was made for"
+            )
+        # Padded rows (n..b) read token 0 at position 0, attend to nothing
+        # and write no cache slot, as a CUDA graph's padding does.
+        for dst, src, pad in (
+            (self.input_ids, inputs.input_ids, 0),
+            (self.positions, inputs.positions, 0),
+            (self.seq_lens, inputs.seq_lens, 0),
+            (self.slot_mapping, inputs.slot_mapping, -1),
+        ):
+            dst[:n].copy_(src[:n])
+            dst[n:].fill_(pad)
+        self.block_table[:n, :width].copy_(inputs.block_table[:n])
+        self.block_table[n:].zero_()  # never read (length 0), but valid ids
+        self.counters[-1:].add_(1)
+        stream = 0  # a CPU stand-in launch in tests takes no stream
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+        self.launch(
+            self.queue, self.lengths, self.counters, self.ptrs,
+            self.block_table.stride(0), self.kv_block_stride,
+            self.weights.attn_scale, self.max_spins, stream,
+        )  # fmt: skip
+        return self.ws["out"][:n]
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self.ws["logits"]
+
+
+def _check_weights(w: DecodeWeights) -> None:
+    tensors = {"embed": w.embed, "final_norm": w.final_norm, "lm_head": w.lm_head}
+    for i, lw in enumerate(w.layers):
+        for name in ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj",
+                     "post_norm", "gate_up", "down"):  # fmt: skip
+            tensors[f"layer {i} {name}"] = getattr(lw, name)
+    bad = [n for n, t in tensors.items() if t is not None and t.dtype != torch.bfloat16]
+    if bad:
+        raise MegakernelError(
+            "the megakernel runs bf16 weights (--dtype bfloat16); not bf16: "
+            + ", ".join(bad[:4])
+        )

@@ -1,0 +1,127 @@
+# SPDX-License-Identifier: Apache-2.0
+"""ATTN (reference: ``ops/attn.py``): kv head g's q heads over chunk c of
+each request's cached sequence, read in place from vLLM's paged cache;
+writes a partial (o, lse) in fp32 for COMBINE.
+
+Chunk c of a sequence of length n is tokens [c * ceil(n / chunks), ...)
+clipped to n, so the program is fixed while lengths vary per step. Warps
+take the chunk's tokens in turn with an online softmax each (lane l holds
+head dims [l * d/32, (l+1) * d/32) of q, K, V); the warps' states then
+merge in shared memory."""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32
+
+from vllm_ext.megakernel.kernel.ops.common import (
+    NUM_THREADS,
+    NUM_WARPS,
+    gmem,
+    thread_ids,
+    warp_sum,
+)
+from vllm_ext.megakernel.kernel.ops.kv import kv_entry
+from vllm_ext.megakernel.kernel.shape import GlobalSlot, KernelShape, LayerSlot
+
+NEG_INF = float("-inf")
+# Extent given to the block table view: only [0, ceil(len / block_size))
+# of a row is read.
+MAX_BLOCKS = 1 << 20
+
+
+@cute.jit
+def attn(
+    s: cutlass.Constexpr,
+    ptrs: cute.Tensor,
+    layer,
+    glob,
+    g,
+    chunk,
+    kv_block_stride,
+    block_table_stride,
+    scale: Float32,
+    warp_m: cute.Tensor,  # smem [NUM_WARPS, group] fp32
+    warp_l: cute.Tensor,  # smem [NUM_WARPS, group]
+    warp_o: cute.Tensor,  # smem [NUM_WARPS, group, head_dim]
+):
+    shape: KernelShape = s
+    b, d, group, chunks = shape.batch, shape.head_dim, shape.group, shape.attn_chunks
+    nkv, bs = shape.kv_heads, shape.block_size
+    per_lane = d // 32
+    q = gmem(BFloat16, ptrs[layer, LayerSlot.Q], (b, shape.q_heads, d))
+    seq_lens = gmem(Int32, ptrs[glob, GlobalSlot.SEQ_LENS], (b,))
+    table = gmem(Int32, ptrs[glob, GlobalSlot.BLOCK_TABLE], (b, MAX_BLOCKS),
+                 (block_table_stride, 1))  # fmt: skip
+    part_o = gmem(Float32, ptrs[layer, LayerSlot.PART_O], (chunks, nkv, b, group, d))
+    part_lse = gmem(Float32, ptrs[layer, LayerSlot.PART_LSE], (chunks, nkv, b, group))
+    cache = ptrs[layer, LayerSlot.KV_CACHE]
+    tidx, warp, lane = thread_ids()
+
+    for i in cutlass.range(b):
+        n = seq_lens[i]
+        size = (n + chunks - 1) // chunks
+        t_lo = chunk * size
+        if t_lo > n:
+            t_lo = n
+        t_hi = t_lo + size
+        if t_hi > n:
+            t_hi = n
+        qf = cute.make_rmem_tensor((group, per_lane), Float32)
+        for gi in cutlass.range_constexpr(group):
+            qv = cute.zipped_divide(q[i, g * group + gi, None], (per_lane,))
+            qr = cute.make_rmem_tensor((per_lane,), BFloat16)
+            cute.autovec_copy(qv[None, lane], qr)
+            for e in cutlass.range_constexpr(per_lane):
+                qf[gi, e] = qr[e].to(Float32)
+        m = cute.make_rmem_tensor((group,), Float32)
+        den = cute.make_rmem_tensor((group,), Float32)
+        acc = cute.make_rmem_tensor((group, per_lane), Float32)
+        m.fill(NEG_INF)
+        den.fill(0.0)
+        acc.fill(0.0)
+        for t in cutlass.range(t_lo + warp, t_hi, NUM_WARPS):
+            entry = kv_entry(shape, cache, table[i, t // bs], t % bs, g,
+                             kv_block_stride)  # fmt: skip
+            ev = cute.zipped_divide(entry, (per_lane,))  # column l: K, 32 + l: V
+            kr = cute.make_rmem_tensor((per_lane,), BFloat16)
+            vr = cute.make_rmem_tensor((per_lane,), BFloat16)
+            cute.autovec_copy(ev[None, lane], kr)
+            cute.autovec_copy(ev[None, 32 + lane], vr)
+            kf, vf = kr.load().to(Float32), vr.load().to(Float32)
+            for gi in cutlass.range_constexpr(group):
+                dot = Float32(0.0)
+                for e in cutlass.range_constexpr(per_lane):
+                    dot = dot + qf[gi, e] * kf[e]
+                score = warp_sum(dot) * scale
+                m_new = cute.math.max(m[gi], score)
+                corr = cute.math.exp(m[gi] - m_new)
+                p = cute.math.exp(score - m_new)
+                den[gi] = den[gi] * corr + p
+                for e in cutlass.range_constexpr(per_lane):
+                    acc[gi, e] = acc[gi, e] * corr + p * vf[e]
+                m[gi] = m_new
+        for gi in cutlass.range_constexpr(group):
+            if lane == 0:
+                warp_m[warp, gi] = m[gi]
+                warp_l[warp, gi] = den[gi]
+            for e in cutlass.range_constexpr(per_lane):
+                warp_o[warp, gi, lane * per_lane + e] = acc[gi, e]
+        cute.arch.sync_threads()
+        for idx in cutlass.range(tidx, group * d, NUM_THREADS):
+            gi, dim = idx // d, idx % d
+            top = Float32(NEG_INF)
+            for w in cutlass.range_constexpr(NUM_WARPS):
+                top = cute.math.max(top, warp_m[w, gi])
+            o, lse = Float32(0.0), Float32(NEG_INF)
+            if top > Float32(NEG_INF):  # else: no tokens (an empty chunk)
+                total, num = Float32(0.0), Float32(0.0)
+                for w in cutlass.range_constexpr(NUM_WARPS):
+                    scale_w = cute.math.exp(warp_m[w, gi] - top)
+                    total = total + warp_l[w, gi] * scale_w
+                    num = num + warp_o[w, gi, dim] * scale_w
+                o = num / total
+                lse = top + cute.math.log(total)
+            part_o[chunk, g, i, gi, dim] = o
+            if dim == 0:
+                part_lse[chunk, g, i, gi] = lse
+        cute.arch.sync_threads()  # the warp states are reused by the next row

@@ -1,0 +1,88 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What every instruction shares: the CTA shape, typed views of addresses
+from the table, 128-bit vector loads, warp sums and the row RMS statistic."""
+
+import operator
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64
+
+from vllm_ext.megakernel.kernel.shape import BATCH_GROUP
+
+NUM_THREADS = 256
+NUM_WARPS = NUM_THREADS // 32
+VEC = 8  # bf16 elements per 128-bit load
+# BATCH_GROUP: requests accumulated per pass over a weight row; more would
+# spill the accumulators at batch 64, and larger buckets re-read the row
+# (from L1/L2).
+
+
+def gmem(dtype, addr: Int64, shape: tuple, stride: tuple | None = None) -> cute.Tensor:
+    """A global tensor at address ``addr`` (row-major unless ``stride``).
+    Every table entry is 16-byte aligned (the host checks)."""
+    ptr = cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=16)
+    if stride is None:
+        stride = tuple(_prod(shape[i + 1 :]) for i in range(len(shape)))  # row-major
+    return cute.make_tensor(ptr, cute.make_layout(shape, stride=stride))
+
+
+def _prod(dims) -> int:
+    out = 1
+    for d in dims:
+        out *= d
+    return out
+
+
+def vectors(row: cute.Tensor) -> cute.Tensor:
+    """A contiguous row viewed as [VEC, n / VEC]: column k is one 128-bit load."""
+    return cute.zipped_divide(row, (VEC,))
+
+
+def load_f32(vecs: cute.Tensor, k) -> cute.TensorSSA:
+    """Vector ``k`` of a bf16 row (one 128-bit load), widened to fp32."""
+    r = cute.make_rmem_tensor((VEC,), BFloat16)
+    cute.autovec_copy(vecs[None, k], r)
+    return r.load().to(Float32)
+
+
+def warp_sum(x: Float32) -> Float32:
+    return cute.arch.warp_reduction(x, operator.add)
+
+
+def round_bf16(x):
+    """Round to bf16 and back: where the reference hands a bf16 tensor on."""
+    return x.to(BFloat16).to(Float32)
+
+
+@cute.jit
+def row_rstd(x: cute.Tensor, rstd: cute.Tensor, eps: cutlass.Constexpr):
+    """``rstd[b] = rsqrt(mean(x[b]^2) + eps)`` in fp32 for every row of
+    ``x`` [B, K] (a warp per row), then a CTA barrier. Every tile of a
+    normed projection recomputes it: a row is a few KiB from L2, cheaper
+    than another phase and counter."""
+    tidx, _, _ = cute.arch.thread_idx()
+    warp, lane = tidx // 32, tidx % 32
+    rows, k = x.shape
+    for b in cutlass.range(warp, rows, NUM_WARPS):
+        xv = vectors(x[b, None])
+        ss = Float32(0.0)
+        for j in cutlass.range(lane, k // VEC, 32):
+            v = load_f32(xv, j)
+            for e in cutlass.range_constexpr(VEC):
+                ss = ss + v[e] * v[e]
+        ss = warp_sum(ss)
+        if lane == 0:
+            rstd[b] = cute.math.rsqrt(ss / Float32(k) + Float32(eps))
+    cute.arch.sync_threads()
+
+
+def thread_ids():
+    tidx, _, _ = cute.arch.thread_idx()
+    return tidx, tidx // 32, tidx % 32
+
+
+__all__ = [
+    "BATCH_GROUP", "NUM_THREADS", "NUM_WARPS", "VEC", "Int32", "gmem", "load_f32",
+    "round_bf16", "row_rstd", "thread_ids", "vectors", "warp_sum",
+]  # fmt: skip

@@ -1,0 +1,33 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Addressing vLLM's paged KV cache in place (reference: ``paged_kv.py``).
+
+A layer's cache is LBNHC: memory ``[block, token, kv_head, K|V]``. Offsets
+are computed in 64 bits: a layer's view of a large cache passes 2^31
+elements. Token and head strides follow from the shape; the block stride
+is a launch argument (the host checks the view against it)."""
+
+import cutlass.cute as cute
+from cutlass import BFloat16, Int64
+
+from vllm_ext.megakernel.kernel.ops.common import gmem
+from vllm_ext.megakernel.kernel.shape import KernelShape
+
+
+def kv_entry(
+    shape: KernelShape, cache: Int64, block, offset, kv_head, block_stride
+) -> cute.Tensor:
+    """The ``[2 * head_dim]`` K|V entry of (block, offset, kv_head)."""
+    d2 = 2 * shape.head_dim
+    elem = (
+        Int64(block) * Int64(block_stride)
+        + Int64(offset * (shape.kv_heads * d2))
+        + Int64(kv_head * d2)
+    )
+    return gmem(BFloat16, cache + elem * 2, (d2,))
+
+
+def kv_slot_entry(shape: KernelShape, cache: Int64, slot, kv_head, block_stride):
+    """The entry of flat slot ``slot`` (``block * block_size + offset``,
+    what vLLM's slot mapping holds)."""
+    bs = shape.block_size
+    return kv_entry(shape, cache, slot // bs, slot % bs, kv_head, block_stride)

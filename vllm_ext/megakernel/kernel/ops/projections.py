@@ -1,0 +1,83 @@
+# SPDX-License-Identifier: Apache-2.0
+"""O_PROJ, GATE_UP, DOWN and LM_HEAD: the GEMV core with their epilogues
+(references: ``ops/o_proj.py``, ``ops/gate_up.py``, ``ops/down.py``,
+``ops/lm_head.py``). They differ only in operands and the epilogue, so they
+share one module rather than four copies of the same call."""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32
+
+from vllm_ext.megakernel.kernel.ops.common import gmem, round_bf16, row_rstd
+from vllm_ext.megakernel.kernel.ops.gemv import gemv
+from vllm_ext.megakernel.kernel.shape import GlobalSlot, KernelShape, LayerSlot
+
+
+def _residual(out: cute.Tensor, res: cute.Tensor):
+    """out = bf16(bf16(s) + res): the projection rounds, then the add."""
+
+    def epilogue(row, b, s, _):
+        out[b, row] = (round_bf16(s) + res[b, row].to(Float32)).to(BFloat16)
+
+    return epilogue
+
+
+@cute.jit
+def o_proj(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi, rstd):
+    """hmid[:, lo:hi] = h[:, lo:hi] + attn @ Wo[lo:hi].T"""
+    shape: KernelShape = s
+    b, h, q = shape.batch, shape.hidden, shape.q_size
+    w = gmem(BFloat16, ptrs[layer, LayerSlot.O_PROJ], (h, q))
+    attn = gmem(BFloat16, ptrs[layer, LayerSlot.ATTN], (b, q))
+    res = gmem(BFloat16, ptrs[layer, LayerSlot.H_IN], (b, h))
+    out = gmem(BFloat16, ptrs[layer, LayerSlot.HMID], (b, h))
+    gemv(w, w, attn, res[0, None], rstd, lo, hi, _residual(out, res), False, False)
+
+
+@cute.jit
+def down(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi, rstd):
+    """h_out[:, lo:hi] = hmid[:, lo:hi] + act @ Wd[lo:hi].T"""
+    shape: KernelShape = s
+    b, h, inter = shape.batch, shape.hidden, shape.intermediate
+    w = gmem(BFloat16, ptrs[layer, LayerSlot.DOWN], (h, inter))
+    act = gmem(BFloat16, ptrs[layer, LayerSlot.ACT], (b, inter))
+    res = gmem(BFloat16, ptrs[layer, LayerSlot.HMID], (b, h))
+    out = gmem(BFloat16, ptrs[layer, LayerSlot.H_OUT], (b, h))
+    gemv(w, w, act, res[0, None], rstd, lo, hi, _residual(out, res), False, False)
+
+
+@cute.jit
+def gate_up(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi, rstd):
+    """act[:, lo:hi] = SiLU(x @ Wg[lo:hi].T) * (x @ Wu[lo:hi].T),
+    x = RMSNorm(hmid): gate row r and up row I + r share a warp."""
+    shape: KernelShape = s
+    b, h, inter = shape.batch, shape.hidden, shape.intermediate
+    base = ptrs[layer, LayerSlot.GATE_UP]
+    gate = gmem(BFloat16, base, (inter, h))
+    up = gmem(BFloat16, base + inter * h * 2, (inter, h))  # bytes
+    x = gmem(BFloat16, ptrs[layer, LayerSlot.HMID], (b, h))
+    norm = gmem(BFloat16, ptrs[layer, LayerSlot.POST_NORM], (h,))
+    act = gmem(BFloat16, ptrs[layer, LayerSlot.ACT], (b, inter))
+    row_rstd(x, rstd, shape.rms_norm_eps)
+
+    def epilogue(row, i, sg, su):
+        g = round_bf16(sg)
+        silu = g / (Float32(1.0) + cute.math.exp(-g))
+        act[i, row] = (silu * round_bf16(su)).to(BFloat16)
+
+    gemv(gate, up, x, norm, rstd, lo, hi, epilogue, True, True)
+
+
+@cute.jit
+def lm_head(s: cutlass.Constexpr, ptrs: cute.Tensor, glob, lo, hi, rstd):
+    """logits[:, lo:hi] = out @ Wlm[lo:hi].T in fp32."""
+    shape: KernelShape = s
+    b, h, v = shape.batch, shape.hidden, shape.vocab
+    w = gmem(BFloat16, ptrs[glob, GlobalSlot.LM_HEAD], (v, h))
+    x = gmem(BFloat16, ptrs[glob, GlobalSlot.OUT], (b, h))
+    logits = gmem(Float32, ptrs[glob, GlobalSlot.LOGITS], (b, v))
+
+    def epilogue(row, i, s1, _):
+        logits[i, row] = s1
+
+    gemv(w, w, x, x[0, None], rstd, lo, hi, epilogue, False, False)

@@ -1,0 +1,124 @@
+# SPDX-License-Identifier: Apache-2.0
+"""QKV (reference: ``ops/qkv.py``): for each fused head of [lo, hi), the
+RMS-normed projection (+ bias), then for q and k heads the QK-norm and
+NeoX RoPE; q heads go to the layer's q buffer, k and v heads into vLLM's
+paged cache at the slot mapping (a padded row, slot -1, writes nothing).
+
+The head's outputs meet in shared memory: RoPE pairs dimension j with
+j + d/2 and QK-norm needs the whole head, both produced by other warps."""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32
+
+from vllm_ext.megakernel.kernel.ops.common import (
+    NUM_THREADS,
+    NUM_WARPS,
+    gmem,
+    round_bf16,
+    row_rstd,
+    thread_ids,
+    warp_sum,
+)
+from vllm_ext.megakernel.kernel.ops.gemv import gemv
+from vllm_ext.megakernel.kernel.ops.kv import kv_slot_entry
+from vllm_ext.megakernel.kernel.shape import GlobalSlot, KernelShape, LayerSlot
+
+# Extent given to the cos/sin table view: only positions < max_position are
+# ever read; this just bounds the layout.
+MAX_POSITIONS = 1 << 22
+
+
+def _store_head(head_buf: cute.Tensor, first_row, bias):
+    """Epilogue: the head's row in fp32 (+ bias), rounded to bf16 as the
+    reference's projection output is."""
+
+    def epilogue(row, i, s, _):
+        v = s if bias is None else s + bias[row].to(Float32)
+        head_buf[i, row - first_row] = round_bf16(v)
+
+    return epilogue
+
+
+@cute.jit
+def qkv(
+    s: cutlass.Constexpr,
+    ptrs: cute.Tensor,
+    layer,
+    glob,
+    lo,
+    hi,
+    kv_block_stride,
+    rstd: cute.Tensor,  # smem [B]
+    head_buf: cute.Tensor,  # smem [B, head_dim] fp32
+    head_rstd: cute.Tensor,  # smem [B]
+):
+    shape: KernelShape = s
+    b, h, d = shape.batch, shape.hidden, shape.head_dim
+    nq, nkv, half = shape.q_heads, shape.kv_heads, shape.head_dim // 2
+    rows = (nq + 2 * nkv) * d
+    x = gmem(BFloat16, ptrs[layer, LayerSlot.H_IN], (b, h))
+    w = gmem(BFloat16, ptrs[layer, LayerSlot.QKV], (rows, h))
+    norm = gmem(BFloat16, ptrs[layer, LayerSlot.INPUT_NORM], (h,))
+    q = gmem(BFloat16, ptrs[layer, LayerSlot.Q], (b, nq, d))
+    positions = gmem(Int32, ptrs[glob, GlobalSlot.POSITIONS], (b,))
+    slots = gmem(Int32, ptrs[glob, GlobalSlot.SLOT_MAPPING], (b,))
+    cos_sin = gmem(Float32, ptrs[glob, GlobalSlot.COS_SIN], (MAX_POSITIONS, d))
+    cache = ptrs[layer, LayerSlot.KV_CACHE]
+    bias = None
+    if cutlass.const_expr(shape.qkv_bias):
+        bias = gmem(BFloat16, ptrs[layer, LayerSlot.QKV_BIAS], (rows,))
+    tidx, warp, lane = thread_ids()
+
+    row_rstd(x, rstd, shape.rms_norm_eps)
+    for head in cutlass.range(lo, hi):
+        first = head * d
+        gemv(w, w, x, norm, rstd, first, first + d,
+             _store_head(head_buf, first, bias), True, False)  # fmt: skip
+        cute.arch.sync_threads()
+        if head < nq + nkv:
+            if cutlass.const_expr(shape.qk_norm):
+                norm_addr = ptrs[layer, LayerSlot.Q_NORM]
+                if head >= nq:
+                    norm_addr = ptrs[layer, LayerSlot.K_NORM]
+                head_norm = gmem(BFloat16, norm_addr, (d,))
+                for i in cutlass.range(warp, b, NUM_WARPS):
+                    ss = Float32(0.0)
+                    for j in cutlass.range(lane, d, 32):
+                        ss = ss + head_buf[i, j] * head_buf[i, j]
+                    ss = warp_sum(ss)
+                    if lane == 0:
+                        head_rstd[i] = cute.math.rsqrt(
+                            ss / Float32(d) + Float32(shape.rms_norm_eps)
+                        )
+                cute.arch.sync_threads()
+            for idx in cutlass.range(tidx, b * half, NUM_THREADS):
+                i, j = idx // half, idx % half
+                x1, x2 = head_buf[i, j], head_buf[i, j + half]
+                if cutlass.const_expr(shape.qk_norm):
+                    r = head_rstd[i]
+                    x1 = round_bf16(x1 * r * head_norm[j].to(Float32))
+                    x2 = round_bf16(x2 * r * head_norm[j + half].to(Float32))
+                p = positions[i]
+                c, sn = cos_sin[p, j], cos_sin[p, j + half]
+                y1 = (x1 * c - x2 * sn).to(BFloat16)
+                y2 = (x2 * c + x1 * sn).to(BFloat16)
+                if head < nq:
+                    q[i, head, j] = y1
+                    q[i, head, j + half] = y2
+                else:
+                    slot = slots[i]
+                    if slot >= 0:
+                        entry = kv_slot_entry(shape, cache, slot, head - nq,
+                                              kv_block_stride)  # fmt: skip
+                        entry[j] = y1
+                        entry[j + half] = y2
+        else:
+            for idx in cutlass.range(tidx, b * d, NUM_THREADS):
+                i, j = idx // d, idx % d
+                slot = slots[i]
+                if slot >= 0:
+                    entry = kv_slot_entry(shape, cache, slot, head - nq - nkv,
+                                          kv_block_stride)  # fmt: skip
+                    entry[d + j] = head_buf[i, j].to(BFloat16)
+        cute.arch.sync_threads()  # head_buf is reused by the next head

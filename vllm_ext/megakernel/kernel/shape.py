@@ -1,0 +1,141 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the kernel is compiled for, and the table of addresses it reads.
+
+Pure Python (no CuTe DSL, no vLLM): the host launcher and the GPU check
+import it where CuTe DSL is not installed.
+
+Model shape and batch bucket are compile-time constants (loops unroll, tile
+sizes fold); everything that moves per step or per engine (weights, KV
+cache, activations, the step's inputs) is an address in one int64 table
+``ptrs[num_layers + 1, NUM_SLOTS]``: row ``l`` for layer ``l``, the last row
+for the model-wide tensors. So one compiled kernel serves any number of
+layers and any KV cache size, and the launch takes a handful of scalars.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from enum import IntEnum
+
+
+class LayerSlot(IntEnum):
+    """Columns of a layer's row of the address table."""
+
+    INPUT_NORM = 0  # [hidden] bf16
+    QKV = 1  # [q_size + 2 kv_size, hidden] bf16
+    QKV_BIAS = 2  # [q_size + 2 kv_size] bf16 (0 when absent)
+    Q_NORM = 3  # [head_dim] bf16 (0 when absent)
+    K_NORM = 4
+    O_PROJ = 5  # [hidden, q_size]
+    POST_NORM = 6  # [hidden]
+    GATE_UP = 7  # [2 intermediate, hidden]
+    DOWN = 8  # [hidden, intermediate]
+    KV_CACHE = 9  # this layer's view, LBNHC
+    H_IN = 10  # [B, hidden] bf16: residual stream entering the layer
+    HMID = 11  # [B, hidden] after attention
+    Q = 12  # [B, q_heads, head_dim] bf16, normed and rotated
+    ATTN = 13  # [B, q_heads, head_dim] bf16
+    ACT = 14  # [B, intermediate] bf16
+    PART_O = 15  # [chunks, kv_heads, B, group, head_dim] fp32
+    PART_LSE = 16  # [chunks, kv_heads, B, group] fp32
+    H_OUT = 17  # [B, hidden]: H_IN of the next layer
+
+
+class GlobalSlot(IntEnum):
+    """Columns of the last row of the address table."""
+
+    EMBED = 0  # [vocab, hidden] bf16
+    FINAL_NORM = 1  # [hidden]
+    LM_HEAD = 2  # [vocab, hidden]
+    COS_SIN = 3  # [max_position, head_dim] fp32: cos half, then sin half
+    INPUT_IDS = 4  # [B] int32
+    POSITIONS = 5  # [B] int32
+    BLOCK_TABLE = 6  # [B, block_table_stride] int32
+    SEQ_LENS = 7  # [B] int32, 0 for a padded row
+    SLOT_MAPPING = 8  # [B] int32, -1 for a padded row
+    H0 = 9  # [B, hidden]: the embedding's output
+    H_LAST = 10  # [B, hidden]: the last layer's output
+    OUT = 11  # [B, hidden] bf16: final-normed hidden states
+    LOGITS = 12  # [B, vocab] fp32
+
+
+NUM_SLOTS = 18
+# Requests accumulated per pass over a weight row (see ops/gemv.py).
+BATCH_GROUP = 8
+
+
+@dataclass(frozen=True)
+class KernelShape:
+    """Compile-time constants of one kernel build (bf16 weights)."""
+
+    hidden: int
+    intermediate: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    batch: int
+    block_size: int
+    attn_chunks: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    qk_norm: bool
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "intermediate", "head_dim"):
+            if getattr(self, name) % 8:
+                raise ValueError(f"{name} must be a multiple of 8 (128-bit loads)")
+        if self.head_dim not in (64, 128):
+            raise ValueError("head_dim must be 64 or 128")
+        if self.batch > BATCH_GROUP and self.batch % BATCH_GROUP:
+            raise ValueError(
+                f"batch {self.batch}: above {BATCH_GROUP}, a multiple of "
+                f"{BATCH_GROUP} (the GEMV's request groups)"
+            )
+        if self.q_heads % self.kv_heads:
+            raise ValueError("q_heads must be a multiple of kv_heads")
+
+    @property
+    def group(self) -> int:
+        return self.q_heads // self.kv_heads
+
+    @property
+    def q_size(self) -> int:
+        return self.q_heads * self.head_dim
+
+    @classmethod
+    def from_program(cls, program, block_size: int) -> KernelShape:
+        s = program.spec
+        return cls(
+            hidden=s.hidden_size,
+            intermediate=s.intermediate_size,
+            q_heads=s.num_q_heads,
+            kv_heads=s.num_kv_heads,
+            head_dim=s.head_dim,
+            vocab=s.vocab_size,
+            batch=program.batch,
+            block_size=block_size,
+            attn_chunks=program.attn_chunks,
+            rms_norm_eps=s.rms_norm_eps,
+            qkv_bias=s.qkv_bias,
+            qk_norm=s.qk_norm,
+        )
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def workspace_sizes(shape: KernelShape, num_layers: int) -> dict[str, tuple]:
+    """Per-step activation buffers (shapes), each written once per step."""
+    b, h, d = shape.batch, shape.hidden, shape.head_dim
+    return {
+        "h": (num_layers + 1, b, h),
+        "hmid": (num_layers, b, h),
+        "q": (num_layers, b, shape.q_heads, d),
+        "attn": (num_layers, b, shape.q_heads, d),
+        "act": (num_layers, b, shape.intermediate),
+        "part_o": (num_layers, shape.attn_chunks, shape.kv_heads, b, shape.group, d),
+        "part_lse": (num_layers, shape.attn_chunks, shape.kv_heads, b, shape.group),
+        "out": (b, h),
+        "logits": (b, shape.vocab),
+    }
