@@ -104,3 +104,21 @@ def test_harness_names_the_wrong_buffer(harness):
     errors = result["steps"][0]["errors"]
     assert errors["act"]["layer"] == 1 and errors["act"]["max"] > d.TOLERANCE
     assert errors["q"]["max"] <= d.TOLERANCE  # upstream buffers still agree
+
+
+def test_report_table():
+    d = _device_run()
+    report = {
+        "gpu": "NVIDIA H200", "num_sms": 132, "torch": "2.11", "skipped": [],
+        "manifest": {"commit": "abc1234"}, "bandwidth": {"read_bytes_per_s": 4e12},
+        "cases": {"llama-3.2-1b-b1": {
+            "correctness": {"ok": True},
+            "timing": {"megakernel_ms": 1.0, "per_op_graph_ms": 1.5,
+                       "weight_bytes": 2_000_000_000},
+        }},
+        "trap": {"ok": True}, "sanitizer": "not installed on this machine",
+    }  # fmt: skip
+    table = d.markdown(report)
+    # floor = 2 GB at 4 TB/s = 0.5 ms: 0.5 of the floor, 1.5x the per-op step.
+    assert "| llama-3.2-1b-b1 | True | 1.000 | 1.500 | 0.500 | 0.500 | 1.500 |" in table
+    assert "4.00 TB/s" in table and "abc1234" in table

@@ -139,6 +139,10 @@ class KernelExecutor:
         self.block_table = torch.zeros(b, max_blocks, dtype=torch.int32, device=dev)
         self.cos_sin = weights.cos_sin.to(device=dev, dtype=torch.float32).contiguous()
         self.ptrs_host = self._table()
+        if dev.type == "cuda":
+            # Pinned: re-uploading it (KV binding) is then an async copy,
+            # legal even inside a CUDA-graph capture.
+            self.ptrs_host = self.ptrs_host.pin_memory()
         self.ptrs = self.ptrs_host.to(dev)
         self.kv_caches: tuple[torch.Tensor, ...] | None = None
         self.kv_block_stride = 0

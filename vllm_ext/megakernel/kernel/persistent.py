@@ -17,13 +17,18 @@ address comes from the table ``ptrs`` (``shape.py``).
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
 from vllm_ext.megakernel.isa import WORDS, Op
 from vllm_ext.megakernel.kernel.ops.attn import attn
 from vllm_ext.megakernel.kernel.ops.combine import combine
-from vllm_ext.megakernel.kernel.ops.common import NUM_THREADS, NUM_WARPS
+from vllm_ext.megakernel.kernel.ops.common import (
+    NUM_THREADS,
+    NUM_WARPS,
+    VEC,
+    stages_input,
+)
 from vllm_ext.megakernel.kernel.ops.embed import embed
 from vllm_ext.megakernel.kernel.ops.final_norm import final_norm
 from vllm_ext.megakernel.kernel.ops.prefetch import prefetch_weights
@@ -96,6 +101,10 @@ class Megakernel:
             Float32, cute.make_layout((s.batch, s.head_dim), stride=(s.head_dim, 1)), 16
         )
         head_rstd = smem.allocate_tensor(Float32, cute.make_layout(s.batch), 16)
+        stage = (s.batch, s.hidden) if stages_input(s) else (1, VEC)
+        x_stage = smem.allocate_tensor(
+            BFloat16, cute.make_layout(stage, stride=(stage[1], 1)), 16
+        )
         warp_m = smem.allocate_tensor(
             Float32, cute.make_layout((NUM_WARPS, s.group), stride=(s.group, 1)), 16
         )
@@ -148,7 +157,7 @@ class Megakernel:
 
             if op == Op.QKV:
                 qkv(s, ptrs, layer, glob, a0, a1, kv_block_stride, rstd, head_buf,
-                    head_rstd)  # fmt: skip
+                    head_rstd, x_stage)  # fmt: skip
             elif op == Op.ATTN:
                 attn(s, ptrs, layer, glob, a0, a1, kv_block_stride,
                      block_table_stride, attn_scale, warp_m, warp_l,
@@ -158,7 +167,7 @@ class Megakernel:
             elif op == Op.O_PROJ:
                 o_proj(s, ptrs, layer, a0, a1, rstd)
             elif op == Op.GATE_UP:
-                gate_up(s, ptrs, layer, a0, a1, rstd)
+                gate_up(s, ptrs, layer, a0, a1, rstd, x_stage)
             elif op == Op.DOWN:
                 down(s, ptrs, layer, a0, a1, rstd)
             elif op == Op.EMBED:

@@ -77,12 +77,43 @@ def row_rstd(x: cute.Tensor, rstd: cute.Tensor, eps: cutlass.Constexpr):
     cute.arch.sync_threads()
 
 
+# Shared memory for a normed copy of a projection's input (all requests):
+# each element is then normed once per instruction instead of once per
+# output row, and re-read from shared memory instead of L1.
+STAGE_BYTES = 64 * 1024
+
+
+def stages_input(shape) -> bool:
+    """Whether the normed input of QKV / GATE_UP fits the staging buffer."""
+    return shape.batch * shape.hidden * 2 <= STAGE_BYTES
+
+
+@cute.jit
+def stage_normed(
+    x: cute.Tensor, norm: cute.Tensor, rstd: cute.Tensor, out: cute.Tensor
+):
+    """``out[b] = bf16(x[b] * rstd[b] * norm)`` (the reference's RMSNorm
+    output) for every row, a 128-bit vector per thread, then a barrier."""
+    tidx, _, _ = thread_ids()
+    rows, k = x.shape
+    n_vec = k // VEC
+    nv = vectors(norm)
+    for idx in cutlass.range(tidx, rows * n_vec, NUM_THREADS):
+        b, j = idx // n_vec, idx % n_vec
+        v = load_f32(vectors(x[b, None]), j) * rstd[b] * load_f32(nv, j)
+        r = cute.make_rmem_tensor((VEC,), BFloat16)
+        r.store(v.to(BFloat16))
+        cute.autovec_copy(r, vectors(out[b, None])[None, j])
+    cute.arch.sync_threads()
+
+
 def thread_ids():
     tidx, _, _ = cute.arch.thread_idx()
     return tidx, tidx // 32, tidx % 32
 
 
 __all__ = [
-    "BATCH_GROUP", "NUM_THREADS", "NUM_WARPS", "VEC", "Int32", "gmem", "load_f32",
-    "round_bf16", "row_rstd", "thread_ids", "vectors", "warp_sum",
+    "BATCH_GROUP", "NUM_THREADS", "NUM_WARPS", "STAGE_BYTES", "VEC", "Int32", "gmem",
+    "load_f32", "round_bf16", "row_rstd", "stage_normed", "stages_input",
+    "thread_ids", "vectors", "warp_sum",
 ]  # fmt: skip

@@ -8,46 +8,57 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 
-from vllm_ext.megakernel.kernel.ops.common import gmem, round_bf16, row_rstd
+from vllm_ext.megakernel.kernel.ops.common import (
+    gmem,
+    round_bf16,
+    row_rstd,
+    stage_normed,
+    stages_input,
+)
 from vllm_ext.megakernel.kernel.ops.gemv import gemv
 from vllm_ext.megakernel.kernel.shape import GlobalSlot, KernelShape, LayerSlot
 
 
-def _residual(out: cute.Tensor, res: cute.Tensor):
-    """out = bf16(bf16(s) + res): the projection rounds, then the add."""
+@cute.jit
+def _residual_projection(
+    s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi, rstd,
+    weight: cutlass.Constexpr, x: cutlass.Constexpr, k: cutlass.Constexpr,
+    res: cutlass.Constexpr, out: cutlass.Constexpr,
+):  # fmt: skip
+    """table[out][:, lo:hi] = table[res][:, lo:hi] + table[x] @ W[lo:hi].T,
+    W = table[weight] ``[hidden, k]``; the projection rounds to bf16, then
+    the add does."""
+    shape: KernelShape = s
+    b, h = shape.batch, shape.hidden
+    w = gmem(BFloat16, ptrs[layer, weight], (h, k))
+    xs = gmem(BFloat16, ptrs[layer, x], (b, k))
+    residual = gmem(BFloat16, ptrs[layer, res], (b, h))
+    dst = gmem(BFloat16, ptrs[layer, out], (b, h))
 
-    def epilogue(row, b, s, _):
-        out[b, row] = (round_bf16(s) + res[b, row].to(Float32)).to(BFloat16)
+    def epilogue(row, i, s1, _):
+        dst[i, row] = (round_bf16(s1) + residual[i, row].to(Float32)).to(BFloat16)
 
-    return epilogue
+    gemv(w, w, xs, residual[0, None], rstd, lo, hi, epilogue, False, False)
 
 
 @cute.jit
 def o_proj(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi, rstd):
     """hmid[:, lo:hi] = h[:, lo:hi] + attn @ Wo[lo:hi].T"""
-    shape: KernelShape = s
-    b, h, q = shape.batch, shape.hidden, shape.q_size
-    w = gmem(BFloat16, ptrs[layer, LayerSlot.O_PROJ], (h, q))
-    attn = gmem(BFloat16, ptrs[layer, LayerSlot.ATTN], (b, q))
-    res = gmem(BFloat16, ptrs[layer, LayerSlot.H_IN], (b, h))
-    out = gmem(BFloat16, ptrs[layer, LayerSlot.HMID], (b, h))
-    gemv(w, w, attn, res[0, None], rstd, lo, hi, _residual(out, res), False, False)
+    _residual_projection(s, ptrs, layer, lo, hi, rstd, LayerSlot.O_PROJ,
+                         LayerSlot.ATTN, s.q_size, LayerSlot.H_IN,
+                         LayerSlot.HMID)  # fmt: skip
 
 
 @cute.jit
 def down(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi, rstd):
     """h_out[:, lo:hi] = hmid[:, lo:hi] + act @ Wd[lo:hi].T"""
-    shape: KernelShape = s
-    b, h, inter = shape.batch, shape.hidden, shape.intermediate
-    w = gmem(BFloat16, ptrs[layer, LayerSlot.DOWN], (h, inter))
-    act = gmem(BFloat16, ptrs[layer, LayerSlot.ACT], (b, inter))
-    res = gmem(BFloat16, ptrs[layer, LayerSlot.HMID], (b, h))
-    out = gmem(BFloat16, ptrs[layer, LayerSlot.H_OUT], (b, h))
-    gemv(w, w, act, res[0, None], rstd, lo, hi, _residual(out, res), False, False)
+    _residual_projection(s, ptrs, layer, lo, hi, rstd, LayerSlot.DOWN,
+                         LayerSlot.ACT, s.intermediate, LayerSlot.HMID,
+                         LayerSlot.H_OUT)  # fmt: skip
 
 
 @cute.jit
-def gate_up(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi, rstd):
+def gate_up(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi, rstd, x_stage):
     """act[:, lo:hi] = SiLU(x @ Wg[lo:hi].T) * (x @ Wu[lo:hi].T),
     x = RMSNorm(hmid): gate row r and up row I + r share a warp."""
     shape: KernelShape = s
@@ -65,7 +76,11 @@ def gate_up(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi, rstd):
         silu = g / (Float32(1.0) + cute.math.exp(-g))
         act[i, row] = (silu * round_bf16(su)).to(BFloat16)
 
-    gemv(gate, up, x, norm, rstd, lo, hi, epilogue, True, True)
+    if cutlass.const_expr(stages_input(shape)):
+        stage_normed(x, norm, rstd, x_stage)
+        gemv(gate, up, x_stage, norm, rstd, lo, hi, epilogue, False, True)
+    else:
+        gemv(gate, up, x, norm, rstd, lo, hi, epilogue, True, True)
 
 
 @cute.jit

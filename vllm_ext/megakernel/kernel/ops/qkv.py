@@ -17,6 +17,8 @@ from vllm_ext.megakernel.kernel.ops.common import (
     gmem,
     round_bf16,
     row_rstd,
+    stage_normed,
+    stages_input,
     thread_ids,
     warp_sum,
 )
@@ -52,6 +54,7 @@ def qkv(
     rstd: cute.Tensor,  # smem [B]
     head_buf: cute.Tensor,  # smem [B, head_dim] fp32
     head_rstd: cute.Tensor,  # smem [B]
+    x_stage: cute.Tensor,  # smem [B, hidden] bf16 when stages_input(shape)
 ):
     shape: KernelShape = s
     b, h, d = shape.batch, shape.hidden, shape.head_dim
@@ -71,10 +74,15 @@ def qkv(
     tidx, warp, lane = thread_ids()
 
     row_rstd(x, rstd, shape.rms_norm_eps)
+    if cutlass.const_expr(stages_input(shape)):
+        stage_normed(x, norm, rstd, x_stage)
     for head in cutlass.range(lo, hi):
         first = head * d
-        gemv(w, w, x, norm, rstd, first, first + d,
-             _store_head(head_buf, first, bias), True, False)  # fmt: skip
+        epilogue = _store_head(head_buf, first, bias)
+        if cutlass.const_expr(stages_input(shape)):
+            gemv(w, w, x_stage, norm, rstd, first, first + d, epilogue, False, False)
+        else:
+            gemv(w, w, x, norm, rstd, first, first + d, epilogue, True, False)
         cute.arch.sync_threads()
         if head < nq + nkv:
             if cutlass.const_expr(shape.qk_norm):
