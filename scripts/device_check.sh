@@ -7,8 +7,9 @@
 #
 #   python3 scripts/device_run.py .device "$OUT"
 #
-# checks every case against the program interpreter, times it against a
-# CUDA-graph per-op step and the weight-read floor, checks the trap, and
+# checks every case against the program interpreter (and its attention
+# against FlashInfer's), times it against a CUDA-graph per-op step
+# (FlashInfer attention) and the weight-read floor, checks the trap, and
 # writes $OUT/device_check.{json,md}. Record its figures in docs/perf.md.
 #
 #   scripts/device_check.sh [--dry-run]   # --dry-run: build and report size only
@@ -32,6 +33,11 @@ for model in $MODELS; do
         mv "$out.json" "$out/build.json"
     done
 done
+# FlashInfer's paged decode attention: the attention reference and the
+# per-op baseline's attention on the GPU (DEVICE_CHECK_FLASHINFER=0 skips).
+if [[ ${DEVICE_CHECK_FLASHINFER:-1} == 1 ]]; then
+    "$VENV/bin/python" "$ROOT/scripts/baseline/build_flashinfer.py" "$BUNDLE" >/dev/null
+fi
 "$VENV/bin/python" - "$BUNDLE" "$(git -C "$ROOT" rev-parse --short HEAD)" <<'PY'
 import json, sys, pathlib
 bundle, commit = pathlib.Path(sys.argv[1]), sys.argv[2]

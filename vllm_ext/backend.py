@@ -122,6 +122,7 @@ class MegakernelDecodeBackend(DecodeBackend):
             self.buckets,
             block_size=block_size,
             max_blocks=-(-max_len // block_size),
+            cache_dir=envs.VLLM_MEGAKERNEL_CACHE_DIR,
             logger=logger,
         )
 

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     VLLM_MEGAKERNEL_MAX_BATCH: int = 64
     VLLM_MEGAKERNEL_INTERPRET_DEVICE: str = "h200"
     VLLM_MEGAKERNEL_INTERPRET_SEED: int = 0
+    VLLM_MEGAKERNEL_CACHE_DIR: str | None = None
 
 
 def _bool(name: str) -> bool:
@@ -65,6 +66,13 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # In reference mode: seed of the random interleaving of the SMs' queues.
     "VLLM_MEGAKERNEL_INTERPRET_SEED": lambda: _int(
         "VLLM_MEGAKERNEL_INTERPRET_SEED", 0, minimum=0
+    ),
+    # Where built kernel libraries are kept, one folder per cache key (model
+    # shape, batch bucket, arch, kernel sources); default
+    # ~/.cache/vllm_megakernel. A folder filled on a build machine can be
+    # shipped to servers without a compiler.
+    "VLLM_MEGAKERNEL_CACHE_DIR": lambda: (
+        os.environ.get("VLLM_MEGAKERNEL_CACHE_DIR") or None
     ),
 }
 

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,7 @@ def _device_run():
 
 def test_dry_run_builds_a_small_bundle():
     env = {**os.environ, "DEVICE_CHECK_MODELS": "llama-3.2-1b",
-           "DEVICE_CHECK_BATCHES": "1"}  # fmt: skip
+           "DEVICE_CHECK_BATCHES": "1", "DEVICE_CHECK_FLASHINFER": "0"}  # fmt: skip
     proc = subprocess.run(
         [str(ROOT / "scripts" / "device_check.sh"), "--dry-run"],
         capture_output=True, text=True, timeout=600, env=env,
@@ -122,3 +123,38 @@ def test_report_table():
     # floor = 2 GB at 4 TB/s = 0.5 ms: 0.5 of the floor, 1.5x the per-op step.
     assert "| llama-3.2-1b-b1 | True | 1.000 | 1.500 | 0.500 | 0.500 | 1.500 |" in table
     assert "4.00 TB/s" in table and "abc1234" in table
+
+
+def test_flashinfer_baseline_builds(tmp_path):
+    """FlashInfer's paged decode, built here for the GPU check: one C entry
+    point, and nothing but libc/libstdc++ needed at run time."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "baseline" / "build_flashinfer.py"),
+         str(tmp_path)],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    library = tmp_path / "libflashinfer_decode_sm_90a.so"
+    symbols = subprocess.run(
+        ["nm", "-D", "--defined-only", str(library)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "flashinfer_paged_decode" in symbols
+    dynamic = subprocess.run(["readelf", "-d", str(library)], capture_output=True,
+                             text=True, check=True).stdout  # fmt: skip
+    needed = {line.split("[")[1].rstrip("]") for line in dynamic.splitlines()
+              if "(NEEDED)" in line}  # fmt: skip
+    assert needed <= {"libc.so.6", "libstdc++.so.6", "libgcc_s.so.1",
+                      "libm.so.6", "ld-linux-x86-64.so.2"}  # fmt: skip
+
+
+def test_flashinfer_page_lists():
+    d = _device_run()
+    table = torch.tensor([[7, 3, 9], [4, 0, 0]], dtype=torch.int32)
+    plan = d.FlashInferDecode.plan(table, torch.tensor([33, 16], dtype=torch.int32), 16)
+    # 33 tokens: 3 pages, the last holding 1; 16 tokens: 1 full page.
+    assert plan["indices"].tolist() == [7, 3, 9, 4]
+    assert plan["indptr"].tolist() == [0, 3, 4]
+    assert plan["last"].tolist() == [1, 16]

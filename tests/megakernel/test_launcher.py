@@ -136,3 +136,47 @@ def test_gpu_executor_builds_every_bucket_and_picks_one(tmp_path, monkeypatch):
         assert standins[ex.executors[n].queue.data_ptr()].launches == 1
     with pytest.raises(MegakernelError, match="above the largest bucket"):
         ex.step(random_decode_inputs(spec, 3, seed=3))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_workspace_is_the_interpreters_buffers(arch):
+    """The kernel's buffers (shape.workspace_sizes) have, layer by layer, the
+    exact shapes of the interpreter's: the GPU check compares them one to
+    one, and the stand-in copies between them (a broadcast would hide a
+    mismatch there)."""
+    from vllm_ext.megakernel.interpret import ProgramInterpreter
+    from vllm_ext.megakernel.kernel.shape import KernelShape, workspace_sizes
+
+    spec = make_spec(arch, torch.bfloat16)
+    weights = random_weights(spec, seed=1)
+    program = plan(spec, 4, DEVICE, with_lm_head=True)
+    interp = ProgramInterpreter(program, weights)
+    interp.step(random_decode_inputs(spec, 4, seed=1))
+    sizes = workspace_sizes(KernelShape.from_program(program, BLOCK_SIZE),
+                            spec.num_layers)  # fmt: skip
+    for name, dims in sizes.items():
+        if name == "logits":
+            assert tuple(interp.logits.shape) == dims
+        elif name == "out":
+            assert tuple(interp.buf["out"].shape) == dims
+        else:
+            per_layer = interp.buf[name]
+            assert len(per_layer) == dims[0]
+            assert all(tuple(t.shape) == dims[1:] for t in per_layer), name
+
+
+def test_gpu_executor_names_what_a_failed_build_needs(tmp_path, monkeypatch):
+    from vllm_ext.megakernel.kernel import aot
+    from vllm_ext.megakernel.kernel import executor as gpu
+
+    def no_toolkit(arch, out, shape):
+        raise FileNotFoundError("CUDA 13 toolkit with libcudart_static.a not found")
+
+    monkeypatch.setattr(gpu, "arch_for_device", lambda device: "sm_90a")
+    monkeypatch.setattr(gpu, "device_for", lambda device, arch: DEVICE)
+    monkeypatch.setattr(aot, "build", no_toolkit)
+    spec = make_spec("llama", torch.bfloat16)
+    with pytest.raises(MegakernelError, match="VLLM_MEGAKERNEL_CACHE_DIR"):
+        gpu.GpuExecutor(spec, random_weights(spec, seed=1), torch.device("cpu"),
+                        (1,), block_size=BLOCK_SIZE, max_blocks=4,
+                        cache_dir=tmp_path)  # fmt: skip

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -51,7 +52,7 @@ class GpuExecutor:
         *,
         block_size: int,
         max_blocks: int,
-        cache_dir: Path | None = None,
+        cache_dir: str | Path | None = None,
         logger: logging.Logger | None = None,
     ) -> None:
         from vllm_ext.megakernel.build import library_for
@@ -72,13 +73,25 @@ class GpuExecutor:
         shapes = {
             b: KernelShape.from_program(p, block_size) for b, p in programs.items()
         }
+        cache_dir = Path(cache_dir) if cache_dir else None
+
+        def build(shape: KernelShape) -> Path:
+            try:
+                return library_for(shape, arch, cache_dir, log=log)
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                raise MegakernelError(
+                    f"building the megakernel for {arch} (batch {shape.batch}) "
+                    f"failed: {e}. A build needs nvidia-cutlass-dsl[cu13], a CUDA "
+                    "13 toolkit (headers, libcudart_static.a; CUDA_HOME) and gcc; "
+                    "or point VLLM_MEGAKERNEL_CACHE_DIR at libraries built "
+                    "elsewhere."
+                ) from e
+
         # Builds are separate compiler processes: run the missing ones at once.
         with ThreadPoolExecutor(
             max_workers=min(len(shapes), os.cpu_count() or 1)
         ) as pool:
-            paths = dict(zip(shapes, pool.map(
-                lambda s: library_for(s, arch, cache_dir, log=log), shapes.values()
-            ), strict=True))  # fmt: skip
+            paths = dict(zip(shapes, pool.map(build, shapes.values()), strict=True))
         self.executors: dict[int, KernelExecutor] = {}
         for bucket, program in programs.items():
             library = KernelLibrary(paths[bucket], device.index or 0)

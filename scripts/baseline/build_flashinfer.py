@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Build FlashInfer's paged decode attention for the GPU check, here (no
+GPU): ``flashinfer_decode.cu`` against the headers of flashinfer-python
+0.7.0.post1 (what vLLM 0.32.0 pins) and the CCCL they need, with nvcc from
+the CUDA 13 toolkit, into ``OUT/libflashinfer_decode_sm_90a.so``.
+
+    python scripts/baseline/build_flashinfer.py OUT
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from vllm_ext.megakernel.kernel.aot import cuda_home  # noqa: E402
+
+WHEELS = {"flashinfer-python": "0.7.0.post1", "nvidia-cuda-cccl": "13.3.5.0.6"}
+# What each wheel contributes: headers only.
+PREFIXES = {
+    "flashinfer-python": "flashinfer/data/include/",
+    "nvidia-cuda-cccl": "nvidia/cu13/include/cccl/",
+}
+CACHE = ROOT / ".cache" / "flashinfer"
+
+
+def fetch() -> tuple[Path, Path]:
+    """(FlashInfer's include dir, CCCL's include dir), unpacked once."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    for name, version in WHEELS.items():
+        stamp = CACHE / f"{name}-{version}.done"
+        if stamp.exists():
+            continue
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-q",
+             f"{name}=={version}", "-d", str(CACHE / "wheels")],
+            check=True,
+        )  # fmt: skip
+        wheel = next(
+            (CACHE / "wheels").glob(f"{name.replace('-', '_')}-{version}-*.whl")
+        )
+        prefix = ("flashinfer/data/include/",) if name == "flashinfer-python" else (
+            "nvidia/cu13/include/cccl/",
+        )  # fmt: skip
+        with zipfile.ZipFile(wheel) as z:
+            z.extractall(
+                CACHE / name, [n for n in z.namelist() if n.startswith(prefix)]
+            )
+        stamp.touch()
+    return (
+        CACHE / "flashinfer-python" / "flashinfer" / "data" / "include",
+        CACHE / "nvidia-cuda-cccl" / "nvidia" / "cu13" / "include" / "cccl",
+    )
+
+
+def main() -> int:
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    flashinfer, cccl = fetch()
+    library = out / "libflashinfer_decode_sm_90a.so"
+    subprocess.run(
+        [str(cuda_home() / "bin" / "nvcc"), "-std=c++17", "-O3", "-DNDEBUG",
+         "-use_fast_math", "--expt-relaxed-constexpr", "-DFLASHINFER_ENABLE_BF16",
+         "-arch=sm_90a", "-Xcompiler", "-fPIC,-fvisibility=hidden", "-shared",
+         "-cudart", "static", f"-I{cccl}", f"-I{flashinfer}",
+         str(Path(__file__).with_name("flashinfer_decode.cu")), "-o", str(library)],
+        check=True,
+    )  # fmt: skip
+    print(library)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
