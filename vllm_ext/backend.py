@@ -18,6 +18,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.worker.decode_backend import DecodeBackend
 
 from vllm_ext import envs
+from vllm_ext.megakernel.kernel.launcher import ARCH_OF_CAPABILITY
 from vllm_ext.megakernel.planner import batch_buckets
 from vllm_ext.model_spec import ModelSpec
 from vllm_ext.runner import DecodeExecutor, decode_inputs_from_forward_context
@@ -26,7 +27,10 @@ from vllm_ext.weights import DecodeWeights
 # Under "vllm." so records go through vLLM's handlers, level and format.
 logger = init_logger(f"vllm.{__name__}")
 
-MIN_CAPABILITY = (9, 0)
+# The GPUs the kernel is built for, in words for the error messages.
+SUPPORTED_GPUS = "an NVIDIA GPU of compute capability {} (H100/H200, B200)".format(
+    " or ".join(f"{a}.{b}" for a, b in ARCH_OF_CAPABILITY)
+)
 INTERPRET_HINT = (
     "To run the same decode steps through the PyTorch reference executor "
     "(slow, for testing), set VLLM_MEGAKERNEL_INTERPRET=1."
@@ -165,40 +169,29 @@ def _attention_backend_for_platform(interpret: bool) -> AttentionBackendEnum:
     """The attention backend that writes the cache layout the megakernel
     reads: FlashAttention on a GPU, our PyTorch one in CPU reference mode."""
     if current_platform.is_cuda():
-        capability = current_platform.get_device_capability()
-        if not interpret and (capability is None or tuple(capability) < MIN_CAPABILITY):
-            raise ValueError(
-                "--decode-backend megakernel needs an NVIDIA GPU of compute "
-                f"capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer "
-                f"(Hopper, Blackwell); this one has {capability}. " + INTERPRET_HINT
-            )
+        # Which GPUs the compiled kernel runs on: _check_gpu_kernel.
         return AttentionBackendEnum.FLASH_ATTN
     if current_platform.is_cpu():
         if not interpret:
             raise ValueError(
-                "--decode-backend megakernel needs an NVIDIA GPU of compute "
-                f"capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer "
-                "(Hopper, Blackwell), and this machine has none (vLLM platform: "
-                "cpu). " + INTERPRET_HINT
+                f"--decode-backend megakernel needs {SUPPORTED_GPUS}, and this "
+                "machine has none (vLLM platform: cpu). " + INTERPRET_HINT
             )
         return AttentionBackendEnum.MEGAKERNEL
     raise ValueError(
         f"--decode-backend megakernel does not support the "
-        f"{current_platform.device_name!r} platform; it needs an NVIDIA GPU "
-        f"(sm_90 or newer), or a CPU with VLLM_MEGAKERNEL_INTERPRET=1."
+        f"{current_platform.device_name!r} platform; it needs {SUPPORTED_GPUS}, "
+        "or a CPU with VLLM_MEGAKERNEL_INTERPRET=1."
     )
 
 
 def _check_gpu_kernel(vllm_config: VllmConfig) -> None:
     """What the compiled kernel (not the reference) needs."""
-    from vllm_ext.megakernel.kernel.launcher import ARCH_OF_CAPABILITY
-
     capability = tuple(current_platform.get_device_capability() or ())
     if capability not in ARCH_OF_CAPABILITY:
         raise ValueError(
-            f"--decode-backend megakernel is built for compute capability "
-            f"{', '.join(f'{a}.{b}' for a, b in ARCH_OF_CAPABILITY)} "
-            f"(H100/H200, B200); this GPU has {capability}. " + INTERPRET_HINT
+            f"--decode-backend megakernel needs {SUPPORTED_GPUS}; this GPU has "
+            f"{capability}. " + INTERPRET_HINT
         )
     dtype = vllm_config.model_config.dtype
     if dtype != torch.bfloat16:

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The CuTe DSL persistent kernel (work in progress: the CTA loop, the
-counter protocol and a GEMV tile; the other instructions follow).
+"""The CuTe DSL persistent kernel: the CTA loop (``persistent.py``), one
+device function per instruction (``ops/``), the AOT build (``aot.py``) and
+the host side (``launcher.py``, ``executor.py``).
 
 Importing this package does not import CuTe DSL: ``aot.build`` compiles in
 a subprocess, because ``CUTE_DSL_ARCH`` must be set before ``cutlass`` is
-imported and must match the target arch.
+imported and must match the target arch; the host side needs only torch.
 """

@@ -29,8 +29,9 @@ from vllm_ext.weights import DecodeWeights
 
 # Kernel architecture of each compute capability the kernel is built for.
 ARCH_OF_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
-# Polls of a counter before a wait traps (x 32 ns back-off: ~0.5 s at least,
-# far past any real step, far short of a hung server).
+# Polls of a counter before a wait traps (x a 32 ns nanosleep, which PTX
+# only bounds by twice that: up to ~1 s, far past any real step, far short
+# of a hung server).
 DEFAULT_MAX_SPINS = 1 << 24
 
 

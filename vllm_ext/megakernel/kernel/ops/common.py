@@ -6,7 +6,7 @@ import operator
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float32, Int64
 
 from vllm_ext.megakernel.kernel.shape import BATCH_GROUP
 
@@ -113,7 +113,7 @@ def thread_ids():
 
 
 __all__ = [
-    "BATCH_GROUP", "NUM_THREADS", "NUM_WARPS", "STAGE_BYTES", "VEC", "Int32", "gmem",
+    "BATCH_GROUP", "NUM_THREADS", "NUM_WARPS", "STAGE_BYTES", "VEC", "gmem",
     "load_f32", "round_bf16", "row_rstd", "stage_normed", "stages_input",
     "thread_ids", "vectors", "warp_sum",
 ]  # fmt: skip
