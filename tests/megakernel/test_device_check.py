@@ -97,14 +97,46 @@ def test_harness_passes_a_correct_kernel(harness):
     )
 
 
-def test_harness_names_the_wrong_buffer(harness):
+@pytest.mark.parametrize(
+    "buffer, op", [("act", "GATE_UP"), ("q", "QKV"), ("part_o", "ATTN")]
+)
+def test_harness_names_the_wrong_instruction(harness, buffer, op):
+    """The local checks judge each instruction on the kernel's own inputs:
+    a wrong buffer fails its producer at its layer, and the instructions
+    upstream of it still pass."""
     d, case, corrupt = harness
-    corrupt.update(name="act", layer=1)
+    corrupt.update(name=buffer, layer=1)
     result = d.correctness(case)
     assert not result["ok"]
     errors = result["steps"][0]["errors"]
-    assert errors["act"]["layer"] == 1 and errors["act"]["max"] > d.TOLERANCE
-    assert errors["q"]["max"] <= d.TOLERANCE  # upstream buffers still agree
+    assert errors[op]["layer"] == 1 and errors[op]["max"] > errors[op]["tol"]
+    assert errors["EMBED"]["max"] <= errors["EMBED"]["tol"]
+    if op != "QKV":
+        assert errors["QKV"]["max"] <= errors["QKV"]["tol"]
+
+
+def test_local_checks_cover_every_instruction(harness):
+    d, case, _ = harness
+    errors = d.correctness(case)["steps"][0]["errors"]
+    kinds = {"EMBED", "QKV", "KV_APPEND", "ATTN", "ATTN_LSE", "COMBINE", "O_PROJ",
+             "GATE_UP", "DOWN", "FINAL_NORM", "LM_HEAD"}  # fmt: skip
+    assert kinds <= set(errors)
+    assert all(e["max"] <= e["tol"] for e in errors.values())
+
+
+def test_queue_variant_keeps_only_what_it_is_asked_to():
+    d = _device_run()
+    spec = make_spec("llama", torch.bfloat16)
+    program = plan(spec, 2, DEVICES["h200"], with_lm_head=True)
+    queue, lengths = program.encode()
+    only_qkv = d.queue_variant(queue, (d.Op.QKV,), waits=False)
+    ops = only_qkv[..., 0]
+    assert set(ops.unique().tolist()) == {int(d.Op.NOP), int(d.Op.QKV)}
+    assert (ops == int(d.Op.QKV)).sum() == (queue[..., 0] == int(d.Op.QKV)).sum()
+    assert (only_qkv[..., 4] == d.NO_COUNTER).all()
+    assert torch.equal(only_qkv[..., 1:4], queue[..., 1:4])
+    assert torch.equal(d.queue_variant(queue), queue)
+    assert (d.queue_variant(queue, ())[..., 0] == int(d.Op.NOP)).all()
 
 
 def test_report_table():
@@ -115,13 +147,19 @@ def test_report_table():
         "cases": {"llama-3.2-1b-b1": {
             "correctness": {"ok": True},
             "timing": {"megakernel_ms": 1.0, "per_op_graph_ms": 1.5,
-                       "weight_bytes": 2_000_000_000},
+                       "gemm_attn_graph_ms": 1.2, "weight_bytes": 2_000_000_000,
+                       "breakdown": {"QKV": {"ms": 0.1, "weight_bytes": 3e8},
+                                     "NOP": {"ms": 0.01, "weight_bytes": None}}},
         }},
         "trap": {"ok": True}, "sanitizer": "not installed on this machine",
     }  # fmt: skip
     table = d.markdown(report)
     # floor = 2 GB at 4 TB/s = 0.5 ms: 0.5 of the floor, 1.5x the per-op step.
-    assert "| llama-3.2-1b-b1 | True | 1.000 | 1.500 | 0.500 | 0.500 | 1.500 |" in table
+    assert (
+        "| llama-3.2-1b-b1 | True | 1.000 | 1.500 | 1.200 | 0.500 | 0.500 | 1.500 "
+        "| 1.200 |" in table
+    )
+    assert "| QKV | 0.100 (3.00) |" in table and "| NOP | 0.010 |" in table
     assert "4.00 TB/s" in table and "abc1234" in table
 
 
