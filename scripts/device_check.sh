@@ -20,18 +20,43 @@ VENV=${VLLM_MEGAKERNEL_VENV:-$ROOT/.venv}
 BUNDLE=$ROOT/.device
 MODELS=${DEVICE_CHECK_MODELS:-"llama-3.2-1b llama-3.1-8b"}
 BATCHES=${DEVICE_CHECK_BATCHES:-"1 4 16"}
+# Experimental kernel variants, checked and timed beside the default in the
+# same call: MODEL:BATCH:VARIANT, built into MODEL-bBATCH-VARIANT with the
+# variant's build flags (below). The breakdown tells their parts apart.
+VARIANTS=${DEVICE_CHECK_VARIANTS-"llama-3.2-1b:1:staged llama-3.1-8b:1:staged llama-3.2-1b:16:mma llama-3.1-8b:16:mma"}
+variant_flags() {
+    case $1 in
+        # weights into shared memory before each wait; the queue at launch
+        staged) echo --stage-weights --stage-queue ;;
+        # GEMVs on tensor cores; the queue at launch
+        mma) echo --mma-gemv --stage-queue ;;
+        *) echo "device_check: unknown variant $1" >&2; exit 2 ;;
+    esac
+}
 rm -rf "$BUNDLE"
 mkdir -p "$BUNDLE"
 cd "$ROOT"
+
+build_case() {  # MODEL BATCH OUT [build flags]
+    local model=$1 batch=$2 out=$3
+    shift 3
+    "$VENV/bin/python" -m vllm_ext.megakernel.build --config "$model" \
+        --batch "$batch" --arch sm_90a --out "$out" --json "$@" | tail -1 >"$out.json"
+    # Only the library, the program and the manifest travel.
+    rm -rf "$out/dump" "$out"/*.o "$out"/*.h
+    mv "$out.json" "$out/build.json"
+}
+
 for model in $MODELS; do
     for batch in $BATCHES; do
-        out=$BUNDLE/$model-b$batch
-        "$VENV/bin/python" -m vllm_ext.megakernel.build --config "$model" \
-            --batch "$batch" --arch sm_90a --out "$out" --json | tail -1 >"$out.json"
-        # Only the library, the program and the manifest travel.
-        rm -rf "$out/dump" "$out"/*.o "$out"/*.h
-        mv "$out.json" "$out/build.json"
+        build_case "$model" "$batch" "$BUNDLE/$model-b$batch"
     done
+done
+for triple in $VARIANTS; do
+    IFS=: read -r model batch variant <<<"$triple"
+    flags=$(variant_flags "$variant")
+    # shellcheck disable=SC2086  # the flags are words
+    build_case "$model" "$batch" "$BUNDLE/$model-b$batch-$variant" $flags
 done
 # FlashInfer's paged decode attention: the attention reference and the
 # per-op baseline's attention on the GPU (DEVICE_CHECK_FLASHINFER=0 skips).

@@ -27,20 +27,23 @@ def build(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize(
-    "name, arch, batch",
+    "name, arch, batch, variant",
     [
-        ("llama-3.2-1b", "sm_90a", 1),
-        ("llama-3.2-1b", "sm_100a", 16),
-        ("llama-3.1-8b", "sm_90a", 16),
-        ("llama-3.1-8b", "sm_100a", 1),
-        ("qwen3-8b", "sm_90a", 4),
-        ("qwen3-8b", "sm_100a", 64),
+        ("llama-3.2-1b", "sm_90a", 1, ()),
+        ("llama-3.2-1b", "sm_100a", 16, ()),
+        ("llama-3.1-8b", "sm_90a", 16, ()),
+        ("llama-3.1-8b", "sm_100a", 1, ()),
+        ("qwen3-8b", "sm_90a", 4, ()),
+        ("qwen3-8b", "sm_100a", 64, ()),
+        # The experimental variants at their largest shapes (registers).
+        ("llama-3.1-8b", "sm_90a", 64, ("--mma-gemv", "--stage-queue")),
+        ("llama-3.2-1b", "sm_90a", 16, ("--stage-weights", "--stage-queue")),
     ],
 )
-def test_build_real_shape(tmp_path, name, arch, batch):
+def test_build_real_shape(tmp_path, name, arch, batch, variant):
     result = build(
         "--config", str(configs.path(name)), "--batch", str(batch), "--arch", arch,
-        "--out", str(tmp_path), "--json",
+        "--out", str(tmp_path), "--json", *variant,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
@@ -50,6 +53,8 @@ def test_build_real_shape(tmp_path, name, arch, batch):
     program = torch.load(summary["program"])
     assert int(program["lengths"].sum()) == summary["num_instructions"]
     assert json.loads((tmp_path / "manifest.json").read_text()) == summary
+    assert (summary["mma_ops"] > 0) == ("--mma-gemv" in variant)
+    assert (summary["async_copies"] > 0) == ("--stage-weights" in variant)
 
 
 def test_cache_key_separates_shape_bucket_and_arch():

@@ -37,7 +37,9 @@ def _device_run():
 
 def test_dry_run_builds_a_small_bundle():
     env = {**os.environ, "DEVICE_CHECK_MODELS": "llama-3.2-1b",
-           "DEVICE_CHECK_BATCHES": "1", "DEVICE_CHECK_FLASHINFER": "0"}  # fmt: skip
+           "DEVICE_CHECK_BATCHES": "1", "DEVICE_CHECK_FLASHINFER": "0",
+           "DEVICE_CHECK_VARIANTS":
+               "llama-3.2-1b:1:staged llama-3.2-1b:1:mma"}  # fmt: skip
     proc = subprocess.run(
         [str(ROOT / "scripts" / "device_check.sh"), "--dry-run"],
         capture_output=True, text=True, timeout=600, env=env,
@@ -46,9 +48,18 @@ def test_dry_run_builds_a_small_bundle():
     assert "KiB (limit 60 MiB)" in proc.stdout
     bundle = ROOT / ".device"
     manifest = json.loads((bundle / "manifest.json").read_text())
-    assert set(manifest["builds"]) == {"llama-3.2-1b-b1"}
-    build = manifest["builds"]["llama-3.2-1b-b1"]
-    assert build["spill_bytes"] == 0 and build["arch"] == "sm_90a"
+    assert set(manifest["builds"]) == {
+        "llama-3.2-1b-b1", "llama-3.2-1b-b1-staged", "llama-3.2-1b-b1-mma"
+    }  # fmt: skip
+    flags = {"llama-3.2-1b-b1": (False, False, False),
+             "llama-3.2-1b-b1-staged": (True, True, False),
+             "llama-3.2-1b-b1-mma": (False, True, True)}  # fmt: skip
+    for name, build in manifest["builds"].items():
+        assert build["spill_bytes"] == 0 and build["arch"] == "sm_90a"
+        shape = torch.load(bundle / name / "program.pt")["shape"]
+        got = (shape["stage_weights"], shape["stage_queue"], shape["mma_gemv"])
+        assert got == flags[name]
+        assert (build["async_copies"] > 0) == shape["stage_weights"]
     case = bundle / "llama-3.2-1b-b1"
     assert {p.name for p in case.iterdir()} == {
         "libmegakernel_sm_90a.so", "program.pt", "manifest.json", "build.json",
@@ -153,7 +164,12 @@ def test_report_table():
         }},
         "trap": {"ok": True}, "sanitizer": "not installed on this machine",
     }  # fmt: skip
+    staged = {"correctness": {"ok": True}, "timing": {"megakernel_ms": 0.8}}
+    report["cases"]["llama-3.2-1b-b1-staged"] = staged
+    report["cases"]["llama-3.2-1b-b1-mma"] = {"correctness": {"ok": False}}
     table = d.markdown(report)
+    assert "| llama-3.2-1b-b1-staged | True | 1.000 | 0.800 | 1.250 |" in table
+    assert "| llama-3.2-1b-b1-mma | False | 1.000 | - | - |" in table
     # floor = 2 GB at 4 TB/s = 0.5 ms: 0.5 of the floor, 1.5x the per-op step.
     assert (
         "| llama-3.2-1b-b1 | True | 1.000 | 1.500 | 1.200 | 0.500 | 0.500 | 1.500 "

@@ -4,6 +4,7 @@ this GPU-less machine for Hopper and Blackwell, for each test model's shape,
 and its SASS has what the design needs. (Real shapes: test_build_cli.py.)"""
 
 import ctypes
+import dataclasses
 import subprocess
 
 import pytest
@@ -21,10 +22,10 @@ from vllm_ext.model_spec import ModelSpec
 REGISTER_BUDGET = 255
 
 
-def demo_shape(arch: str, batch: int) -> KernelShape:
+def demo_shape(arch: str, batch: int, stage_weights: bool = False) -> KernelShape:
     spec = ModelSpec.from_hf_config(hf_config(arch), torch.bfloat16)
     program = plan(spec, batch, DEVICES["h200"], with_lm_head=True)
-    return KernelShape.from_program(program, block_size=16)
+    return KernelShape.from_program(program, 16, stage_weights=stage_weights)
 
 
 def check_sass(built: BuildResult) -> None:
@@ -49,6 +50,64 @@ def built(request, tmp_path_factory):
 
 def test_demo_shapes_compile_clean(built):
     check_sass(built)
+    # No weight staging, no tensor cores unless asked for.
+    assert built.async_copies == 0 and built.mma_ops == 0
+
+
+@pytest.mark.parametrize("batch", [1, 8, 16, 64])
+@pytest.mark.parametrize("config", ["llama-3.2-1b", "llama-3.1-8b", "qwen3-8b"])
+def test_staged_variants_fit_shared_memory(config, batch):
+    from vllm_ext.megakernel.build import spec_or_exit
+    from vllm_ext.megakernel.kernel.persistent import SMEM_LIMIT, shared_bytes
+
+    spec = spec_or_exit("test", config, "bfloat16", batch)
+    program = plan(spec, batch, DEVICES["h200"], with_lm_head=True)
+    shape = KernelShape.from_program(program, 16, True, True)
+    assert shared_bytes(shape) <= SMEM_LIMIT
+    mma = KernelShape.from_program(program, 16, False, True, True)
+    assert shared_bytes(mma) <= SMEM_LIMIT
+    # The staged queue covers every SM's whole queue for these models.
+    from vllm_ext.megakernel.kernel.persistent import QUEUE_STAGE
+
+    assert max(len(q) for q in program.queues) <= QUEUE_STAGE
+
+
+def test_a_kernel_over_the_shared_memory_limit_is_refused():
+    from vllm_ext.megakernel.kernel.persistent import Megakernel
+
+    # 64 q heads per kv head: the attention merge scratch alone is 256 KiB.
+    big = dataclasses.replace(demo_shape("llama", 4, stage_weights=True),
+                              head_dim=128, q_heads=64, kv_heads=1)  # fmt: skip
+    with pytest.raises(ValueError, match="shared memory"):
+        Megakernel(big)
+
+
+@pytest.mark.parametrize("gpu", ARCHS)
+def test_weight_staging_variant_compiles_clean(gpu, tmp_path):
+    """The experimental variant (weights copied into shared memory before
+    each wait): the same checks, plus its cp.async copies."""
+    shape = dataclasses.replace(demo_shape("qwen3", 4, True), stage_queue=True)
+    built = build(gpu, tmp_path, shape)
+    check_sass(built)
+    assert built.async_copies > 0
+    assert built.mma_ops == 0
+
+
+@pytest.mark.parametrize("gpu", ARCHS)
+def test_tensor_core_variant_compiles_clean(gpu, tmp_path):
+    """The experimental tensor-core GEMV: the same checks, plus its MMAs."""
+    shape = dataclasses.replace(demo_shape("qwen2", 4), mma_gemv=True)
+    built = build(gpu, tmp_path, shape)
+    check_sass(built)
+    assert built.mma_ops > 0 and built.async_copies == 0
+
+
+def test_tensor_core_variant_refuses_what_it_cannot_run():
+    shape = demo_shape("llama", 4)
+    with pytest.raises(ValueError, match="pick one"):
+        dataclasses.replace(shape, mma_gemv=True, stage_weights=True)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        dataclasses.replace(shape, mma_gemv=True, intermediate=344)
 
 
 def test_library_needs_only_libc(built):

@@ -108,6 +108,23 @@ def main(argv: list[str] | None = None) -> int:
         default=16,
         help="KV cache block size (vLLM's, 16 by default)",
     )
+    parser.add_argument(
+        "--stage-weights",
+        action="store_true",
+        help="experimental: copy each GEMV tile's weights into shared memory "
+        "before its wait (a variant to time against the default)",
+    )
+    parser.add_argument(
+        "--stage-queue",
+        action="store_true",
+        help="experimental: copy the SM's instruction queue into shared memory "
+        "at launch",
+    )
+    parser.add_argument(
+        "--mma-gemv",
+        action="store_true",
+        help="experimental: GEMVs on tensor cores (mma.sync); not with --stage-weights",
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -123,7 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     verify(program)
     try:
-        shape = KernelShape.from_program(program, args.block_size)
+        shape = KernelShape.from_program(
+            program,
+            args.block_size,
+            stage_weights=args.stage_weights,
+            stage_queue=args.stage_queue,
+            mma_gemv=args.mma_gemv,
+        )
     except ValueError as e:
         print(f"build: {e}", file=sys.stderr)
         return 2

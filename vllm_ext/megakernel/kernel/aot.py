@@ -54,6 +54,8 @@ class BuildResult:
     release_atomics: int  # strong GPU-scope adds on a counter
     release_fences: int  # MEMBAR.ALL.GPU before them
     l2_prefetches: int  # bulk L2 prefetches of weight tiles (UBLKPF.L2)
+    async_copies: int  # cp.async into shared memory (LDGSTS): weight staging
+    mma_ops: int  # tensor-core MMAs (HMMA): the tensor-core GEMV
     compile_s: float
 
 
@@ -171,5 +173,7 @@ def build(arch: str, out: str | Path, shape: KernelShape) -> BuildResult:
         ),
         release_fences=sass.count("MEMBAR.ALL.GPU"),
         l2_prefetches=sass.count("UBLKPF.L2"),
+        async_copies=sass.count("LDGSTS"),
+        mma_ops=sass.count("HMMA"),
         compile_s=round(compile_s, 3),
     )

@@ -31,17 +31,49 @@ from vllm_ext.megakernel.kernel.ops.common import (
 )
 from vllm_ext.megakernel.kernel.ops.embed import embed
 from vllm_ext.megakernel.kernel.ops.final_norm import final_norm
+from vllm_ext.megakernel.kernel.ops.gemv_mma import red_floats
 from vllm_ext.megakernel.kernel.ops.prefetch import prefetch_weights
 from vllm_ext.megakernel.kernel.ops.projections import down, gate_up, lm_head, o_proj
 from vllm_ext.megakernel.kernel.ops.qkv import qkv
+from vllm_ext.megakernel.kernel.ops.weight_stage import W_STAGE_ELEMS, stage_weights
 from vllm_ext.megakernel.kernel.shape import NUM_SLOTS, KernelShape
 from vllm_ext.megakernel.kernel.sync import nanosleep, trap
 
 POLL_NS = 32
+# Queue entries staged in shared memory with shape.stage_queue (8 KiB; a
+# 36-layer model plans under 180 per SM on 132 SMs).
+QUEUE_STAGE = 256
+
+
+# Shared memory one Hopper/Blackwell CTA may use (227 KiB).
+SMEM_LIMIT = 227 * 1024
+
+
+def shared_bytes(s: KernelShape) -> int:
+    """The CTA's shared memory, as the kernel allocates it (each buffer
+    rounded up to 128 bytes, an upper bound on its alignment padding)."""
+    buffers = [
+        4 * s.batch,  # rstd
+        4 * s.batch * s.head_dim,  # head_buf
+        4 * s.batch,  # head_rstd
+        2 * (s.batch * s.hidden if stages_input(s) else VEC),  # x_stage
+        2 * 4 * NUM_WARPS * s.group,  # warp_m, warp_l
+        4 * NUM_WARPS * s.group * s.head_dim,  # warp_o
+        W_STAGE_ELEMS * 2 if s.stage_weights else 0,
+        QUEUE_STAGE * WORDS * 4 if s.stage_queue else 0,
+        red_floats(s.batch) * 4 if s.mma_gemv else 0,
+    ]
+    return sum((b + 127) // 128 * 128 for b in buffers)
 
 
 class Megakernel:
     def __init__(self, shape: KernelShape):
+        need = shared_bytes(shape)
+        if need > SMEM_LIMIT:
+            raise ValueError(
+                f"the kernel for {shape} needs {need} bytes of shared memory, "
+                f"over the {SMEM_LIMIT} a CTA may use"
+            )
         self.shape = shape
 
     @cute.jit
@@ -120,17 +152,65 @@ class Megakernel:
             16,
         )
 
+        # The weight stage (experimental, shape.stage_weights); without it
+        # the ops receive x_stage in its place and never read it.
+        w_stage = x_stage
+        if cutlass.const_expr(s.stage_weights):
+            w_stage = smem.allocate_tensor(
+                BFloat16, cute.make_layout(W_STAGE_ELEMS), 128
+            )
+        if cutlass.const_expr(s.mma_gemv):
+            # The tensor-core GEMV's cross-warp reduction scratch.
+            w_stage = smem.allocate_tensor(
+                Float32, cute.make_layout(red_floats(s.batch)), 128
+            )
+
+        # The queue's head in shared memory (experimental, shape.stage_queue):
+        # one copy at launch instead of a dependent global load per
+        # instruction; past QUEUE_STAGE entries it is read from global memory.
+        q_stage = queue
+        n_staged = lengths[sm]
+        if cutlass.const_expr(s.stage_queue):
+            q_stage = smem.allocate_tensor(
+                Int32, cute.make_layout((QUEUE_STAGE, WORDS), stride=(WORDS, 1)), 32
+            )
+            n_staged = cutlass.min(lengths[sm], Int32(QUEUE_STAGE))
+            for idx in cutlass.range(tidx, n_staged * WORDS, NUM_THREADS):
+                q_stage[idx // WORDS, idx % WORDS] = queue[sm, idx // WORDS,
+                                                           idx % WORDS]  # fmt: skip
+            cute.arch.sync_threads()
+
         ins = cute.make_rmem_tensor((WORDS,), Int32)
         for pc in cutlass.range(lengths[sm]):
-            cute.autovec_copy(queue[sm, pc, None], ins)  # one 32-byte fetch
+            if cutlass.const_expr(s.stage_queue):
+                if pc < n_staged:
+                    cute.autovec_copy(q_stage[pc, None], ins)
+                else:
+                    cute.autovec_copy(queue[sm, pc, None], ins)
+            else:
+                cute.autovec_copy(queue[sm, pc, None], ins)  # one 32-byte fetch
             op, layer, a0, a1 = ins[0], ins[1], ins[2], ins[3]
+            if cutlass.const_expr(s.stage_weights):
+                # All threads start copying this instruction's weights into
+                # shared memory before thread 0 waits for its inputs.
+                stage_weights(s, ptrs, glob, op, layer, a0, a1, w_stage)
             if tidx == 0:
                 # Weight streams start before the wait (see ops/prefetch.py).
                 if pc == 0:
                     prefetch_weights(s, ptrs, glob, op, layer, a0, a1)
                 if pc + 1 < lengths[sm]:
-                    nxt = queue[sm, pc + 1, None]
-                    prefetch_weights(s, ptrs, glob, nxt[0], nxt[1], nxt[2], nxt[3])
+                    if cutlass.const_expr(s.stage_queue):
+                        nxt = cute.make_rmem_tensor((WORDS,), Int32)
+                        if pc + 1 < n_staged:
+                            cute.autovec_copy(q_stage[pc + 1, None], nxt)
+                        else:
+                            cute.autovec_copy(queue[sm, pc + 1, None], nxt)
+                        prefetch_weights(s, ptrs, glob, nxt[0], nxt[1], nxt[2],
+                                         nxt[3])  # fmt: skip
+                    else:
+                        nxt = queue[sm, pc + 1, None]
+                        prefetch_weights(s, ptrs, glob, nxt[0], nxt[1], nxt[2],
+                                         nxt[3])  # fmt: skip
                 if ins[4] >= 0:
                     target = epoch * ins[5]
                     ptr = counters.iterator + ins[4]
@@ -154,10 +234,13 @@ class Megakernel:
                     if seen - target < 0:
                         trap()
             cute.arch.sync_threads()
+            if cutlass.const_expr(s.stage_weights):
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.sync_threads()
 
             if op == Op.QKV:
                 qkv(s, ptrs, layer, glob, a0, a1, kv_block_stride, rstd, head_buf,
-                    head_rstd, x_stage)  # fmt: skip
+                    head_rstd, x_stage, w_stage)  # fmt: skip
             elif op == Op.ATTN:
                 attn(s, ptrs, layer, glob, a0, a1, kv_block_stride,
                      block_table_stride, attn_scale, warp_m, warp_l,
@@ -165,17 +248,17 @@ class Megakernel:
             elif op == Op.COMBINE:
                 combine(s, ptrs, layer, a0)
             elif op == Op.O_PROJ:
-                o_proj(s, ptrs, layer, a0, a1, rstd)
+                o_proj(s, ptrs, layer, a0, a1, rstd, w_stage)
             elif op == Op.GATE_UP:
-                gate_up(s, ptrs, layer, a0, a1, rstd, x_stage)
+                gate_up(s, ptrs, layer, a0, a1, rstd, x_stage, w_stage)
             elif op == Op.DOWN:
-                down(s, ptrs, layer, a0, a1, rstd)
+                down(s, ptrs, layer, a0, a1, rstd, w_stage)
             elif op == Op.EMBED:
                 embed(s, ptrs, glob, a0, a1)
             elif op == Op.FINAL_NORM:
                 final_norm(s, ptrs, glob, a0, a1, rstd)
             elif op == Op.LM_HEAD:
-                lm_head(s, ptrs, glob, a0, a1, rstd)
+                lm_head(s, ptrs, glob, a0, a1, rstd, w_stage)
             elif op != Op.NOP:
                 if tidx == 0:
                     cute.printf("megakernel: bad opcode %d (sm %d pc %d)\n", op, sm, pc)

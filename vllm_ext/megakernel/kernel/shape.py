@@ -80,6 +80,17 @@ class KernelShape:
     rms_norm_eps: float
     qkv_bias: bool
     qk_norm: bool
+    # Experimental (not yet measured): each GEMV instruction copies the head
+    # of its weight tile into shared memory before waiting for its inputs
+    # (kernel/ops/weight_stage.py). Off: the kernel validated on an H200.
+    stage_weights: bool = False
+    # Experimental (not yet measured): the queue's head is copied into shared
+    # memory at launch, so fetching an instruction is no global load.
+    stage_queue: bool = False
+    # Experimental (not yet measured): GEMVs on tensor cores (mma.sync), for
+    # batches where the CUDA-core GEMV is bound by instruction issue
+    # (kernel/ops/gemv_mma.py). Not with stage_weights (one scratch buffer).
+    mma_gemv: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden", "intermediate", "head_dim"):
@@ -94,6 +105,12 @@ class KernelShape:
             )
         if self.q_heads % self.kv_heads:
             raise ValueError("q_heads must be a multiple of kv_heads")
+        if self.mma_gemv:
+            if self.stage_weights:
+                raise ValueError("mma_gemv and stage_weights share a buffer: pick one")
+            widths = (self.hidden, self.q_heads * self.head_dim, self.intermediate)
+            if any(k % 32 for k in widths):
+                raise ValueError("mma_gemv needs every GEMV's K to be a multiple of 32")
 
     @property
     def group(self) -> int:
@@ -104,7 +121,14 @@ class KernelShape:
         return self.q_heads * self.head_dim
 
     @classmethod
-    def from_program(cls, program, block_size: int) -> KernelShape:
+    def from_program(
+        cls,
+        program,
+        block_size: int,
+        stage_weights: bool = False,
+        stage_queue: bool = False,
+        mma_gemv: bool = False,
+    ) -> KernelShape:
         s = program.spec
         return cls(
             hidden=s.hidden_size,
@@ -119,6 +143,9 @@ class KernelShape:
             rms_norm_eps=s.rms_norm_eps,
             qkv_bias=s.qkv_bias,
             qk_norm=s.qk_norm,
+            stage_weights=stage_weights,
+            stage_queue=stage_queue,
+            mma_gemv=mma_gemv,
         )
 
     def as_dict(self) -> dict:

@@ -24,6 +24,7 @@ from vllm_ext.megakernel.kernel.ops.common import (
     vectors,
     warp_sum,
 )
+from vllm_ext.megakernel.kernel.ops.gemv_mma import gemv_mma
 
 
 @cute.jit
@@ -38,8 +39,52 @@ def gemv(
     epilogue: cutlass.Constexpr,
     normed: cutlass.Constexpr,
     dual: cutlass.Constexpr,
+    staged: cutlass.Constexpr = False,
+    ws: cute.Tensor = None,  # smem [cap, K]: rows [stage_lo, stage_end) of w
+    ws2: cute.Tensor = None,  # the same rows of w2
+    stage_lo: cutlass.Int32 = 0,
+    stage_end: cutlass.Int32 = 0,
+    mma: cutlass.Constexpr = False,
+    red: cute.Tensor = None,  # smem fp32 scratch of the tensor-core path
 ):
+    if cutlass.const_expr(mma):
+        gemv_mma(w, w2, x, norm, rstd, lo, hi, epilogue, normed, dual, red)
+    else:
+        _rows(w, w2, x, norm, rstd, lo, hi, epilogue, normed, dual, staged, ws, ws2,
+              stage_lo, stage_end)  # fmt: skip
+
+
+@cute.jit
+def _rows(
+    w, w2, x, norm, rstd, lo, hi, epilogue: cutlass.Constexpr,
+    normed: cutlass.Constexpr, dual: cutlass.Constexpr, staged: cutlass.Constexpr,
+    ws, ws2, stage_lo, stage_end,
+):  # fmt: skip
+    """The CUDA-core path: a warp per row."""
     _, warp, lane = thread_ids()
+    for row in cutlass.range(lo + warp, hi, NUM_WARPS):
+        if cutlass.const_expr(staged):
+            # Rows staged before the wait come from shared memory.
+            if row < stage_end:
+                r = row - stage_lo
+                _row(row, vectors(ws[r, None]), vectors(ws2[r, None]), x, norm,
+                     rstd, lane, epilogue, normed, dual)  # fmt: skip
+            else:
+                _row(row, vectors(w[row, None]), vectors(w2[row, None]), x, norm,
+                     rstd, lane, epilogue, normed, dual)  # fmt: skip
+        else:
+            _row(row, vectors(w[row, None]), vectors(w2[row, None]), x, norm, rstd,
+                 lane, epilogue, normed, dual)  # fmt: skip
+
+
+@cute.jit
+def _row(
+    row, wv: cute.Tensor, wv2: cute.Tensor, x: cute.Tensor, norm: cute.Tensor,
+    rstd: cute.Tensor, lane, epilogue: cutlass.Constexpr,
+    normed: cutlass.Constexpr, dual: cutlass.Constexpr,
+):  # fmt: skip
+    """One weight row (``wv``, and ``wv2`` when dual, as 128-bit vectors)
+    against every request's input; the warp's sums go to the epilogue."""
     batch, k_dim = x.shape
     group = min(batch, BATCH_GROUP)
     # Loads in flight per lane: few requests leave registers for deeper
@@ -47,34 +92,31 @@ def gemv(
     unroll = 8 if group == 1 else 4 if group <= 2 else 2
     n_vec = k_dim // VEC
     nv = vectors(norm)
-    for row in cutlass.range(lo + warp, hi, NUM_WARPS):
-        wv = vectors(w[row, None])
-        wv2 = vectors(w2[row, None])
-        for b0 in cutlass.range(0, batch, group):  # runtime: one copy of the code
-            acc = cute.make_rmem_tensor((group,), Float32)
-            acc2 = cute.make_rmem_tensor((group,), Float32)
-            acc.fill(0.0)
-            acc2.fill(0.0)
-            for j in cutlass.range(lane, n_vec, 32, unroll=unroll):
-                wf = load_f32(wv, j)
-                wf2 = wf
-                if cutlass.const_expr(dual):
-                    wf2 = load_f32(wv2, j)
-                nf = wf
-                if cutlass.const_expr(normed):
-                    nf = load_f32(nv, j)
-                for i in cutlass.range_constexpr(group):
-                    xf = load_f32(vectors(x[b0 + i, None]), j)
-                    if cutlass.const_expr(normed):
-                        xf = round_bf16(xf * rstd[b0 + i] * nf)
-                    for e in cutlass.range_constexpr(VEC):
-                        acc[i] = acc[i] + wf[e] * xf[e]
-                        if cutlass.const_expr(dual):
-                            acc2[i] = acc2[i] + wf2[e] * xf[e]
+    for b0 in cutlass.range(0, batch, group):  # runtime: one copy of the code
+        acc = cute.make_rmem_tensor((group,), Float32)
+        acc2 = cute.make_rmem_tensor((group,), Float32)
+        acc.fill(0.0)
+        acc2.fill(0.0)
+        for j in cutlass.range(lane, n_vec, 32, unroll=unroll):
+            wf = load_f32(wv, j)
+            wf2 = wf
+            if cutlass.const_expr(dual):
+                wf2 = load_f32(wv2, j)
+            nf = wf
+            if cutlass.const_expr(normed):
+                nf = load_f32(nv, j)
             for i in cutlass.range_constexpr(group):
-                s1 = warp_sum(acc[i])
-                s2 = s1
-                if cutlass.const_expr(dual):
-                    s2 = warp_sum(acc2[i])
-                if lane == 0:
-                    epilogue(row, b0 + i, s1, s2)
+                xf = load_f32(vectors(x[b0 + i, None]), j)
+                if cutlass.const_expr(normed):
+                    xf = round_bf16(xf * rstd[b0 + i] * nf)
+                for e in cutlass.range_constexpr(VEC):
+                    acc[i] = acc[i] + wf[e] * xf[e]
+                    if cutlass.const_expr(dual):
+                        acc2[i] = acc2[i] + wf2[e] * xf[e]
+        for i in cutlass.range_constexpr(group):
+            s1 = warp_sum(acc[i])
+            s2 = s1
+            if cutlass.const_expr(dual):
+                s2 = warp_sum(acc2[i])
+            if lane == 0:
+                epilogue(row, b0 + i, s1, s2)

@@ -16,12 +16,17 @@ from vllm_ext.megakernel.kernel.ops.common import (
     stages_input,
 )
 from vllm_ext.megakernel.kernel.ops.gemv import gemv
+from vllm_ext.megakernel.kernel.ops.weight_stage import (
+    cap_rows,
+    stage_view,
+    staged_rows,
+)
 from vllm_ext.megakernel.kernel.shape import GlobalSlot, KernelShape, LayerSlot
 
 
 @cute.jit
 def _residual_projection(
-    s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi, rstd,
+    s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi, rstd, w_stage,
     weight: cutlass.Constexpr, x: cutlass.Constexpr, k: cutlass.Constexpr,
     res: cutlass.Constexpr, out: cutlass.Constexpr,
 ):  # fmt: skip
@@ -38,27 +43,47 @@ def _residual_projection(
     def epilogue(row, i, s1, _):
         dst[i, row] = (round_bf16(s1) + residual[i, row].to(Float32)).to(BFloat16)
 
-    gemv(w, w, xs, residual[0, None], rstd, lo, hi, epilogue, False, False)
+    _plain_gemv(shape, w, xs, rstd, lo, hi, epilogue, w_stage)
 
 
 @cute.jit
-def o_proj(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi, rstd):
+def _plain_gemv(
+    s: cutlass.Constexpr, w, x, rstd, lo, hi, epilogue: cutlass.Constexpr, w_stage
+):
+    """The GEMV of a projection with no norm and one matrix, in the build's
+    variant (staged weights, tensor cores, or neither)."""
+    shape: KernelShape = s
+    k = x.shape[1]
+    if cutlass.const_expr(shape.stage_weights):
+        ws = stage_view(w_stage, k)
+        end = lo + staged_rows(lo, hi, cap_rows(k))
+        gemv(w, w, x, x[0, None], rstd, lo, hi, epilogue, False, False,
+             True, ws, ws, lo, end)  # fmt: skip
+    else:
+        gemv(w, w, x, x[0, None], rstd, lo, hi, epilogue, False, False,
+             False, w, w, lo, lo, shape.mma_gemv, w_stage)  # fmt: skip
+
+
+@cute.jit
+def o_proj(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi, rstd, w_stage):
     """hmid[:, lo:hi] = h[:, lo:hi] + attn @ Wo[lo:hi].T"""
-    _residual_projection(s, ptrs, layer, lo, hi, rstd, LayerSlot.O_PROJ,
+    _residual_projection(s, ptrs, layer, lo, hi, rstd, w_stage, LayerSlot.O_PROJ,
                          LayerSlot.ATTN, s.q_size, LayerSlot.H_IN,
                          LayerSlot.HMID)  # fmt: skip
 
 
 @cute.jit
-def down(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi, rstd):
+def down(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi, rstd, w_stage):
     """h_out[:, lo:hi] = hmid[:, lo:hi] + act @ Wd[lo:hi].T"""
-    _residual_projection(s, ptrs, layer, lo, hi, rstd, LayerSlot.DOWN,
+    _residual_projection(s, ptrs, layer, lo, hi, rstd, w_stage, LayerSlot.DOWN,
                          LayerSlot.ACT, s.intermediate, LayerSlot.HMID,
                          LayerSlot.H_OUT)  # fmt: skip
 
 
 @cute.jit
-def gate_up(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi, rstd, x_stage):
+def gate_up(
+    s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi, rstd, x_stage, w_stage
+):
     """act[:, lo:hi] = SiLU(x @ Wg[lo:hi].T) * (x @ Wu[lo:hi].T),
     x = RMSNorm(hmid): gate row r and up row I + r share a warp."""
     shape: KernelShape = s
@@ -76,15 +101,23 @@ def gate_up(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi, rstd, x_stag
         silu = g / (Float32(1.0) + cute.math.exp(-g))
         act[i, row] = (silu * round_bf16(su)).to(BFloat16)
 
+    staged = shape.stage_weights
+    wg, wu, end = gate, up, lo
+    if cutlass.const_expr(staged):
+        wg = stage_view(w_stage, h, dual=True)
+        wu = stage_view(w_stage, h, dual=True, second=True)
+        end = lo + staged_rows(lo, hi, cap_rows(h, dual=True))
     if cutlass.const_expr(stages_input(shape)):
         stage_normed(x, norm, rstd, x_stage)
-        gemv(gate, up, x_stage, norm, rstd, lo, hi, epilogue, False, True)
+        gemv(gate, up, x_stage, norm, rstd, lo, hi, epilogue, False, True,
+             staged, wg, wu, lo, end, shape.mma_gemv, w_stage)  # fmt: skip
     else:
-        gemv(gate, up, x, norm, rstd, lo, hi, epilogue, True, True)
+        gemv(gate, up, x, norm, rstd, lo, hi, epilogue, True, True,
+             staged, wg, wu, lo, end, shape.mma_gemv, w_stage)  # fmt: skip
 
 
 @cute.jit
-def lm_head(s: cutlass.Constexpr, ptrs: cute.Tensor, glob, lo, hi, rstd):
+def lm_head(s: cutlass.Constexpr, ptrs: cute.Tensor, glob, lo, hi, rstd, w_stage):
     """logits[:, lo:hi] = out @ Wlm[lo:hi].T in fp32."""
     shape: KernelShape = s
     b, h, v = shape.batch, shape.hidden, shape.vocab
@@ -95,4 +128,4 @@ def lm_head(s: cutlass.Constexpr, ptrs: cute.Tensor, glob, lo, hi, rstd):
     def epilogue(row, i, s1, _):
         logits[i, row] = s1
 
-    gemv(w, w, x, x[0, None], rstd, lo, hi, epilogue, False, False)
+    _plain_gemv(shape, w, x, rstd, lo, hi, epilogue, w_stage)

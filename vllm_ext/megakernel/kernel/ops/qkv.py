@@ -24,6 +24,11 @@ from vllm_ext.megakernel.kernel.ops.common import (
 )
 from vllm_ext.megakernel.kernel.ops.gemv import gemv
 from vllm_ext.megakernel.kernel.ops.kv import kv_slot_entry
+from vllm_ext.megakernel.kernel.ops.weight_stage import (
+    cap_rows,
+    stage_view,
+    staged_rows,
+)
 from vllm_ext.megakernel.kernel.shape import GlobalSlot, KernelShape, LayerSlot
 
 # Extent given to the cos/sin table view: only positions < max_position are
@@ -55,6 +60,7 @@ def qkv(
     head_buf: cute.Tensor,  # smem [B, head_dim] fp32
     head_rstd: cute.Tensor,  # smem [B]
     x_stage: cute.Tensor,  # smem [B, hidden] bf16 when stages_input(shape)
+    w_stage: cute.Tensor,  # smem weight stage when shape.stage_weights
 ):
     shape: KernelShape = s
     b, h, d = shape.batch, shape.hidden, shape.head_dim
@@ -76,13 +82,20 @@ def qkv(
     row_rstd(x, rstd, shape.rms_norm_eps)
     if cutlass.const_expr(stages_input(shape)):
         stage_normed(x, norm, rstd, x_stage)
+    staged = shape.stage_weights
+    ws, end = w, lo * d
+    if cutlass.const_expr(staged):
+        ws = stage_view(w_stage, h)
+        end = lo * d + staged_rows(lo * d, hi * d, cap_rows(h))
     for head in cutlass.range(lo, hi):
         first = head * d
         epilogue = _store_head(head_buf, first, bias)
         if cutlass.const_expr(stages_input(shape)):
-            gemv(w, w, x_stage, norm, rstd, first, first + d, epilogue, False, False)
+            gemv(w, w, x_stage, norm, rstd, first, first + d, epilogue, False, False,
+                 staged, ws, ws, lo * d, end, shape.mma_gemv, w_stage)  # fmt: skip
         else:
-            gemv(w, w, x, norm, rstd, first, first + d, epilogue, True, False)
+            gemv(w, w, x, norm, rstd, first, first + d, epilogue, True, False,
+                 staged, ws, ws, lo * d, end, shape.mma_gemv, w_stage)  # fmt: skip
         cute.arch.sync_threads()
         if head < nq + nkv:
             if cutlass.const_expr(shape.qk_norm):
