@@ -11,8 +11,15 @@ import pytest
 import torch
 
 from vllm_ext.demo_models import DEMO_ARCHS, hf_config
+from vllm_ext.megakernel.build import spec_or_exit
 from vllm_ext.megakernel.cost import DEVICES
 from vllm_ext.megakernel.kernel.aot import ARCHS, BuildResult, build
+from vllm_ext.megakernel.kernel.persistent import (
+    QUEUE_STAGE,
+    SMEM_LIMIT,
+    Megakernel,
+    shared_bytes,
+)
 from vllm_ext.megakernel.kernel.shape import KernelShape
 from vllm_ext.megakernel.planner import plan
 from vllm_ext.model_spec import ModelSpec
@@ -57,9 +64,6 @@ def test_demo_shapes_compile_clean(built):
 @pytest.mark.parametrize("batch", [1, 8, 16, 64])
 @pytest.mark.parametrize("config", ["llama-3.2-1b", "llama-3.1-8b", "qwen3-8b"])
 def test_staged_variants_fit_shared_memory(config, batch):
-    from vllm_ext.megakernel.build import spec_or_exit
-    from vllm_ext.megakernel.kernel.persistent import SMEM_LIMIT, shared_bytes
-
     spec = spec_or_exit("test", config, "bfloat16", batch)
     program = plan(spec, batch, DEVICES["h200"], with_lm_head=True)
     shape = KernelShape.from_program(program, 16, True, True)
@@ -67,14 +71,10 @@ def test_staged_variants_fit_shared_memory(config, batch):
     mma = KernelShape.from_program(program, 16, False, True, True)
     assert shared_bytes(mma) <= SMEM_LIMIT
     # The staged queue covers every SM's whole queue for these models.
-    from vllm_ext.megakernel.kernel.persistent import QUEUE_STAGE
-
     assert max(len(q) for q in program.queues) <= QUEUE_STAGE
 
 
 def test_a_kernel_over_the_shared_memory_limit_is_refused():
-    from vllm_ext.megakernel.kernel.persistent import Megakernel
-
     # 64 q heads per kv head: the attention merge scratch alone is 256 KiB.
     big = dataclasses.replace(demo_shape("llama", 4, stage_weights=True),
                               head_dim=128, q_heads=64, kv_heads=1)  # fmt: skip

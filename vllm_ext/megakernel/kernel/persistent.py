@@ -168,8 +168,6 @@ class Megakernel:
         # The queue's head in shared memory (experimental, shape.stage_queue):
         # one copy at launch instead of a dependent global load per
         # instruction; past QUEUE_STAGE entries it is read from global memory.
-        q_stage = queue
-        n_staged = lengths[sm]
         if cutlass.const_expr(s.stage_queue):
             q_stage = smem.allocate_tensor(
                 Int32, cute.make_layout((QUEUE_STAGE, WORDS), stride=(WORDS, 1)), 32

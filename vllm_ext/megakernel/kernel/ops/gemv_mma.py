@@ -36,14 +36,11 @@ K_BLOCK = 32  # k per lane quad and step: 4 lanes x 8 weights
 N_BLOCK = 8  # an MMA's N: requests per fragment
 
 
-def red_floats(batch: int, dual: bool = True) -> int:
-    """fp32 elements of the cross-warp reduction scratch."""
+def red_floats(batch: int) -> int:
+    """fp32 elements of the cross-warp reduction scratch (room for two
+    matrices, gate and up)."""
     n_pad = (batch + N_BLOCK - 1) // N_BLOCK * N_BLOCK
-    return NUM_WARPS * (2 if dual else 1) * ROWS * n_pad
-
-
-def supports(k: int) -> bool:
-    return k % K_BLOCK == 0
+    return NUM_WARPS * 2 * ROWS * n_pad
 
 
 @dsl_user_op
