@@ -38,6 +38,7 @@ def build(*args: str) -> subprocess.CompletedProcess:
         # The experimental variants at their largest shapes (registers).
         ("llama-3.1-8b", "sm_90a", 64, ("--mma-gemv", "--stage-queue")),
         ("llama-3.2-1b", "sm_90a", 16, ("--stage-weights", "--stage-queue")),
+        ("llama-3.1-8b", "sm_100a", 64, ("--weight-pipe", "--stage-queue")),
     ],
 )
 def test_build_real_shape(tmp_path, name, arch, batch, variant):
@@ -55,6 +56,7 @@ def test_build_real_shape(tmp_path, name, arch, batch, variant):
     assert json.loads((tmp_path / "manifest.json").read_text()) == summary
     assert (summary["mma_ops"] > 0) == ("--mma-gemv" in variant)
     assert (summary["async_copies"] > 0) == ("--stage-weights" in variant)
+    assert (summary["bulk_copies"] > 0) == ("--weight-pipe" in variant)
 
 
 def test_cache_key_separates_shape_bucket_and_arch():

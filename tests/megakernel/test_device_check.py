@@ -39,7 +39,8 @@ def test_dry_run_builds_a_small_bundle():
     env = {**os.environ, "DEVICE_CHECK_MODELS": "llama-3.2-1b",
            "DEVICE_CHECK_BATCHES": "1", "DEVICE_CHECK_FLASHINFER": "0",
            "DEVICE_CHECK_VARIANTS":
-               "llama-3.2-1b:1:staged llama-3.2-1b:1:mma"}  # fmt: skip
+               "llama-3.2-1b:1:staged llama-3.2-1b:1:mma "
+               "llama-3.2-1b:1:pipe"}  # fmt: skip
     proc = subprocess.run(
         [str(ROOT / "scripts" / "device_check.sh"), "--dry-run"],
         capture_output=True, text=True, timeout=600, env=env,
@@ -49,17 +50,21 @@ def test_dry_run_builds_a_small_bundle():
     bundle = ROOT / ".device"
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert set(manifest["builds"]) == {
-        "llama-3.2-1b-b1", "llama-3.2-1b-b1-staged", "llama-3.2-1b-b1-mma"
+        "llama-3.2-1b-b1", "llama-3.2-1b-b1-staged", "llama-3.2-1b-b1-mma",
+        "llama-3.2-1b-b1-pipe",
     }  # fmt: skip
-    flags = {"llama-3.2-1b-b1": (False, False, False),
-             "llama-3.2-1b-b1-staged": (True, True, False),
-             "llama-3.2-1b-b1-mma": (False, True, True)}  # fmt: skip
+    flags = {"llama-3.2-1b-b1": (False, False, False, False),
+             "llama-3.2-1b-b1-staged": (True, True, False, False),
+             "llama-3.2-1b-b1-mma": (False, True, True, False),
+             "llama-3.2-1b-b1-pipe": (False, True, False, True)}  # fmt: skip
     for name, build in manifest["builds"].items():
         assert build["spill_bytes"] == 0 and build["arch"] == "sm_90a"
         shape = torch.load(bundle / name / "program.pt")["shape"]
-        got = (shape["stage_weights"], shape["stage_queue"], shape["mma_gemv"])
+        got = (shape["stage_weights"], shape["stage_queue"], shape["mma_gemv"],
+               shape["weight_pipe"])  # fmt: skip
         assert got == flags[name]
         assert (build["async_copies"] > 0) == shape["stage_weights"]
+        assert (build["bulk_copies"] > 0) == shape["weight_pipe"]
     case = bundle / "llama-3.2-1b-b1"
     assert {p.name for p in case.iterdir()} == {
         "libmegakernel_sm_90a.so", "program.pt", "manifest.json", "build.json",
@@ -124,6 +129,20 @@ def test_harness_names_the_wrong_instruction(harness, buffer, op):
     assert errors["EMBED"]["max"] <= errors["EMBED"]["tol"]
     if op != "QKV":
         assert errors["QKV"]["max"] <= errors["QKV"]["tol"]
+
+
+def test_a_variant_case_is_judged_by_the_local_checks_alone(harness):
+    d, case, corrupt = harness
+    meta = torch.load(case / "program.pt")
+    meta["shape"].update(weight_pipe=True, stage_queue=True)
+    torch.save(meta, case / "program.pt")
+    result = d.correctness(case)
+    assert result["ok"] and len(result["steps"]) == d.STEPS
+    assert "drift" not in result["steps"][0]  # no interpreter run
+    corrupt.update(name="act", layer=1)
+    result = d.correctness(case)
+    assert not result["ok"]
+    assert result["steps"][0]["errors"]["GATE_UP"]["layer"] == 1
 
 
 def test_local_checks_cover_every_instruction(harness):

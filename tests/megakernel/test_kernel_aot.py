@@ -14,13 +14,15 @@ from vllm_ext.demo_models import DEMO_ARCHS, hf_config
 from vllm_ext.megakernel.build import spec_or_exit
 from vllm_ext.megakernel.cost import DEVICES
 from vllm_ext.megakernel.kernel.aot import ARCHS, BuildResult, build
+from vllm_ext.megakernel.kernel.ops.weight_pipe import MIN_SLOTS, warps_per_row
 from vllm_ext.megakernel.kernel.persistent import (
     QUEUE_STAGE,
     SMEM_LIMIT,
     Megakernel,
+    ring_slots,
     shared_bytes,
 )
-from vllm_ext.megakernel.kernel.shape import KernelShape
+from vllm_ext.megakernel.kernel.shape import KernelShape, page_rows
 from vllm_ext.megakernel.planner import plan
 from vllm_ext.model_spec import ModelSpec
 
@@ -57,8 +59,9 @@ def built(request, tmp_path_factory):
 
 def test_demo_shapes_compile_clean(built):
     check_sass(built)
-    # No weight staging, no tensor cores unless asked for.
+    # No weight staging, no tensor cores, no weight pipe unless asked for.
     assert built.async_copies == 0 and built.mma_ops == 0
+    assert built.bulk_copies == 0 and built.page_waits == 0
 
 
 @pytest.mark.parametrize("batch", [1, 8, 16, 64])
@@ -70,6 +73,9 @@ def test_staged_variants_fit_shared_memory(config, batch):
     assert shared_bytes(shape) <= SMEM_LIMIT
     mma = KernelShape.from_program(program, 16, False, True, True)
     assert shared_bytes(mma) <= SMEM_LIMIT
+    pipe = KernelShape.from_program(program, 16, stage_queue=True, weight_pipe=True)
+    assert ring_slots(pipe) >= MIN_SLOTS
+    assert shared_bytes(pipe) <= SMEM_LIMIT
     # The staged queue covers every SM's whole queue for these models.
     assert max(len(q) for q in program.queues) <= QUEUE_STAGE
 
@@ -100,6 +106,31 @@ def test_tensor_core_variant_compiles_clean(gpu, tmp_path):
     built = build(gpu, tmp_path, shape)
     check_sass(built)
     assert built.mma_ops > 0 and built.async_copies == 0
+
+
+@pytest.mark.parametrize("gpu", ARCHS)
+def test_weight_pipe_variant_compiles_clean(gpu, tmp_path):
+    """The experimental weight pipeline: the same checks, plus its bulk
+    copies and page waits, and no other variant's instructions. Qwen2 has
+    the QKV bias; an 8192-wide MLP (compiled, never run) puts two rows of
+    DOWN on a page, so warps split each row as well."""
+    shape = dataclasses.replace(demo_shape("qwen2", 4), weight_pipe=True,
+                                stage_queue=True, intermediate=8192)  # fmt: skip
+    assert warps_per_row(page_rows(shape.intermediate)) > 1
+    built = build(gpu, tmp_path, shape)
+    check_sass(built)
+    assert built.bulk_copies > 0 and built.page_waits > 0
+    assert built.async_copies == 0 and built.mma_ops == 0
+
+
+def test_weight_pipe_refuses_what_it_cannot_run():
+    shape = demo_shape("llama", 4)
+    for other in ("mma_gemv", "stage_weights"):
+        with pytest.raises(ValueError, match="pick one"):
+            dataclasses.replace(shape, weight_pipe=True, **{other: True})
+    # A 20480-wide row (40 KiB) does not fit a page.
+    with pytest.raises(ValueError, match="page"):
+        dataclasses.replace(shape, weight_pipe=True, intermediate=20480)
 
 
 def test_tensor_core_variant_refuses_what_it_cannot_run():

@@ -125,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="experimental: GEMVs on tensor cores (mma.sync); not with --stage-weights",
     )
+    parser.add_argument(
+        "--weight-pipe",
+        action="store_true",
+        help="experimental: a ring of shared-memory pages kept filled with the "
+        "queue's weights by bulk copies, through waits; alone",
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -146,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             stage_weights=args.stage_weights,
             stage_queue=args.stage_queue,
             mma_gemv=args.mma_gemv,
+            weight_pipe=args.weight_pipe,
         )
     except ValueError as e:
         print(f"build: {e}", file=sys.stderr)

@@ -56,6 +56,8 @@ class BuildResult:
     l2_prefetches: int  # bulk L2 prefetches of weight tiles (UBLKPF.L2)
     async_copies: int  # cp.async into shared memory (LDGSTS): weight staging
     mma_ops: int  # tensor-core MMAs (HMMA): the tensor-core GEMV
+    bulk_copies: int  # cp.async.bulk into shared memory (UBLKCP): the weight pipe
+    page_waits: int  # mbarrier waits (SYNCS.PHASECHK): the weight pipe's pages
     compile_s: float
 
 
@@ -175,5 +177,7 @@ def build(arch: str, out: str | Path, shape: KernelShape) -> BuildResult:
         l2_prefetches=sass.count("UBLKPF.L2"),
         async_copies=sass.count("LDGSTS"),
         mma_ops=sass.count("HMMA"),
+        bulk_copies=sass.count("UBLKCP"),
+        page_waits=sass.count("SYNCS.PHASECHK"),
         compile_s=round(compile_s, 3),
     )

@@ -35,6 +35,17 @@ from vllm_ext.megakernel.kernel.ops.gemv_mma import red_floats
 from vllm_ext.megakernel.kernel.ops.prefetch import prefetch_weights
 from vllm_ext.megakernel.kernel.ops.projections import down, gate_up, lm_head, o_proj
 from vllm_ext.megakernel.kernel.ops.qkv import qkv
+from vllm_ext.megakernel.kernel.ops.weight_pipe import (
+    BASE,
+    MAX_SLOTS,
+    MIN_SLOTS,
+    Pipe,
+    instr_pages,
+    pipe_bytes,
+    pipe_init,
+    pipe_slots,
+    top_up,
+)
 from vllm_ext.megakernel.kernel.ops.weight_stage import W_STAGE_ELEMS, stage_weights
 from vllm_ext.megakernel.kernel.shape import NUM_SLOTS, KernelShape
 from vllm_ext.megakernel.kernel.sync import nanosleep, trap
@@ -49,10 +60,9 @@ QUEUE_STAGE = 256
 SMEM_LIMIT = 227 * 1024
 
 
-def shared_bytes(s: KernelShape) -> int:
-    """The CTA's shared memory, as the kernel allocates it (each buffer
-    rounded up to 128 bytes, an upper bound on its alignment padding)."""
-    buffers = [
+def _buffers(s: KernelShape) -> list[int]:
+    """The CTA's shared buffers but the weight pipeline's, in bytes."""
+    return [
         4 * s.batch,  # rstd
         4 * s.batch * s.head_dim,  # head_buf
         4 * s.batch,  # head_rstd
@@ -63,11 +73,36 @@ def shared_bytes(s: KernelShape) -> int:
         QUEUE_STAGE * WORDS * 4 if s.stage_queue else 0,
         red_floats(s.batch) * 4 if s.mma_gemv else 0,
     ]
+
+
+def _padded(buffers: list[int]) -> int:
+    # Each buffer rounded up to 128 bytes, an upper bound on its alignment.
     return sum((b + 127) // 128 * 128 for b in buffers)
+
+
+def ring_slots(s: KernelShape) -> int:
+    """Pages in the weight pipeline's ring: what the rest leaves (0: off,
+    or too little room)."""
+    if not s.weight_pipe:
+        return 0
+    # Everything but the pages, with the mbarriers of the largest ring.
+    rest = _padded(_buffers(s) + pipe_bytes(MAX_SLOTS, s.batch)[1:])
+    return pipe_slots(SMEM_LIMIT - rest)
+
+
+def shared_bytes(s: KernelShape) -> int:
+    """The CTA's shared memory, as the kernel allocates it."""
+    pipe = pipe_bytes(ring_slots(s), s.batch) if s.weight_pipe else []
+    return _padded(_buffers(s) + pipe)
 
 
 class Megakernel:
     def __init__(self, shape: KernelShape):
+        if shape.weight_pipe and ring_slots(shape) == 0:
+            raise ValueError(
+                f"the kernel for {shape} leaves no room in shared memory for "
+                f"the weight pipeline's {MIN_SLOTS} pages"
+            )
         need = shared_bytes(shape)
         if need > SMEM_LIMIT:
             raise ValueError(
@@ -178,6 +213,23 @@ class Megakernel:
                                                            idx % WORDS]  # fmt: skip
             cute.arch.sync_threads()
 
+        # The weight pipeline (experimental, shape.weight_pipe): the ops
+        # receive it in place of the weight stage.
+        if cutlass.const_expr(s.weight_pipe):
+            staged = q_stage if cutlass.const_expr(s.stage_queue) else None
+            n_in_stage = n_staged if cutlass.const_expr(s.stage_queue) else None
+            w_stage = Pipe.allocate(
+                s, ring_slots(s), smem, queue=queue, q_stage=staged,
+                n_staged=n_in_stage, length=lengths[sm], sm=sm, ptrs=ptrs,
+                glob=glob, max_spins=max_spins,
+            )  # fmt: skip
+            if tidx == 0:
+                pipe_init(w_stage)
+            cute.arch.sync_threads()
+            # (Written through an alias: the loop below must not look like it
+            # rebinds w_stage, a trace-time object.)
+            pipe_state = w_stage.state
+
         ins = cute.make_rmem_tensor((WORDS,), Int32)
         for pc in cutlass.range(lengths[sm]):
             if cutlass.const_expr(s.stage_queue):
@@ -192,6 +244,9 @@ class Megakernel:
                 # All threads start copying this instruction's weights into
                 # shared memory before thread 0 waits for its inputs.
                 stage_weights(s, ptrs, glob, op, layer, a0, a1, w_stage)
+            if cutlass.const_expr(s.weight_pipe):
+                if tidx == 0:
+                    top_up(w_stage, pipe_state[BASE])
             if tidx == 0:
                 # Weight streams start before the wait (see ops/prefetch.py).
                 if pc == 0:
@@ -225,6 +280,9 @@ class Megakernel:
                                 op, sm, pc, ins[4], target, seen,
                             )  # fmt: skip
                             trap()
+                        if cutlass.const_expr(s.weight_pipe):
+                            # Pages keep streaming while the inputs are awaited.
+                            top_up(w_stage, pipe_state[BASE])
                         nanosleep(Int32(POLL_NS))
                         seen = cute.arch.load(ptr, Int32, sem="relaxed", scope="gpu")
                     # Acquire: the producers' stores are visible from here on.
@@ -265,6 +323,9 @@ class Megakernel:
             # Every thread's stores are issued before the release below.
             cute.arch.sync_threads()
             if tidx == 0:
+                if cutlass.const_expr(s.weight_pipe):
+                    # Every page of this instruction is released.
+                    pipe_state[BASE] = pipe_state[BASE] + instr_pages(s, op, a0, a1)
                 if ins[6] >= 0:
                     cute.arch.atomic_add(
                         counters.iterator + ins[6], Int32(1), sem="release", scope="gpu"

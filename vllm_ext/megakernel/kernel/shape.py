@@ -62,6 +62,21 @@ class GlobalSlot(IntEnum):
 NUM_SLOTS = 18
 # Requests accumulated per pass over a weight row (see ops/gemv.py).
 BATCH_GROUP = 8
+# A page of the weight pipeline (ops/weight_pipe.py).
+PAGE_BYTES = 32 * 1024
+
+
+def page_rows(k: int, dual: bool = False) -> int:
+    """Rows of a [*, k] bf16 matrix one weight-pipeline page holds (per
+    matrix when dual): the largest power of two that fits, so pages divide
+    a head's rows and split a CTA's warps evenly."""
+    fit = PAGE_BYTES // (2 * k * (2 if dual else 1))
+    if fit == 0:
+        raise ValueError(
+            f"a {k}-wide weight row{' pair' if dual else ''} does not fit a "
+            f"{PAGE_BYTES}-byte page of the weight pipeline"
+        )
+    return 1 << (fit.bit_length() - 1)
 
 
 @dataclass(frozen=True)
@@ -91,6 +106,11 @@ class KernelShape:
     # batches where the CUDA-core GEMV is bound by instruction issue
     # (kernel/ops/gemv_mma.py). Not with stage_weights (one scratch buffer).
     mma_gemv: bool = False
+    # Experimental (not yet measured): a ring of shared-memory pages that
+    # bulk copies keep filled with the queue's weight rows, through waits and
+    # across instructions (kernel/ops/weight_pipe.py). Alone: it replaces the
+    # GEMVs' weight reads that the other two variants change.
+    weight_pipe: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden", "intermediate", "head_dim"):
@@ -105,6 +125,15 @@ class KernelShape:
             )
         if self.q_heads % self.kv_heads:
             raise ValueError("q_heads must be a multiple of kv_heads")
+        if self.weight_pipe and (self.stage_weights or self.mma_gemv):
+            raise ValueError(
+                "weight_pipe replaces the GEMVs' weight reads that stage_weights "
+                "and mma_gemv change: pick one"
+            )
+        if self.weight_pipe:
+            page_rows(self.hidden, dual=True)  # GATE_UP (QKV, LM_HEAD: narrower)
+            page_rows(self.q_heads * self.head_dim)  # O_PROJ
+            page_rows(self.intermediate)  # DOWN
         if self.mma_gemv:
             if self.stage_weights:
                 raise ValueError("mma_gemv and stage_weights share a buffer: pick one")
@@ -128,6 +157,7 @@ class KernelShape:
         stage_weights: bool = False,
         stage_queue: bool = False,
         mma_gemv: bool = False,
+        weight_pipe: bool = False,
     ) -> KernelShape:
         s = program.spec
         return cls(
@@ -146,6 +176,7 @@ class KernelShape:
             stage_weights=stage_weights,
             stage_queue=stage_queue,
             mma_gemv=mma_gemv,
+            weight_pipe=weight_pipe,
         )
 
     def as_dict(self) -> dict:

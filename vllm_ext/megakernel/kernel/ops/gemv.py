@@ -67,24 +67,27 @@ def _rows(
             # Rows staged before the wait come from shared memory.
             if row < stage_end:
                 r = row - stage_lo
-                _row(row, vectors(ws[r, None]), vectors(ws2[r, None]), x, norm,
+                gemv_row(row, vectors(ws[r, None]), vectors(ws2[r, None]), x, norm,
                      rstd, lane, epilogue, normed, dual)  # fmt: skip
             else:
-                _row(row, vectors(w[row, None]), vectors(w2[row, None]), x, norm,
+                gemv_row(row, vectors(w[row, None]), vectors(w2[row, None]), x, norm,
                      rstd, lane, epilogue, normed, dual)  # fmt: skip
         else:
-            _row(row, vectors(w[row, None]), vectors(w2[row, None]), x, norm, rstd,
+            gemv_row(row, vectors(w[row, None]), vectors(w2[row, None]), x, norm, rstd,
                  lane, epilogue, normed, dual)  # fmt: skip
 
 
 @cute.jit
-def _row(
+def gemv_row(
     row, wv: cute.Tensor, wv2: cute.Tensor, x: cute.Tensor, norm: cute.Tensor,
     rstd: cute.Tensor, lane, epilogue: cutlass.Constexpr,
-    normed: cutlass.Constexpr, dual: cutlass.Constexpr,
+    normed: cutlass.Constexpr, dual: cutlass.Constexpr, sl=0,
+    slices: cutlass.Constexpr = 1, partial: cute.Tensor = None,
 ):  # fmt: skip
     """One weight row (``wv``, and ``wv2`` when dual, as 128-bit vectors)
-    against every request's input; the warp's sums go to the epilogue."""
+    against every request's input; the warp's sums go to the epilogue. With
+    ``slices`` > 1 the warp takes slice ``sl`` of the row's vectors and its
+    sums go to ``partial`` [2, B] instead (weight_pipe.py adds them up)."""
     batch, k_dim = x.shape
     group = min(batch, BATCH_GROUP)
     # Loads in flight per lane: few requests leave registers for deeper
@@ -97,7 +100,7 @@ def _row(
         acc2 = cute.make_rmem_tensor((group,), Float32)
         acc.fill(0.0)
         acc2.fill(0.0)
-        for j in cutlass.range(lane, n_vec, 32, unroll=unroll):
+        for j in cutlass.range(lane + 32 * sl, n_vec, 32 * slices, unroll=unroll):
             wf = load_f32(wv, j)
             wf2 = wf
             if cutlass.const_expr(dual):
@@ -119,4 +122,8 @@ def _row(
             if cutlass.const_expr(dual):
                 s2 = warp_sum(acc2[i])
             if lane == 0:
-                epilogue(row, b0 + i, s1, s2)
+                if cutlass.const_expr(slices > 1):
+                    partial[0, b0 + i] = s1
+                    partial[1, b0 + i] = s2
+                else:
+                    epilogue(row, b0 + i, s1, s2)

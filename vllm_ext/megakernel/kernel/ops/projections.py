@@ -8,6 +8,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 
+from vllm_ext.megakernel.isa import Op
 from vllm_ext.megakernel.kernel.ops.common import (
     gmem,
     round_bf16,
@@ -16,6 +17,7 @@ from vllm_ext.megakernel.kernel.ops.common import (
     stages_input,
 )
 from vllm_ext.megakernel.kernel.ops.gemv import gemv
+from vllm_ext.megakernel.kernel.ops.weight_pipe import paged_gemv
 from vllm_ext.megakernel.kernel.ops.weight_stage import (
     cap_rows,
     stage_view,
@@ -28,7 +30,7 @@ from vllm_ext.megakernel.kernel.shape import GlobalSlot, KernelShape, LayerSlot
 def _residual_projection(
     s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi, rstd, w_stage,
     weight: cutlass.Constexpr, x: cutlass.Constexpr, k: cutlass.Constexpr,
-    res: cutlass.Constexpr, out: cutlass.Constexpr,
+    res: cutlass.Constexpr, out: cutlass.Constexpr, op: cutlass.Constexpr,
 ):  # fmt: skip
     """table[out][:, lo:hi] = table[res][:, lo:hi] + table[x] @ W[lo:hi].T,
     W = table[weight] ``[hidden, k]``; the projection rounds to bf16, then
@@ -43,18 +45,21 @@ def _residual_projection(
     def epilogue(row, i, s1, _):
         dst[i, row] = (round_bf16(s1) + residual[i, row].to(Float32)).to(BFloat16)
 
-    _plain_gemv(shape, w, xs, rstd, lo, hi, epilogue, w_stage)
+    _plain_gemv(shape, w, xs, rstd, lo, hi, epilogue, w_stage, op)
 
 
 @cute.jit
 def _plain_gemv(
-    s: cutlass.Constexpr, w, x, rstd, lo, hi, epilogue: cutlass.Constexpr, w_stage
-):
+    s: cutlass.Constexpr, w, x, rstd, lo, hi, epilogue: cutlass.Constexpr, w_stage,
+    op: cutlass.Constexpr,
+):  # fmt: skip
     """The GEMV of a projection with no norm and one matrix, in the build's
-    variant (staged weights, tensor cores, or neither)."""
+    variant (staged weights, tensor cores, the weight pipeline, or none)."""
     shape: KernelShape = s
     k = x.shape[1]
-    if cutlass.const_expr(shape.stage_weights):
+    if cutlass.const_expr(shape.weight_pipe):
+        paged_gemv(w_stage, op, 0, lo, hi, x, x[0, None], rstd, epilogue, False)
+    elif cutlass.const_expr(shape.stage_weights):
         ws = stage_view(w_stage, k)
         end = lo + staged_rows(lo, hi, cap_rows(k))
         gemv(w, w, x, x[0, None], rstd, lo, hi, epilogue, False, False,
@@ -69,7 +74,7 @@ def o_proj(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi, rstd, w_stage
     """hmid[:, lo:hi] = h[:, lo:hi] + attn @ Wo[lo:hi].T"""
     _residual_projection(s, ptrs, layer, lo, hi, rstd, w_stage, LayerSlot.O_PROJ,
                          LayerSlot.ATTN, s.q_size, LayerSlot.H_IN,
-                         LayerSlot.HMID)  # fmt: skip
+                         LayerSlot.HMID, Op.O_PROJ)  # fmt: skip
 
 
 @cute.jit
@@ -77,7 +82,7 @@ def down(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi, rstd, w_stage):
     """h_out[:, lo:hi] = hmid[:, lo:hi] + act @ Wd[lo:hi].T"""
     _residual_projection(s, ptrs, layer, lo, hi, rstd, w_stage, LayerSlot.DOWN,
                          LayerSlot.ACT, s.intermediate, LayerSlot.HMID,
-                         LayerSlot.H_OUT)  # fmt: skip
+                         LayerSlot.H_OUT, Op.DOWN)  # fmt: skip
 
 
 @cute.jit
@@ -107,7 +112,14 @@ def gate_up(
         wg = stage_view(w_stage, h, dual=True)
         wu = stage_view(w_stage, h, dual=True, second=True)
         end = lo + staged_rows(lo, hi, cap_rows(h, dual=True))
-    if cutlass.const_expr(stages_input(shape)):
+    if cutlass.const_expr(shape.weight_pipe):
+        if cutlass.const_expr(stages_input(shape)):
+            stage_normed(x, norm, rstd, x_stage)
+            paged_gemv(w_stage, Op.GATE_UP, 0, lo, hi, x_stage, norm, rstd, epilogue,
+                       False)  # fmt: skip
+        else:
+            paged_gemv(w_stage, Op.GATE_UP, 0, lo, hi, x, norm, rstd, epilogue, True)
+    elif cutlass.const_expr(stages_input(shape)):
         stage_normed(x, norm, rstd, x_stage)
         gemv(gate, up, x_stage, norm, rstd, lo, hi, epilogue, False, True,
              staged, wg, wu, lo, end, shape.mma_gemv, w_stage)  # fmt: skip
@@ -128,4 +140,4 @@ def lm_head(s: cutlass.Constexpr, ptrs: cute.Tensor, glob, lo, hi, rstd, w_stage
     def epilogue(row, i, s1, _):
         logits[i, row] = s1
 
-    _plain_gemv(shape, w, x, rstd, lo, hi, epilogue, w_stage)
+    _plain_gemv(shape, w, x, rstd, lo, hi, epilogue, w_stage, Op.LM_HEAD)

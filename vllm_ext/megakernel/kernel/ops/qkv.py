@@ -11,6 +11,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
+from vllm_ext.megakernel.isa import Op
 from vllm_ext.megakernel.kernel.ops.common import (
     NUM_THREADS,
     NUM_WARPS,
@@ -24,6 +25,7 @@ from vllm_ext.megakernel.kernel.ops.common import (
 )
 from vllm_ext.megakernel.kernel.ops.gemv import gemv
 from vllm_ext.megakernel.kernel.ops.kv import kv_slot_entry
+from vllm_ext.megakernel.kernel.ops.weight_pipe import geometry, paged_gemv
 from vllm_ext.megakernel.kernel.ops.weight_stage import (
     cap_rows,
     stage_view,
@@ -60,7 +62,7 @@ def qkv(
     head_buf: cute.Tensor,  # smem [B, head_dim] fp32
     head_rstd: cute.Tensor,  # smem [B]
     x_stage: cute.Tensor,  # smem [B, hidden] bf16 when stages_input(shape)
-    w_stage: cute.Tensor,  # smem weight stage when shape.stage_weights
+    w_stage,  # smem weight stage (stage_weights) or the pipeline (weight_pipe)
 ):
     shape: KernelShape = s
     b, h, d = shape.batch, shape.hidden, shape.head_dim
@@ -90,7 +92,16 @@ def qkv(
     for head in cutlass.range(lo, hi):
         first = head * d
         epilogue = _store_head(head_buf, first, bias)
-        if cutlass.const_expr(stages_input(shape)):
+        if cutlass.const_expr(shape.weight_pipe):
+            # The head's first page within the instruction's.
+            page0 = (head - lo) * (d // geometry(shape)[Op.QKV].per_page)
+            if cutlass.const_expr(stages_input(shape)):
+                paged_gemv(w_stage, Op.QKV, page0, first, first + d, x_stage, norm,
+                           rstd, epilogue, False)  # fmt: skip
+            else:
+                paged_gemv(w_stage, Op.QKV, page0, first, first + d, x, norm, rstd,
+                           epilogue, True)  # fmt: skip
+        elif cutlass.const_expr(stages_input(shape)):
             gemv(w, w, x_stage, norm, rstd, first, first + d, epilogue, False, False,
                  staged, ws, ws, lo * d, end, shape.mma_gemv, w_stage)  # fmt: skip
         else:

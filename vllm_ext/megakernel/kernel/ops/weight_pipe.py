@@ -1,0 +1,351 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The weight pipeline (experimental, ``KernelShape.weight_pipe``; no
+reference: it moves bytes, the GEMVs that read them are checked against
+theirs).
+
+A ring of ``slots`` shared-memory pages, each filled by one or two bulk
+copies (``cp.async.bulk``, the copy engine; completion counted in bytes on
+the page's mbarrier). Weights never depend on activations, so thread 0 keeps
+the ring full with the weight rows the CTA's queue will read, in queue
+order, running ahead of the compute: before and during each wait for
+inputs, and each time the CTA releases a page. Bytes stream through the
+waits between phases instead of starting after them. On the H200
+(2026-11-30) the waits cost 45% of a 1B batch-1 step, 7-11 us per phase
+boundary; a full ring holds 4-6 pages of 32 KiB, 4-6 us of an SM's share
+of HBM bandwidth.
+
+Page ``g`` of the launch (counted over the whole queue) lives in slot
+``g % slots``; its ``g // slots``-th use completes the slot's mbarrier phase
+of that parity. A page holds whole rows of one matrix (or the same rows of
+gate and up): ``page_rows`` of them, a power of two, so pages divide a head
+for QKV and split the warps evenly when a row is long. Producer (``top_up``)
+and consumer (``paged_gemv``) derive the same page sequence from the
+instructions, ``instr_pages`` and ``page_rows``; ``tests/megakernel/
+test_weight_pipe.py`` replays both schedules in Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass.experimental import primitives as prims
+
+from vllm_ext.megakernel.isa import WORDS, Op
+from vllm_ext.megakernel.kernel.ops.common import (
+    NUM_THREADS,
+    NUM_WARPS,
+    thread_ids,
+    vectors,
+)
+from vllm_ext.megakernel.kernel.ops.gemv import gemv_row
+from vllm_ext.megakernel.kernel.shape import (
+    PAGE_BYTES,
+    GlobalSlot,
+    KernelShape,
+    LayerSlot,
+    page_rows,
+)
+from vllm_ext.megakernel.kernel.sync import trap
+
+PAGE_ELEMS = PAGE_BYTES // 2
+# One page being read and at least two in flight; past six the L1 that is
+# left (activations re-read per row) shrinks below 40 KiB.
+MIN_SLOTS = 3
+MAX_SLOTS = 6
+# The producer's state in shared memory (written by thread 0 only): the
+# instruction and page it issues next, pages issued, and the first page of
+# the instruction being executed.
+CURSOR, CURSOR_PAGE, ISSUED, BASE = range(4)
+
+
+@dataclass(frozen=True)
+class Tile:
+    """How one opcode's weight tile maps onto pages."""
+
+    k: int  # row width (elements)
+    per_page: int  # rows per page (per matrix when dual)
+    dual: bool  # gate and up: the same rows of two matrices per page
+    unit: int  # matrix rows per unit of the instruction's [lo, hi)
+
+
+def geometry(s: KernelShape) -> dict[Op, Tile]:
+    """The pages of every opcode that reads weights. QKV's args count heads
+    and its consumer reads a head at a time, so its pages divide a head."""
+    qkv_rows = min(page_rows(s.hidden), s.head_dim)
+    return {
+        Op.QKV: Tile(s.hidden, qkv_rows, False, s.head_dim),
+        Op.O_PROJ: Tile(s.q_size, page_rows(s.q_size), False, 1),
+        Op.GATE_UP: Tile(s.hidden, page_rows(s.hidden, dual=True), True, 1),
+        Op.DOWN: Tile(s.intermediate, page_rows(s.intermediate), False, 1),
+        Op.LM_HEAD: Tile(s.hidden, page_rows(s.hidden), False, 1),
+    }
+
+
+def warps_per_row(rows: int) -> int:
+    """Warps that share one row of a page (each takes a slice of k)."""
+    return max(1, NUM_WARPS // rows)
+
+
+def pipe_slots(free_bytes: int) -> int:
+    """Ring slots that fit ``free_bytes`` of shared memory (0: too few)."""
+    slots = min(MAX_SLOTS, free_bytes // PAGE_BYTES)
+    return slots if slots >= MIN_SLOTS else 0
+
+
+def pipe_bytes(slots: int, batch: int) -> list[int]:
+    """The pipeline's shared buffers: pages, mbarriers, state, and the
+    cross-warp partial sums of long rows (double-buffered by page parity)."""
+    return [slots * PAGE_BYTES, 8 * slots, 4 * 4, 4 * 2 * NUM_WARPS * 2 * batch]
+
+
+def tile_pages(rows: int, per_page: int) -> int:
+    return (rows + per_page - 1) // per_page
+
+
+@dataclass(frozen=True)
+class Pipe:
+    """What the pipeline's producer and consumers share: its shared
+    buffers and the kernel arguments that locate the queue and weights. A
+    trace-time bundle, passed to the ops as a compile-time argument (frozen:
+    the DSL then treats it as read-only inside runtime loops)."""
+
+    shape: KernelShape
+    slots: int
+    pages: cute.Tensor  # [slots, PAGE_ELEMS] bf16
+    mbar: cute.Tensor  # [slots] int64
+    state: cute.Tensor  # [4] int32: CURSOR, CURSOR_PAGE, ISSUED, BASE
+    red: cute.Tensor  # [2, NUM_WARPS, 2, batch] fp32
+    queue: cute.Tensor
+    q_stage: cute.Tensor | None  # the queue's head in shared memory
+    n_staged: object
+    length: object
+    sm: object
+    ptrs: cute.Tensor
+    glob: object
+    max_spins: object
+
+    @classmethod
+    def allocate(cls, shape: KernelShape, slots: int, smem, **kernel_args) -> Pipe:
+        b = shape.batch
+        return cls(
+            shape,
+            slots,
+            smem.allocate_tensor(
+                BFloat16,
+                cute.make_layout((slots, PAGE_ELEMS), stride=(PAGE_ELEMS, 1)),
+                128,
+            ),
+            smem.allocate_tensor(Int64, cute.make_layout(slots), 8),
+            smem.allocate_tensor(Int32, cute.make_layout(4), 16),
+            smem.allocate_tensor(
+                Float32,
+                cute.make_layout(
+                    (2, NUM_WARPS, 2, b), stride=(NUM_WARPS * 2 * b, 2 * b, b, 1)
+                ),
+                16,
+            ),
+            **kernel_args,
+        )
+
+    def page(self, slot, rows: int, k: int, second: bool = False) -> cute.Tensor:
+        """Slot ``slot`` as a [rows, k] matrix; ``second``: the up half."""
+        offset = slot * PAGE_ELEMS + (rows * k if second else 0)
+        return cute.make_tensor(
+            self.pages.iterator + offset, cute.make_layout((rows, k), stride=(k, 1))
+        )
+
+
+@cute.jit
+def pipe_init(p: cutlass.Constexpr):
+    """Thread 0: the mbarriers (one arrival: the producer's, plus the
+    bytes) and an empty cursor; the caller's CTA barrier publishes them."""
+    for i in cutlass.range_constexpr(p.slots):
+        cute.arch.mbarrier_init(p.mbar.iterator + i, 1)
+    cute.arch.mbarrier_init_fence()
+    for i in cutlass.range_constexpr(4):
+        p.state[i] = Int32(0)
+
+
+@cute.jit
+def instr_pages(s: cutlass.Constexpr, op, lo, hi) -> Int32:
+    """Pages of weights instruction (op, lo, hi) reads (0: none)."""
+    geo = geometry(s)
+    n = Int32(0)
+    if op == Op.QKV:
+        n = _pages(geo[Op.QKV], lo, hi)
+    elif op == Op.O_PROJ:
+        n = _pages(geo[Op.O_PROJ], lo, hi)
+    elif op == Op.GATE_UP:
+        n = _pages(geo[Op.GATE_UP], lo, hi)
+    elif op == Op.DOWN:
+        n = _pages(geo[Op.DOWN], lo, hi)
+    elif op == Op.LM_HEAD:
+        n = _pages(geo[Op.LM_HEAD], lo, hi)
+    return n
+
+
+def _pages(t: Tile, lo, hi):
+    return tile_pages((hi - lo) * t.unit, t.per_page)
+
+
+@cute.jit
+def _copy(p: cutlass.Constexpr, slot, offset, src: Int64, nbytes):
+    """One bulk copy of ``nbytes`` from ``src`` to element ``offset`` of
+    slot ``slot``, counted on the slot's mbarrier."""
+    dst = p.pages.iterator + slot * PAGE_ELEMS + offset
+    gptr = cute.make_ptr(BFloat16, src, cute.AddressSpace.gmem, assumed_align=16)
+    prims.cp_async_bulk_shared_cluster_global(dst, gptr, p.mbar.iterator + slot,
+                                              nbytes)  # fmt: skip
+
+
+@cute.jit
+def _issue_rows(p: cutlass.Constexpr, slot, t: cutlass.Constexpr, base: Int64, lo,
+                hi, kp, second: Int64):  # fmt: skip
+    """Page ``kp`` of units [lo, hi) of the matrix at ``base`` (and of the
+    one at ``second``, when dual) into ``slot``."""
+    tile: Tile = t
+    row_bytes = 2 * tile.k
+    first = lo * tile.unit + kp * tile.per_page
+    rows = cutlass.min(Int32(tile.per_page), hi * tile.unit - first)
+    nbytes = rows * row_bytes
+    total = nbytes * 2 if tile.dual else nbytes
+    cute.arch.mbarrier_arrive_and_expect_tx(p.mbar.iterator + slot, total)
+    _copy(p, slot, 0, base + Int64(first) * row_bytes, nbytes)
+    if cutlass.const_expr(tile.dual):
+        _copy(p, slot, tile.per_page * tile.k, second + Int64(first) * row_bytes,
+              nbytes)  # fmt: skip
+
+
+@cute.jit
+def _issue(p: cutlass.Constexpr, op, layer, lo, hi, kp, slot):
+    """Page ``kp`` of instruction (op, layer, lo, hi) into ``slot``."""
+    shape: KernelShape = p.shape
+    geo = geometry(shape)
+    ptrs, none = p.ptrs, Int64(0)
+    if op == Op.QKV:
+        _issue_rows(p, slot, geo[Op.QKV], ptrs[layer, LayerSlot.QKV], lo, hi, kp,
+                    none)  # fmt: skip
+    elif op == Op.O_PROJ:
+        _issue_rows(p, slot, geo[Op.O_PROJ], ptrs[layer, LayerSlot.O_PROJ], lo, hi,
+                    kp, none)  # fmt: skip
+    elif op == Op.GATE_UP:
+        gate = ptrs[layer, LayerSlot.GATE_UP]
+        up = gate + Int64(shape.intermediate * shape.hidden * 2)
+        _issue_rows(p, slot, geo[Op.GATE_UP], gate, lo, hi, kp, up)
+    elif op == Op.DOWN:
+        _issue_rows(p, slot, geo[Op.DOWN], ptrs[layer, LayerSlot.DOWN], lo, hi, kp,
+                    none)  # fmt: skip
+    elif op == Op.LM_HEAD:
+        _issue_rows(p, slot, geo[Op.LM_HEAD], ptrs[p.glob, GlobalSlot.LM_HEAD], lo,
+                    hi, kp, none)  # fmt: skip
+
+
+@cute.jit
+def _fetch(p: cutlass.Constexpr, pc, ins: cute.Tensor):
+    if cutlass.const_expr(p.q_stage is not None):
+        if pc < p.n_staged:
+            cute.autovec_copy(p.q_stage[pc, None], ins)
+        else:
+            cute.autovec_copy(p.queue[p.sm, pc, None], ins)
+    else:
+        cute.autovec_copy(p.queue[p.sm, pc, None], ins)
+
+
+@cute.jit
+def top_up(p: cutlass.Constexpr, released):
+    """Thread 0: issue pages in queue order until ``slots`` pages past the
+    ``released`` ones are in flight or the queue ends. Never blocks."""
+    ipc, kp, issued = p.state[CURSOR], p.state[CURSOR_PAGE], p.state[ISSUED]
+    ins = cute.make_rmem_tensor((WORDS,), Int32)
+    # Generic-proxy reads of a released slot come before the async-proxy
+    # writes that refill it.
+    cute.arch.fence_proxy("async.shared", space="cta")
+    while (ipc < p.length) & (issued - released < p.slots):
+        _fetch(p, ipc, ins)
+        if kp < instr_pages(p.shape, ins[0], ins[2], ins[3]):
+            _issue(p, ins[0], ins[1], ins[2], ins[3], kp, issued % p.slots)
+            issued = issued + 1
+            kp = kp + 1
+        else:
+            ipc = ipc + 1
+            kp = Int32(0)
+    p.state[CURSOR] = ipc
+    p.state[CURSOR_PAGE] = kp
+    p.state[ISSUED] = issued
+
+
+@cute.jit
+def wait_page(p: cutlass.Constexpr, g):
+    """Every thread: wait until page ``g`` has landed (bounded: past
+    ``max_spins`` tries it prints the SM and page, then traps)."""
+    slot = g % p.slots
+    phase = (g // p.slots) % 2
+    spins = Int32(0)
+    while not cute.arch.mbarrier_try_wait(p.mbar.iterator + slot, phase):
+        spins = spins + 1
+        if spins > p.max_spins:
+            tidx, _, _ = thread_ids()
+            if tidx == 0:
+                cute.printf("megakernel: weight page timeout: sm %d page %d\n",
+                            p.sm, g)  # fmt: skip
+            trap()
+
+
+@cute.jit
+def paged_gemv(
+    p: cutlass.Constexpr,
+    op: cutlass.Constexpr,  # whose pages (geometry)
+    page0,  # the instruction's page that holds row0
+    row0,
+    row_end,
+    x: cute.Tensor,
+    norm: cute.Tensor,
+    rstd: cute.Tensor,
+    epilogue: cutlass.Constexpr,
+    normed: cutlass.Constexpr,
+):
+    """Rows [row0, row_end) of ``W @ x[b]`` from the pages that hold them
+    (the same contract as ``gemv.gemv``). Short rows: a warp per row. Long
+    rows (fewer than ``NUM_WARPS`` per page): warps split each row's k, and
+    their sums meet in ``p.red``. A CTA barrier ends each page, then thread
+    0 refills its slot."""
+    tile = geometry(p.shape)[op]
+    k, per_page, dual = tile.k, tile.per_page, tile.dual
+    tidx, warp, lane = thread_ids()
+    slices = warps_per_row(per_page)
+    batch = x.shape[0]
+    base = p.state[BASE] + page0
+    for kk in cutlass.range((row_end - row0 + per_page - 1) // per_page):
+        g = base + kk
+        wait_page(p, g)
+        first = row0 + kk * per_page
+        n = cutlass.min(Int32(per_page), row_end - first)
+        w1 = p.page(g % p.slots, per_page, k)
+        w2 = w1
+        if cutlass.const_expr(dual):
+            w2 = p.page(g % p.slots, per_page, k, second=True)
+        if cutlass.const_expr(slices == 1):
+            for r in cutlass.range(warp, n, NUM_WARPS):
+                gemv_row(first + r, vectors(w1[r, None]), vectors(w2[r, None]), x,
+                       norm, rstd, lane, epilogue, normed, dual)  # fmt: skip
+            cute.arch.sync_threads()
+        else:
+            r = warp // slices
+            red = p.red[g % 2, None, None, None]
+            if r < n:
+                gemv_row(first + r, vectors(w1[r, None]), vectors(w2[r, None]), x,
+                       norm, rstd, lane, epilogue, normed, dual, warp % slices,
+                       slices, red[warp, None, None])  # fmt: skip
+            cute.arch.sync_threads()
+            for idx in cutlass.range(tidx, n * batch, NUM_THREADS):
+                rr, i = idx // batch, idx % batch
+                s1, s2 = Float32(0.0), Float32(0.0)
+                for sl in cutlass.range_constexpr(slices):
+                    s1 = s1 + red[rr * slices + sl, 0, i]
+                    s2 = s2 + red[rr * slices + sl, 1, i]
+                epilogue(first + rr, i, s1, s2)
+        if tidx == 0:
+            top_up(p, g + 1)
