@@ -36,9 +36,15 @@ def build(*args: str) -> subprocess.CompletedProcess:
         ("qwen3-8b", "sm_90a", 4, ()),
         ("qwen3-8b", "sm_100a", 64, ()),
         # The experimental variants at their largest shapes (registers).
-        ("llama-3.1-8b", "sm_90a", 64, ("--mma-gemv", "--stage-queue")),
+        (
+            "llama-3.1-8b",
+            "sm_90a",
+            64,
+            ("--mma-gemv", "--weight-pipe", "--wide-attn", "--stage-queue"),
+        ),
         ("llama-3.2-1b", "sm_90a", 16, ("--stage-weights", "--stage-queue")),
         ("llama-3.1-8b", "sm_100a", 64, ("--weight-pipe", "--stage-queue")),
+        ("qwen3-8b", "sm_90a", 64, ("--weight-pipe", "--wide-attn", "--stage-queue")),
     ],
 )
 def test_build_real_shape(tmp_path, name, arch, batch, variant):

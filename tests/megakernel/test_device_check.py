@@ -53,15 +53,15 @@ def test_dry_run_builds_a_small_bundle():
         "llama-3.2-1b-b1", "llama-3.2-1b-b1-staged", "llama-3.2-1b-b1-mma",
         "llama-3.2-1b-b1-pipe",
     }  # fmt: skip
-    flags = {"llama-3.2-1b-b1": (False, False, False, False),
-             "llama-3.2-1b-b1-staged": (True, True, False, False),
-             "llama-3.2-1b-b1-mma": (False, True, True, False),
-             "llama-3.2-1b-b1-pipe": (False, True, False, True)}  # fmt: skip
+    flags = {"llama-3.2-1b-b1": (False, False, False, False, False),
+             "llama-3.2-1b-b1-staged": (True, True, False, False, False),
+             "llama-3.2-1b-b1-mma": (False, True, True, True, True),
+             "llama-3.2-1b-b1-pipe": (False, True, False, True, False)}  # fmt: skip
     for name, build in manifest["builds"].items():
         assert build["spill_bytes"] == 0 and build["arch"] == "sm_90a"
         shape = torch.load(bundle / name / "program.pt")["shape"]
         got = (shape["stage_weights"], shape["stage_queue"], shape["mma_gemv"],
-               shape["weight_pipe"])  # fmt: skip
+               shape["weight_pipe"], shape["wide_attn"])  # fmt: skip
         assert got == flags[name]
         assert (build["async_copies"] > 0) == shape["stage_weights"]
         assert (build["bulk_copies"] > 0) == shape["weight_pipe"]

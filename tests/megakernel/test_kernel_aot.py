@@ -59,7 +59,7 @@ def built(request, tmp_path_factory):
 
 def test_demo_shapes_compile_clean(built):
     check_sass(built)
-    # No weight staging, no tensor cores, no weight pipe unless asked for.
+    # No weight staging, tensor cores or weight pipe unless asked for.
     assert built.async_copies == 0 and built.mma_ops == 0
     assert built.bulk_copies == 0 and built.page_waits == 0
 
@@ -109,25 +109,42 @@ def test_tensor_core_variant_compiles_clean(gpu, tmp_path):
 
 
 @pytest.mark.parametrize("gpu", ARCHS)
-def test_weight_pipe_variant_compiles_clean(gpu, tmp_path):
-    """The experimental weight pipeline: the same checks, plus its bulk
-    copies and page waits, and no other variant's instructions. Qwen2 has
-    the QKV bias; an 8192-wide MLP (compiled, never run) puts two rows of
-    DOWN on a page, so warps split each row as well."""
+@pytest.mark.parametrize("mma", [False, True], ids=["rows", "mma"])
+def test_weight_pipe_variant_compiles_clean(gpu, mma, tmp_path):
+    """The experimental weight pipeline, read by the CUDA-core GEMV (pages
+    of whole rows) or the tensor-core one (pages of 16 rows): the same
+    checks, plus its bulk copies and page waits. Qwen2 has the QKV bias; an
+    8192-wide MLP (compiled, never run) puts two rows of DOWN on a page, so
+    warps split each row as well, and needs eight k pages per MMA row block."""
     shape = dataclasses.replace(demo_shape("qwen2", 4), weight_pipe=True,
-                                stage_queue=True, intermediate=8192)  # fmt: skip
+                                stage_queue=True, intermediate=8192,
+                                mma_gemv=mma)  # fmt: skip
     assert warps_per_row(page_rows(shape.intermediate)) > 1
     built = build(gpu, tmp_path, shape)
     check_sass(built)
     assert built.bulk_copies > 0 and built.page_waits > 0
-    assert built.async_copies == 0 and built.mma_ops == 0
+    assert built.async_copies == 0 and (built.mma_ops > 0) == mma
+
+
+@pytest.mark.parametrize("gpu", ARCHS)
+@pytest.mark.parametrize("model", ["mistral", "qwen2"])
+def test_wide_attention_variant_compiles_clean(gpu, model, tmp_path):
+    """The experimental wide attention, alone: head dim 128 with 2 q heads
+    per kv head (Mistral) and 64 with one (Qwen2), at batch 4 (two warps per
+    request) and beside the weight pipeline at batch 16 (one per request)."""
+    shape = dataclasses.replace(demo_shape(model, 4), wide_attn=True)
+    built = build(gpu, tmp_path / "b4", shape)
+    check_sass(built)
+    assert built.bulk_copies == 0 and built.async_copies == 0
+    both = dataclasses.replace(demo_shape(model, 16), wide_attn=True,
+                               weight_pipe=True, stage_queue=True)  # fmt: skip
+    check_sass(build(gpu, tmp_path / "b16", both))
 
 
 def test_weight_pipe_refuses_what_it_cannot_run():
     shape = demo_shape("llama", 4)
-    for other in ("mma_gemv", "stage_weights"):
-        with pytest.raises(ValueError, match="pick one"):
-            dataclasses.replace(shape, weight_pipe=True, **{other: True})
+    with pytest.raises(ValueError, match="pick one"):
+        dataclasses.replace(shape, weight_pipe=True, stage_weights=True)
     # A 20480-wide row (40 KiB) does not fit a page.
     with pytest.raises(ValueError, match="page"):
         dataclasses.replace(shape, weight_pipe=True, intermediate=20480)

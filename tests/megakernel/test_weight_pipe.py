@@ -23,6 +23,7 @@ from vllm_ext.megakernel.isa import Op
 from vllm_ext.megakernel.kernel.ops.weight_pipe import (
     PAGE_ELEMS,
     geometry,
+    head_pages,
     tile_pages,
     warps_per_row,
 )
@@ -40,58 +41,77 @@ def weight_rows(s: KernelShape, op: Op, lo: int, hi: int) -> range:
 
 
 def producer_pages(s: KernelShape, op: Op, lo: int, hi: int) -> list[tuple]:
-    """(first row, rows) of each page, as ``_issue_rows`` copies them."""
+    """(first row, rows, first column, columns) of each page, as
+    ``_issue_rows`` copies them (``instr_pages`` of them)."""
     t = geometry(s)[op]
-    n = tile_pages((hi - lo) * t.unit, t.per_page)  # instr_pages
+    n = tile_pages((hi - lo) * t.unit, t.per_page) * t.k_pages
     out = []
     for kp in range(n):
-        first = lo * t.unit + kp * t.per_page
-        out.append((first, min(t.per_page, hi * t.unit - first)))
+        block, kc = divmod(kp, t.k_pages)
+        first = lo * t.unit + block * t.per_page
+        k0 = kc * t.k_chunk
+        out.append((first, min(t.per_page, hi * t.unit - first), k0,
+                    min(t.k_chunk, t.k - k0)))  # fmt: skip
     return out
 
 
 def consumer_pages(s: KernelShape, op: Op, lo: int, hi: int) -> list[tuple]:
-    """(page within the instruction, first row, rows), as the ops call
-    ``paged_gemv`` and it walks its pages."""
+    """(page within the instruction, first row, rows, first column,
+    columns), as the ops call ``paged_gemv`` (QKV: once per head) and its
+    two consumers walk their pages."""
     t = geometry(s)[op]
     calls = [(0, lo, hi)]  # (page0, row0, row_end)
     if op == Op.QKV:
         d = s.head_dim
-        per_head = d // t.per_page
-        calls = [((h - lo) * per_head, h * d, h * d + d) for h in range(lo, hi)]
+        calls = [((h - lo) * head_pages(s), h * d, h * d + d) for h in range(lo, hi)]
     out = []
     for page0, row0, row_end in calls:
-        for kk in range(tile_pages(row_end - row0, t.per_page)):
-            first = row0 + kk * t.per_page
-            out.append((page0 + kk, first, min(t.per_page, row_end - first)))
+        if s.mma_gemv:  # _paged_mma: row blocks of 16, their k pages in order
+            for rb in range(row0, row_end, t.per_page):
+                first_page = page0 + (rb - row0) // t.per_page * t.k_pages
+                for kc in range(t.k_pages):
+                    k0 = kc * t.k_chunk
+                    out.append((first_page + kc, rb, min(t.per_page, row_end - rb),
+                                k0, min(t.k_chunk, t.k - k0)))  # fmt: skip
+        else:  # _paged_rows: whole rows
+            for kk in range(tile_pages(row_end - row0, t.per_page)):
+                first = row0 + kk * t.per_page
+                out.append((page0 + kk, first, min(t.per_page, row_end - first),
+                            0, t.k))  # fmt: skip
     return out
 
 
-def real_shape(config: str, batch: int) -> tuple:
+def real_shape(config: str, batch: int, mma: bool = False) -> tuple:
     spec = spec_or_exit("test", config, "bfloat16", batch)
     program = plan(spec, batch, DEVICES["h200"], with_lm_head=True)
-    shape = KernelShape.from_program(program, 16, stage_queue=True, weight_pipe=True)
+    shape = KernelShape.from_program(program, 16, stage_queue=True, weight_pipe=True,
+                                     mma_gemv=mma)  # fmt: skip
     return program, shape
 
 
-CASES = [(c, b) for c in ("llama-3.2-1b", "llama-3.1-8b", "qwen3-8b")
-         for b in (1, 16, 64)]  # fmt: skip
+CASES = [(c, b, mma) for c in ("llama-3.2-1b", "llama-3.1-8b", "qwen3-8b")
+         for b in (1, 16, 64) for mma in (False, True)]  # fmt: skip
 
 
-@pytest.mark.parametrize("config, batch", CASES)
-def test_pages_cover_each_instruction_once_and_fit(config, batch):
-    program, s = real_shape(config, batch)
+@pytest.mark.parametrize("config, batch, mma", CASES)
+def test_pages_cover_each_instruction_once_and_fit(config, batch, mma):
+    program, s = real_shape(config, batch, mma)
     geo = geometry(s)
     for op, t in geo.items():
-        # Pages split a CTA's 8 warps evenly, and QKV's divide a head.
+        # Pages split a CTA's 8 warps evenly (whole rows) or are one MMA's
+        # 16 rows, and QKV's divide a head.
         assert t.per_page & (t.per_page - 1) == 0
-        assert t.per_page * warps_per_row(t.per_page) in (t.per_page, 8)
+        if mma:
+            assert t.per_page == 16 and t.k_chunk % 32 == 0
+        else:
+            assert t.per_page * warps_per_row(t.per_page) in (t.per_page, 8)
+            assert t.k_chunk == t.k
         if op == Op.QKV:
             assert s.head_dim % t.per_page == 0
         matrices = 2 if t.dual else 1
-        assert matrices * t.per_page * t.k <= PAGE_ELEMS
-        assert (t.per_page * t.k * 2) % 16 == 0  # the up half's offset
-        assert (t.k * 2) % 16 == 0  # every copy's size and source address
+        assert matrices * t.per_page * t.k_chunk <= PAGE_ELEMS
+        assert (t.per_page * t.k_chunk * 2) % 16 == 0  # the up half's offset
+        assert (t.k_chunk * 2) % 16 == 0 and (t.k * 2) % 16 == 0  # copy rules
     seen = set()
     for queue in program.queues:
         for ins in queue:
@@ -104,9 +124,17 @@ def test_pages_cover_each_instruction_once_and_fit(config, batch):
             used = consumer_pages(s, ins.op, ins.arg0, ins.arg1)
             assert [u[0] for u in used] == list(range(len(made)))
             assert [u[1:] for u in used] == made
-            rows = [r for first, n in made for r in range(first, first + n)]
-            assert rows == list(weight_rows(s, ins.op, ins.arg0, ins.arg1))
-            assert all(0 < n <= geo[ins.op].per_page for _, n in made)
+            t = geo[ins.op]
+            cells = sorted(
+                (r, k0 // t.k_chunk)
+                for first, n, k0, cols in made
+                for r in range(first, first + n)
+            )
+            rows = weight_rows(s, ins.op, ins.arg0, ins.arg1)
+            assert cells == [(r, c) for r in rows for c in range(t.k_pages)]
+            assert all(0 < n <= t.per_page and 0 < c <= t.k_chunk
+                       for _, n, _, c in made)  # fmt: skip
+            assert all(k0 + c <= t.k and (c * 2) % 16 == 0 for _, _, k0, c in made)
 
 
 class Ring:
@@ -163,9 +191,9 @@ def replay_ring(program, s: KernelShape, slots: int, refill: bool = True) -> Non
         assert ring.issued == base, "pages issued but never read"
 
 
-@pytest.mark.parametrize("config, batch", CASES)
-def test_ring_schedule_never_waits_on_an_unissued_or_reused_page(config, batch):
-    program, s = real_shape(config, batch)
+@pytest.mark.parametrize("config, batch, mma", CASES)
+def test_ring_schedule_never_waits_on_an_unissued_or_reused_page(config, batch, mma):
+    program, s = real_shape(config, batch, mma)
     assert ring_slots(s) >= 3
     replay_ring(program, s, ring_slots(s))
 

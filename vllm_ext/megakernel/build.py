@@ -131,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
         help="experimental: a ring of shared-memory pages kept filled with the "
         "queue's weights by bulk copies, through waits; alone",
     )
+    parser.add_argument(
+        "--wide-attn",
+        action="store_true",
+        help="experimental: attention with 128-bit K/V loads and the batch's "
+        "requests side by side",
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -153,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             stage_queue=args.stage_queue,
             mma_gemv=args.mma_gemv,
             weight_pipe=args.weight_pipe,
+            wide_attn=args.wide_attn,
         )
     except ValueError as e:
         print(f"build: {e}", file=sys.stderr)

@@ -22,6 +22,7 @@ from cutlass.memory import SmemAllocator
 
 from vllm_ext.megakernel.isa import WORDS, Op
 from vllm_ext.megakernel.kernel.ops.attn import attn
+from vllm_ext.megakernel.kernel.ops.attn_wide import attn_wide
 from vllm_ext.megakernel.kernel.ops.combine import combine
 from vllm_ext.megakernel.kernel.ops.common import (
     NUM_THREADS,
@@ -71,7 +72,8 @@ def _buffers(s: KernelShape) -> list[int]:
         4 * NUM_WARPS * s.group * s.head_dim,  # warp_o
         W_STAGE_ELEMS * 2 if s.stage_weights else 0,
         QUEUE_STAGE * WORDS * 4 if s.stage_queue else 0,
-        red_floats(s.batch) * 4 if s.mma_gemv else 0,
+        # (With the weight pipeline, the pipeline holds this scratch.)
+        red_floats(s.batch) * 4 if s.mma_gemv and not s.weight_pipe else 0,
     ]
 
 
@@ -86,13 +88,13 @@ def ring_slots(s: KernelShape) -> int:
     if not s.weight_pipe:
         return 0
     # Everything but the pages, with the mbarriers of the largest ring.
-    rest = _padded(_buffers(s) + pipe_bytes(MAX_SLOTS, s.batch)[1:])
+    rest = _padded(_buffers(s) + pipe_bytes(MAX_SLOTS, s)[1:])
     return pipe_slots(SMEM_LIMIT - rest)
 
 
 def shared_bytes(s: KernelShape) -> int:
     """The CTA's shared memory, as the kernel allocates it."""
-    pipe = pipe_bytes(ring_slots(s), s.batch) if s.weight_pipe else []
+    pipe = pipe_bytes(ring_slots(s), s) if s.weight_pipe else []
     return _padded(_buffers(s) + pipe)
 
 
@@ -194,7 +196,7 @@ class Megakernel:
             w_stage = smem.allocate_tensor(
                 BFloat16, cute.make_layout(W_STAGE_ELEMS), 128
             )
-        if cutlass.const_expr(s.mma_gemv):
+        if cutlass.const_expr(s.mma_gemv and not s.weight_pipe):
             # The tensor-core GEMV's cross-warp reduction scratch.
             w_stage = smem.allocate_tensor(
                 Float32, cute.make_layout(red_floats(s.batch)), 128
@@ -230,6 +232,11 @@ class Megakernel:
             # rebinds w_stage, a trace-time object.)
             pipe_state = w_stage.state
 
+        # How thread 0 polls a wait counter. Relaxed loads, then one acquire
+        # load once the count is met (the validated default); with
+        # stage_queue (the per-instruction overhead variant) every poll is an
+        # acquire load, so a wait already met costs one L2 round trip, not two.
+        poll = "acquire" if s.stage_queue else "relaxed"
         ins = cute.make_rmem_tensor((WORDS,), Int32)
         for pc in cutlass.range(lengths[sm]):
             if cutlass.const_expr(s.stage_queue):
@@ -267,7 +274,7 @@ class Megakernel:
                 if ins[4] >= 0:
                     target = epoch * ins[5]
                     ptr = counters.iterator + ins[4]
-                    seen = cute.arch.load(ptr, Int32, sem="relaxed", scope="gpu")
+                    seen = cute.arch.load(ptr, Int32, sem=poll, scope="gpu")
                     spins = Int32(0)
                     # Compared by difference: counters and targets wrap mod
                     # 2^32 together, so a server never overflows them.
@@ -284,11 +291,12 @@ class Megakernel:
                             # Pages keep streaming while the inputs are awaited.
                             top_up(w_stage, pipe_state[BASE])
                         nanosleep(Int32(POLL_NS))
-                        seen = cute.arch.load(ptr, Int32, sem="relaxed", scope="gpu")
-                    # Acquire: the producers' stores are visible from here on.
-                    seen = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
-                    if seen - target < 0:
-                        trap()
+                        seen = cute.arch.load(ptr, Int32, sem=poll, scope="gpu")
+                    if cutlass.const_expr(poll == "relaxed"):
+                        # Acquire: the producers' stores are visible from here on.
+                        seen = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
+                        if seen - target < 0:
+                            trap()
             cute.arch.sync_threads()
             if cutlass.const_expr(s.stage_weights):
                 cute.arch.cp_async_wait_group(0)
@@ -298,9 +306,14 @@ class Megakernel:
                 qkv(s, ptrs, layer, glob, a0, a1, kv_block_stride, rstd, head_buf,
                     head_rstd, x_stage, w_stage)  # fmt: skip
             elif op == Op.ATTN:
-                attn(s, ptrs, layer, glob, a0, a1, kv_block_stride,
-                     block_table_stride, attn_scale, warp_m, warp_l,
-                     warp_o)  # fmt: skip
+                if cutlass.const_expr(s.wide_attn):
+                    attn_wide(s, ptrs, layer, glob, a0, a1, kv_block_stride,
+                              block_table_stride, attn_scale, warp_m, warp_l,
+                              warp_o)  # fmt: skip
+                else:
+                    attn(s, ptrs, layer, glob, a0, a1, kv_block_stride,
+                         block_table_stride, attn_scale, warp_m, warp_l,
+                         warp_o)  # fmt: skip
             elif op == Op.COMBINE:
                 combine(s, ptrs, layer, a0)
             elif op == Op.O_PROJ:

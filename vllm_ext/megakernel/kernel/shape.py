@@ -99,8 +99,10 @@ class KernelShape:
     # of its weight tile into shared memory before waiting for its inputs
     # (kernel/ops/weight_stage.py). Off: the kernel validated on an H200.
     stage_weights: bool = False
-    # Experimental (not yet measured): the queue's head is copied into shared
-    # memory at launch, so fetching an instruction is no global load.
+    # Experimental (not yet measured), against the 0.9 us each instruction
+    # costs: the queue's head is copied into shared memory at launch, so
+    # fetching an instruction is no global load, and a wait polls with
+    # acquire loads, so one already met costs one load instead of two.
     stage_queue: bool = False
     # Experimental (not yet measured): GEMVs on tensor cores (mma.sync), for
     # batches where the CUDA-core GEMV is bound by instruction issue
@@ -108,9 +110,13 @@ class KernelShape:
     mma_gemv: bool = False
     # Experimental (not yet measured): a ring of shared-memory pages that
     # bulk copies keep filled with the queue's weight rows, through waits and
-    # across instructions (kernel/ops/weight_pipe.py). Alone: it replaces the
-    # GEMVs' weight reads that the other two variants change.
+    # across instructions (kernel/ops/weight_pipe.py). With mma_gemv, the
+    # tensor-core GEMV reads its pages; not with stage_weights.
     weight_pipe: bool = False
+    # Experimental (not yet measured): ATTN with 128-bit K/V loads, several
+    # tokens per warp load and requests side by side
+    # (kernel/ops/attn_wide.py).
+    wide_attn: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden", "intermediate", "head_dim"):
@@ -125,12 +131,12 @@ class KernelShape:
             )
         if self.q_heads % self.kv_heads:
             raise ValueError("q_heads must be a multiple of kv_heads")
-        if self.weight_pipe and (self.stage_weights or self.mma_gemv):
+        if self.weight_pipe and self.stage_weights:
             raise ValueError(
-                "weight_pipe replaces the GEMVs' weight reads that stage_weights "
-                "and mma_gemv change: pick one"
+                "weight_pipe and stage_weights both move the GEMVs' weights into "
+                "shared memory: pick one"
             )
-        if self.weight_pipe:
+        if self.weight_pipe and not self.mma_gemv:  # (mma pages split rows)
             page_rows(self.hidden, dual=True)  # GATE_UP (QKV, LM_HEAD: narrower)
             page_rows(self.q_heads * self.head_dim)  # O_PROJ
             page_rows(self.intermediate)  # DOWN
@@ -158,6 +164,7 @@ class KernelShape:
         stage_queue: bool = False,
         mma_gemv: bool = False,
         weight_pipe: bool = False,
+        wide_attn: bool = False,
     ) -> KernelShape:
         s = program.spec
         return cls(
@@ -177,6 +184,7 @@ class KernelShape:
             stage_queue=stage_queue,
             mma_gemv=mma_gemv,
             weight_pipe=weight_pipe,
+            wide_attn=wide_attn,
         )
 
     def as_dict(self) -> dict:

@@ -63,7 +63,7 @@ def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, *, loc=None, ip=None):
 
 
 @cute.jit
-def _row_frag(w: cute.Tensor, row, hi, j, frag: cute.Tensor):
+def row_frag(w: cute.Tensor, row, hi, j, frag: cute.Tensor):
     """Weights k = 8 j .. 8 j + 7 of ``row`` as four packed pairs (zero past
     the tile)."""
     r = cute.make_rmem_tensor((VEC,), BFloat16)
@@ -74,7 +74,7 @@ def _row_frag(w: cute.Tensor, row, hi, j, frag: cute.Tensor):
 
 
 @cute.jit
-def _input_frag(
+def input_frag(
     x: cute.Tensor, norm: cute.Tensor, rstd: cute.Tensor, n, j,
     frag: cute.Tensor, normed: cutlass.Constexpr,
 ):  # fmt: skip
@@ -135,11 +135,11 @@ def gemv_mma(
                 mat = w if m == 0 else w2
                 a_lo = cute.make_rmem_tensor((4,), Int32)
                 a_hi = cute.make_rmem_tensor((4,), Int32)
-                _row_frag(mat, rb + g, hi, j, a_lo)
-                _row_frag(mat, rb + g + 8, hi, j, a_hi)
+                row_frag(mat, rb + g, hi, j, a_lo)
+                row_frag(mat, rb + g + 8, hi, j, a_hi)
                 for nb in cutlass.range_constexpr(n_blocks):
                     b = cute.make_rmem_tensor((4,), Int32)
-                    _input_frag(x, norm, rstd, nb * N_BLOCK + g, j, b, normed)
+                    input_frag(x, norm, rstd, nb * N_BLOCK + g, j, b, normed)
                     for half in cutlass.range_constexpr(2):
                         e = 2 * half
                         d = mma_bf16(

@@ -25,7 +25,7 @@ from vllm_ext.megakernel.kernel.ops.common import (
 )
 from vllm_ext.megakernel.kernel.ops.gemv import gemv
 from vllm_ext.megakernel.kernel.ops.kv import kv_slot_entry
-from vllm_ext.megakernel.kernel.ops.weight_pipe import geometry, paged_gemv
+from vllm_ext.megakernel.kernel.ops.weight_pipe import head_pages, paged_gemv
 from vllm_ext.megakernel.kernel.ops.weight_stage import (
     cap_rows,
     stage_view,
@@ -94,7 +94,7 @@ def qkv(
         epilogue = _store_head(head_buf, first, bias)
         if cutlass.const_expr(shape.weight_pipe):
             # The head's first page within the instruction's.
-            page0 = (head - lo) * (d // geometry(shape)[Op.QKV].per_page)
+            page0 = (head - lo) * head_pages(shape)
             if cutlass.const_expr(stages_input(shape)):
                 paged_gemv(w_stage, Op.QKV, page0, first, first + d, x_stage, norm,
                            rstd, epilogue, False)  # fmt: skip

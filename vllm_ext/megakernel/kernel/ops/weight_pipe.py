@@ -16,12 +16,14 @@ of HBM bandwidth.
 
 Page ``g`` of the launch (counted over the whole queue) lives in slot
 ``g % slots``; its ``g // slots``-th use completes the slot's mbarrier phase
-of that parity. A page holds whole rows of one matrix (or the same rows of
-gate and up): ``page_rows`` of them, a power of two, so pages divide a head
-for QKV and split the warps evenly when a row is long. Producer (``top_up``)
-and consumer (``paged_gemv``) derive the same page sequence from the
-instructions, ``instr_pages`` and ``page_rows``; ``tests/megakernel/
-test_weight_pipe.py`` replays both schedules in Python.
+of that parity. For the CUDA-core GEMV a page holds whole rows of one
+matrix (or the same rows of gate and up): ``page_rows`` of them, a power of
+two, so pages divide a head for QKV and split the warps evenly when a row
+is long. For the tensor-core GEMV (``mma_gemv``) a page is an MMA's 16 rows
+by ``k_chunk`` columns, one copy per row. Producer (``top_up``) and
+consumers (``paged_gemv``) derive the same page sequence from the
+instructions and ``geometry``; ``tests/megakernel/test_weight_pipe.py``
+replays both schedules in Python.
 """
 
 from __future__ import annotations
@@ -37,10 +39,20 @@ from vllm_ext.megakernel.isa import WORDS, Op
 from vllm_ext.megakernel.kernel.ops.common import (
     NUM_THREADS,
     NUM_WARPS,
+    VEC,
     thread_ids,
     vectors,
 )
 from vllm_ext.megakernel.kernel.ops.gemv import gemv_row
+from vllm_ext.megakernel.kernel.ops.gemv_mma import (
+    K_BLOCK,
+    N_BLOCK,
+    input_frag,
+    mma_bf16,
+    red_floats,
+    row_frag,
+)
+from vllm_ext.megakernel.kernel.ops.gemv_mma import ROWS as MMA_ROWS
 from vllm_ext.megakernel.kernel.shape import (
     PAGE_BYTES,
     GlobalSlot,
@@ -48,9 +60,10 @@ from vllm_ext.megakernel.kernel.shape import (
     LayerSlot,
     page_rows,
 )
-from vllm_ext.megakernel.kernel.sync import trap
+from vllm_ext.megakernel.kernel.sync import nanosleep, trap
 
 PAGE_ELEMS = PAGE_BYTES // 2
+POLL_NS = 32  # between tests of a page's mbarrier (as between counter polls)
 # One page being read and at least two in flight; past six the L1 that is
 # left (activations re-read per row) shrinks below 40 KiB.
 MIN_SLOTS = 3
@@ -63,25 +76,58 @@ CURSOR, CURSOR_PAGE, ISSUED, BASE = range(4)
 
 @dataclass(frozen=True)
 class Tile:
-    """How one opcode's weight tile maps onto pages."""
+    """How one opcode's weight tile maps onto pages: ``per_page`` rows by
+    ``k_chunk`` columns (of each of gate and up when dual), row block after
+    row block, each row block's k chunks in order."""
 
     k: int  # row width (elements)
     per_page: int  # rows per page (per matrix when dual)
     dual: bool  # gate and up: the same rows of two matrices per page
     unit: int  # matrix rows per unit of the instruction's [lo, hi)
+    k_chunk: int  # columns per page: k (whole rows: one copy) or less
+
+    @property
+    def k_pages(self) -> int:
+        return (self.k + self.k_chunk - 1) // self.k_chunk
+
+
+def _row_tile(k: int, dual: bool, unit: int, cap: int | None = None) -> Tile:
+    rows = page_rows(k, dual)
+    return Tile(k, rows if cap is None else min(rows, cap), dual, unit, k)
+
+
+def _mma_tile(k: int, dual: bool, unit: int) -> Tile:
+    """The tensor-core GEMV's pages: an MMA's 16 rows by as many columns as
+    fit (1024, or 512 each of gate and up), one bulk copy per row."""
+    k_chunk = PAGE_ELEMS // (MMA_ROWS * (2 if dual else 1))
+    return Tile(k, MMA_ROWS, dual, unit, min(k_chunk, k))
 
 
 def geometry(s: KernelShape) -> dict[Op, Tile]:
     """The pages of every opcode that reads weights. QKV's args count heads
     and its consumer reads a head at a time, so its pages divide a head."""
-    qkv_rows = min(page_rows(s.hidden), s.head_dim)
+    d = s.head_dim
+    if s.mma_gemv:
+        return {
+            Op.QKV: _mma_tile(s.hidden, False, d),
+            Op.O_PROJ: _mma_tile(s.q_size, False, 1),
+            Op.GATE_UP: _mma_tile(s.hidden, True, 1),
+            Op.DOWN: _mma_tile(s.intermediate, False, 1),
+            Op.LM_HEAD: _mma_tile(s.hidden, False, 1),
+        }
     return {
-        Op.QKV: Tile(s.hidden, qkv_rows, False, s.head_dim),
-        Op.O_PROJ: Tile(s.q_size, page_rows(s.q_size), False, 1),
-        Op.GATE_UP: Tile(s.hidden, page_rows(s.hidden, dual=True), True, 1),
-        Op.DOWN: Tile(s.intermediate, page_rows(s.intermediate), False, 1),
-        Op.LM_HEAD: Tile(s.hidden, page_rows(s.hidden), False, 1),
+        Op.QKV: _row_tile(s.hidden, False, d, cap=d),
+        Op.O_PROJ: _row_tile(s.q_size, False, 1),
+        Op.GATE_UP: _row_tile(s.hidden, True, 1),
+        Op.DOWN: _row_tile(s.intermediate, False, 1),
+        Op.LM_HEAD: _row_tile(s.hidden, False, 1),
     }
+
+
+def head_pages(s: KernelShape) -> int:
+    """Pages of one QKV head (its pages never straddle two heads)."""
+    t = geometry(s)[Op.QKV]
+    return tile_pages(s.head_dim, t.per_page) * t.k_pages
 
 
 def warps_per_row(rows: int) -> int:
@@ -95,10 +141,17 @@ def pipe_slots(free_bytes: int) -> int:
     return slots if slots >= MIN_SLOTS else 0
 
 
-def pipe_bytes(slots: int, batch: int) -> list[int]:
-    """The pipeline's shared buffers: pages, mbarriers, state, and the
-    cross-warp partial sums of long rows (double-buffered by page parity)."""
-    return [slots * PAGE_BYTES, 8 * slots, 4 * 4, 4 * 2 * NUM_WARPS * 2 * batch]
+def red_elems(shape: KernelShape) -> int:
+    """fp32 scratch where warps' partial sums meet: the tensor-core GEMV's,
+    or [2 page parities, warps, 2 matrices, batch] for split rows."""
+    if shape.mma_gemv:
+        return red_floats(shape.batch)
+    return 2 * NUM_WARPS * 2 * shape.batch
+
+
+def pipe_bytes(slots: int, shape: KernelShape) -> list[int]:
+    """The pipeline's shared buffers: pages, mbarriers, state, scratch."""
+    return [slots * PAGE_BYTES, 8 * slots, 4 * 4, 4 * red_elems(shape)]
 
 
 def tile_pages(rows: int, per_page: int) -> int:
@@ -117,7 +170,7 @@ class Pipe:
     pages: cute.Tensor  # [slots, PAGE_ELEMS] bf16
     mbar: cute.Tensor  # [slots] int64
     state: cute.Tensor  # [4] int32: CURSOR, CURSOR_PAGE, ISSUED, BASE
-    red: cute.Tensor  # [2, NUM_WARPS, 2, batch] fp32
+    red: cute.Tensor  # [red_elems(shape)] fp32
     queue: cute.Tensor
     q_stage: cute.Tensor | None  # the queue's head in shared memory
     n_staged: object
@@ -129,7 +182,6 @@ class Pipe:
 
     @classmethod
     def allocate(cls, shape: KernelShape, slots: int, smem, **kernel_args) -> Pipe:
-        b = shape.batch
         return cls(
             shape,
             slots,
@@ -140,18 +192,13 @@ class Pipe:
             ),
             smem.allocate_tensor(Int64, cute.make_layout(slots), 8),
             smem.allocate_tensor(Int32, cute.make_layout(4), 16),
-            smem.allocate_tensor(
-                Float32,
-                cute.make_layout(
-                    (2, NUM_WARPS, 2, b), stride=(NUM_WARPS * 2 * b, 2 * b, b, 1)
-                ),
-                16,
-            ),
+            smem.allocate_tensor(Float32, cute.make_layout(red_elems(shape)), 16),
             **kernel_args,
         )
 
     def page(self, slot, rows: int, k: int, second: bool = False) -> cute.Tensor:
-        """Slot ``slot`` as a [rows, k] matrix; ``second``: the up half."""
+        """Slot ``slot`` as a [rows, k] matrix; ``second``: the up half
+        (``rows`` and ``k``: the tile's ``per_page`` and ``k_chunk``)."""
         offset = slot * PAGE_ELEMS + (rows * k if second else 0)
         return cute.make_tensor(
             self.pages.iterator + offset, cute.make_layout((rows, k), stride=(k, 1))
@@ -188,7 +235,7 @@ def instr_pages(s: cutlass.Constexpr, op, lo, hi) -> Int32:
 
 
 def _pages(t: Tile, lo, hi):
-    return tile_pages((hi - lo) * t.unit, t.per_page)
+    return tile_pages((hi - lo) * t.unit, t.per_page) * t.k_pages
 
 
 @cute.jit
@@ -205,18 +252,34 @@ def _copy(p: cutlass.Constexpr, slot, offset, src: Int64, nbytes):
 def _issue_rows(p: cutlass.Constexpr, slot, t: cutlass.Constexpr, base: Int64, lo,
                 hi, kp, second: Int64):  # fmt: skip
     """Page ``kp`` of units [lo, hi) of the matrix at ``base`` (and of the
-    one at ``second``, when dual) into ``slot``."""
+    one at ``second``, when dual) into ``slot``: one copy when pages hold
+    whole rows, else one per row (and matrix)."""
     tile: Tile = t
     row_bytes = 2 * tile.k
-    first = lo * tile.unit + kp * tile.per_page
-    rows = cutlass.min(Int32(tile.per_page), hi * tile.unit - first)
-    nbytes = rows * row_bytes
-    total = nbytes * 2 if tile.dual else nbytes
-    cute.arch.mbarrier_arrive_and_expect_tx(p.mbar.iterator + slot, total)
-    _copy(p, slot, 0, base + Int64(first) * row_bytes, nbytes)
-    if cutlass.const_expr(tile.dual):
-        _copy(p, slot, tile.per_page * tile.k, second + Int64(first) * row_bytes,
-              nbytes)  # fmt: skip
+    if cutlass.const_expr(tile.k_chunk == tile.k):
+        first = lo * tile.unit + kp * tile.per_page
+        rows = cutlass.min(Int32(tile.per_page), hi * tile.unit - first)
+        nbytes = rows * row_bytes
+        total = nbytes * 2 if tile.dual else nbytes
+        cute.arch.mbarrier_arrive_and_expect_tx(p.mbar.iterator + slot, total)
+        _copy(p, slot, 0, base + Int64(first) * row_bytes, nbytes)
+        if cutlass.const_expr(tile.dual):
+            _copy(p, slot, tile.per_page * tile.k, second + Int64(first) * row_bytes,
+                  nbytes)  # fmt: skip
+    else:
+        block, kc = kp // tile.k_pages, kp % tile.k_pages
+        first = lo * tile.unit + block * tile.per_page
+        rows = cutlass.min(Int32(tile.per_page), hi * tile.unit - first)
+        k0 = kc * tile.k_chunk
+        nbytes = cutlass.min(Int32(tile.k_chunk), tile.k - k0) * 2
+        total = rows * nbytes * (2 if tile.dual else 1)
+        cute.arch.mbarrier_arrive_and_expect_tx(p.mbar.iterator + slot, total)
+        for r in cutlass.range(rows):
+            src = Int64(first + r) * row_bytes + Int64(k0) * 2
+            _copy(p, slot, r * tile.k_chunk, base + src, nbytes)
+            if cutlass.const_expr(tile.dual):
+                _copy(p, slot, (tile.per_page + r) * tile.k_chunk, second + src,
+                      nbytes)  # fmt: skip
 
 
 @cute.jit
@@ -279,12 +342,14 @@ def top_up(p: cutlass.Constexpr, released):
 
 @cute.jit
 def wait_page(p: cutlass.Constexpr, g):
-    """Every thread: wait until page ``g`` has landed (bounded: past
-    ``max_spins`` tries it prints the SM and page, then traps)."""
+    """Every thread: wait until page ``g`` has landed. Bounded like the
+    counter waits: non-blocking tests ``POLL_NS`` apart (``try_wait`` may
+    suspend for a system-dependent time, which would leave the bound
+    unknown); past ``max_spins`` it prints the SM and page, then traps."""
     slot = g % p.slots
     phase = (g // p.slots) % 2
     spins = Int32(0)
-    while not cute.arch.mbarrier_try_wait(p.mbar.iterator + slot, phase):
+    while not cute.arch.mbarrier_test_wait(p.mbar.iterator + slot, phase):
         spins = spins + 1
         if spins > p.max_spins:
             tidx, _, _ = thread_ids()
@@ -292,6 +357,7 @@ def wait_page(p: cutlass.Constexpr, g):
                 cute.printf("megakernel: weight page timeout: sm %d page %d\n",
                             p.sm, g)  # fmt: skip
             trap()
+        nanosleep(Int32(POLL_NS))
 
 
 @cute.jit
@@ -313,6 +379,17 @@ def paged_gemv(
     their sums meet in ``p.red``. A CTA barrier ends each page, then thread
     0 refills its slot."""
     tile = geometry(p.shape)[op]
+    if cutlass.const_expr(p.shape.mma_gemv):
+        _paged_mma(p, tile, page0, row0, row_end, x, norm, rstd, epilogue, normed)
+    else:
+        _paged_rows(p, tile, page0, row0, row_end, x, norm, rstd, epilogue, normed)
+
+
+@cute.jit
+def _paged_rows(p: cutlass.Constexpr, tile: cutlass.Constexpr, page0, row0, row_end,
+                x, norm, rstd, epilogue: cutlass.Constexpr,
+                normed: cutlass.Constexpr):  # fmt: skip
+    """The CUDA-core GEMV over pages of whole rows."""
     k, per_page, dual = tile.k, tile.per_page, tile.dual
     tidx, warp, lane = thread_ids()
     slices = warps_per_row(per_page)
@@ -334,7 +411,10 @@ def paged_gemv(
             cute.arch.sync_threads()
         else:
             r = warp // slices
-            red = p.red[g % 2, None, None, None]
+            red = cute.make_tensor(
+                p.red.iterator + (g % 2) * (NUM_WARPS * 2 * batch),
+                cute.make_layout((NUM_WARPS, 2, batch), stride=(2 * batch, batch, 1)),
+            )
             if r < n:
                 gemv_row(first + r, vectors(w1[r, None]), vectors(w2[r, None]), x,
                        norm, rstd, lane, epilogue, normed, dual, warp % slices,
@@ -349,3 +429,86 @@ def paged_gemv(
                 epilogue(first + rr, i, s1, s2)
         if tidx == 0:
             top_up(p, g + 1)
+
+
+@cute.jit
+def _paged_mma(p: cutlass.Constexpr, tile: cutlass.Constexpr, page0, row0, row_end,
+               x, norm, rstd, epilogue: cutlass.Constexpr,
+               normed: cutlass.Constexpr):  # fmt: skip
+    """The tensor-core GEMV (``gemv_mma``'s fragments and reduction) over
+    pages of 16 rows by ``k_chunk`` columns: a row block's accumulators
+    carry across its k pages; each page ends with a CTA barrier, then
+    thread 0 refills its slot."""
+    tidx, warp, lane = thread_ids()
+    batch = x.shape[0]
+    n_blocks = (batch + N_BLOCK - 1) // N_BLOCK
+    n_pad = n_blocks * N_BLOCK
+    n_mats = 2 if tile.dual else 1
+    part = cute.make_tensor(
+        p.red.iterator,
+        cute.make_layout(
+            (NUM_WARPS, n_mats, MMA_ROWS, n_pad),
+            stride=(n_mats * MMA_ROWS * n_pad, MMA_ROWS * n_pad, n_pad, 1),
+        ),
+    )
+    g, q = lane // 4, lane % 4
+    base = p.state[BASE] + page0
+    for rb in cutlass.range(row0, row_end, MMA_ROWS):
+        n_valid = cutlass.min(Int32(MMA_ROWS), row_end - rb)
+        acc = cute.make_rmem_tensor((n_mats, n_blocks, 4), Float32)
+        acc.fill(0.0)
+        first_page = base + ((rb - row0) // MMA_ROWS) * tile.k_pages
+        for kc in cutlass.range(tile.k_pages):
+            pg = first_page + kc
+            wait_page(p, pg)
+            w1 = p.page(pg % p.slots, MMA_ROWS, tile.k_chunk)
+            w2 = w1
+            if cutlass.const_expr(tile.dual):
+                w2 = p.page(pg % p.slots, MMA_ROWS, tile.k_chunk, second=True)
+            k_len = cutlass.min(Int32(tile.k_chunk), tile.k - kc * tile.k_chunk)
+            v0 = kc * (tile.k_chunk // VEC)  # the page's first input vector
+            for kb in cutlass.range(warp, k_len // K_BLOCK, NUM_WARPS, unroll=2):
+                j = kb * (K_BLOCK // VEC) + q  # this lane's vector in the page
+                for m in cutlass.range_constexpr(n_mats):
+                    mat = w1 if m == 0 else w2
+                    a_lo = cute.make_rmem_tensor((4,), Int32)
+                    a_hi = cute.make_rmem_tensor((4,), Int32)
+                    row_frag(mat, g, n_valid, j, a_lo)
+                    row_frag(mat, g + 8, n_valid, j, a_hi)
+                    for nb in cutlass.range_constexpr(n_blocks):
+                        b = cute.make_rmem_tensor((4,), Int32)
+                        input_frag(x, norm, rstd, nb * N_BLOCK + g, v0 + j, b, normed)
+                        for half in cutlass.range_constexpr(2):
+                            e = 2 * half
+                            d = mma_bf16(
+                                a_lo[e], a_hi[e], a_lo[e + 1], a_hi[e + 1],
+                                b[e], b[e + 1],
+                                acc[m, nb, 0], acc[m, nb, 1], acc[m, nb, 2],
+                                acc[m, nb, 3],
+                            )  # fmt: skip
+                            for c in cutlass.range_constexpr(4):
+                                acc[m, nb, c] = d[c]
+            cute.arch.sync_threads()
+            if tidx == 0:
+                top_up(p, pg + 1)
+        # C fragment: (row g, requests 2q, 2q + 1), then row g + 8.
+        for m in cutlass.range_constexpr(n_mats):
+            for nb in cutlass.range_constexpr(n_blocks):
+                col = nb * N_BLOCK + 2 * q
+                part[warp, m, g, col] = acc[m, nb, 0]
+                part[warp, m, g, col + 1] = acc[m, nb, 1]
+                part[warp, m, g + 8, col] = acc[m, nb, 2]
+                part[warp, m, g + 8, col + 1] = acc[m, nb, 3]
+        cute.arch.sync_threads()
+        for idx in cutlass.range(tidx, MMA_ROWS * batch, NUM_THREADS):
+            i, n = idx // batch, idx % batch
+            s1, s2 = Float32(0.0), Float32(0.0)
+            for v in cutlass.range_constexpr(NUM_WARPS):
+                s1 = s1 + part[v, 0, i, n]
+                if cutlass.const_expr(tile.dual):
+                    s2 = s2 + part[v, 1, i, n]
+            if cutlass.const_expr(not tile.dual):
+                s2 = s1
+            if i < n_valid:
+                epilogue(rb + i, n, s1, s2)
+        cute.arch.sync_threads()  # part is reused by the next row block
