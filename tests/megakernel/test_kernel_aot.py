@@ -141,21 +141,19 @@ def test_wide_attention_variant_compiles_clean(gpu, model, tmp_path):
     check_sass(build(gpu, tmp_path / "b16", both))
 
 
-def test_weight_pipe_refuses_what_it_cannot_run():
-    shape = demo_shape("llama", 4)
-    with pytest.raises(ValueError, match="pick one"):
-        dataclasses.replace(shape, weight_pipe=True, stage_weights=True)
-    # A 20480-wide row (40 KiB) does not fit a page.
-    with pytest.raises(ValueError, match="page"):
-        dataclasses.replace(shape, weight_pipe=True, intermediate=20480)
-
-
-def test_tensor_core_variant_refuses_what_it_cannot_run():
-    shape = demo_shape("llama", 4)
-    with pytest.raises(ValueError, match="pick one"):
-        dataclasses.replace(shape, mma_gemv=True, stage_weights=True)
-    with pytest.raises(ValueError, match="multiple of 32"):
-        dataclasses.replace(shape, mma_gemv=True, intermediate=344)
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(weight_pipe=True, stage_weights=True), "pick one"),
+        # A 20480-wide row (40 KiB) does not fit a page of whole rows.
+        (dict(weight_pipe=True, intermediate=20480), "page"),
+        (dict(mma_gemv=True, stage_weights=True), "pick one"),
+        (dict(mma_gemv=True, intermediate=344), "multiple of 32"),
+    ],
+)
+def test_variants_refuse_what_they_cannot_run(changes, match):
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(demo_shape("llama", 4), **changes)
 
 
 def test_library_needs_only_libc(built):

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The weight pipeline's page schedule (kernel/ops/weight_pipe.py), replayed
-in Python for real programs: the kernel cannot run on this machine, so the
-schedule it follows is checked here the way it is written there.
+"""The weight pipeline's page schedule (kernel/ops/weight_pipe.py and its
+readers in gemv_paged.py), replayed in Python for real programs: the kernel
+cannot run on this machine, so the schedule it follows is checked here the
+way it is written there.
 
 - The producer's pages (``instr_pages``, ``_issue_rows``) and the
   consumers' (``paged_gemv`` as QKV calls it per head and the projections

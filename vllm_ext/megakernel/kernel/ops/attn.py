@@ -29,6 +29,20 @@ NEG_INF = float("-inf")
 MAX_BLOCKS = 1 << 20
 
 
+def attn_views(shape: KernelShape, ptrs: cute.Tensor, layer, glob, block_table_stride):
+    """What ATTN reads and writes (every variant of it): q, the sequence
+    lengths, the block table, the partial (o, lse) and this layer's cache."""
+    b, d, group, chunks = shape.batch, shape.head_dim, shape.group, shape.attn_chunks
+    nkv = shape.kv_heads
+    q = gmem(BFloat16, ptrs[layer, LayerSlot.Q], (b, shape.q_heads, d))
+    seq_lens = gmem(Int32, ptrs[glob, GlobalSlot.SEQ_LENS], (b,))
+    table = gmem(Int32, ptrs[glob, GlobalSlot.BLOCK_TABLE], (b, MAX_BLOCKS),
+                 (block_table_stride, 1))  # fmt: skip
+    part_o = gmem(Float32, ptrs[layer, LayerSlot.PART_O], (chunks, nkv, b, group, d))
+    part_lse = gmem(Float32, ptrs[layer, LayerSlot.PART_LSE], (chunks, nkv, b, group))
+    return q, seq_lens, table, part_o, part_lse, ptrs[layer, LayerSlot.KV_CACHE]
+
+
 @cute.jit
 def attn(
     s: cutlass.Constexpr,
@@ -46,15 +60,11 @@ def attn(
 ):
     shape: KernelShape = s
     b, d, group, chunks = shape.batch, shape.head_dim, shape.group, shape.attn_chunks
-    nkv, bs = shape.kv_heads, shape.block_size
+    bs = shape.block_size
     per_lane = d // 32
-    q = gmem(BFloat16, ptrs[layer, LayerSlot.Q], (b, shape.q_heads, d))
-    seq_lens = gmem(Int32, ptrs[glob, GlobalSlot.SEQ_LENS], (b,))
-    table = gmem(Int32, ptrs[glob, GlobalSlot.BLOCK_TABLE], (b, MAX_BLOCKS),
-                 (block_table_stride, 1))  # fmt: skip
-    part_o = gmem(Float32, ptrs[layer, LayerSlot.PART_O], (chunks, nkv, b, group, d))
-    part_lse = gmem(Float32, ptrs[layer, LayerSlot.PART_LSE], (chunks, nkv, b, group))
-    cache = ptrs[layer, LayerSlot.KV_CACHE]
+    q, seq_lens, table, part_o, part_lse, cache = attn_views(
+        shape, ptrs, layer, glob, block_table_stride
+    )
     tidx, warp, lane = thread_ids()
 
     for i in cutlass.range(b):

@@ -22,22 +22,21 @@ import operator
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
+from cutlass import Float32
 
+from vllm_ext.megakernel.kernel.ops.attn import attn_views
 from vllm_ext.megakernel.kernel.ops.common import (
     NUM_THREADS,
     NUM_WARPS,
     VEC,
-    gmem,
     load_f32,
     thread_ids,
     vectors,
 )
 from vllm_ext.megakernel.kernel.ops.kv import kv_entry
-from vllm_ext.megakernel.kernel.shape import GlobalSlot, KernelShape, LayerSlot
+from vllm_ext.megakernel.kernel.shape import KernelShape
 
 NEG_INF = float("-inf")
-MAX_BLOCKS = 1 << 20  # the block table view's extent (see ops/attn.py)
 
 
 def merge_rounds(d: int) -> int:
@@ -77,18 +76,14 @@ def attn_wide(
 ):
     shape: KernelShape = s
     b, d, group, chunks = shape.batch, shape.head_dim, shape.group, shape.attn_chunks
-    nkv, bs = shape.kv_heads, shape.block_size
+    bs = shape.block_size
     lanes = d // VEC  # lanes per token
     per_load = 32 // lanes  # tokens per warp load
     reqs = min(b, NUM_WARPS)  # requests in flight
     warps = NUM_WARPS // reqs  # warps per request
-    q = gmem(BFloat16, ptrs[layer, LayerSlot.Q], (b, shape.q_heads, d))
-    seq_lens = gmem(Int32, ptrs[glob, GlobalSlot.SEQ_LENS], (b,))
-    table = gmem(Int32, ptrs[glob, GlobalSlot.BLOCK_TABLE], (b, MAX_BLOCKS),
-                 (block_table_stride, 1))  # fmt: skip
-    part_o = gmem(Float32, ptrs[layer, LayerSlot.PART_O], (chunks, nkv, b, group, d))
-    part_lse = gmem(Float32, ptrs[layer, LayerSlot.PART_LSE], (chunks, nkv, b, group))
-    cache = ptrs[layer, LayerSlot.KV_CACHE]
+    q, seq_lens, table, part_o, part_lse, cache = attn_views(
+        shape, ptrs, layer, glob, block_table_stride
+    )
     tidx, warp, lane = thread_ids()
     sub, part = lane // lanes, lane % lanes  # token group, 8-dim slice
     slot, rank = warp // warps, warp % warps  # request slot, warp within it

@@ -87,7 +87,7 @@ def gemv_row(
     """One weight row (``wv``, and ``wv2`` when dual, as 128-bit vectors)
     against every request's input; the warp's sums go to the epilogue. With
     ``slices`` > 1 the warp takes slice ``sl`` of the row's vectors and its
-    sums go to ``partial`` [2, B] instead (weight_pipe.py adds them up)."""
+    sums go to ``partial`` [2, B] instead (gemv_paged.py adds them up)."""
     batch, k_dim = x.shape
     group = min(batch, BATCH_GROUP)
     # Loads in flight per lane: few requests leave registers for deeper

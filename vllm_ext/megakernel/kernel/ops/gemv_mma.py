@@ -98,6 +98,86 @@ def input_frag(
 
 
 @cute.jit
+def mma_step(
+    w: cute.Tensor, w2: cute.Tensor, dual: cutlass.Constexpr, row, hi, j,
+    x: cute.Tensor, norm: cute.Tensor, rstd: cute.Tensor, xj,
+    normed: cutlass.Constexpr, acc: cute.Tensor,
+):  # fmt: skip
+    """One block of 32 k: this lane's weight vector ``j`` of rows ``row`` and
+    ``row + 8`` of ``w`` (and ``w2``; zero at or past row ``hi``) against
+    input vector ``xj`` of every request, accumulated into ``acc``
+    [matrices, request blocks, 4]."""
+    _, _, lane = thread_ids()
+    g = lane // 4
+    n_blocks = (x.shape[0] + N_BLOCK - 1) // N_BLOCK
+    for m in cutlass.range_constexpr(2 if dual else 1):
+        mat = w if m == 0 else w2
+        a_lo = cute.make_rmem_tensor((4,), Int32)
+        a_hi = cute.make_rmem_tensor((4,), Int32)
+        row_frag(mat, row, hi, j, a_lo)
+        row_frag(mat, row + 8, hi, j, a_hi)
+        for nb in cutlass.range_constexpr(n_blocks):
+            b = cute.make_rmem_tensor((4,), Int32)
+            input_frag(x, norm, rstd, nb * N_BLOCK + g, xj, b, normed)
+            for half in cutlass.range_constexpr(2):
+                e = 2 * half
+                d = mma_bf16(
+                    a_lo[e], a_hi[e], a_lo[e + 1], a_hi[e + 1], b[e], b[e + 1],
+                    acc[m, nb, 0], acc[m, nb, 1], acc[m, nb, 2], acc[m, nb, 3],
+                )  # fmt: skip
+                for c in cutlass.range_constexpr(4):
+                    acc[m, nb, c] = d[c]
+
+
+def partials(red: cute.Tensor, batch: int, dual: bool) -> cute.Tensor:
+    """``red`` as [warp, matrix, row, request] partial tiles."""
+    n_pad = (batch + N_BLOCK - 1) // N_BLOCK * N_BLOCK
+    n_mats = 2 if dual else 1
+    return cute.make_tensor(
+        red.iterator,
+        cute.make_layout(
+            (NUM_WARPS, n_mats, ROWS, n_pad),
+            stride=(n_mats * ROWS * n_pad, ROWS * n_pad, n_pad, 1),
+        ),
+    )
+
+
+@cute.jit
+def mma_finish(
+    part: cute.Tensor, acc: cute.Tensor, rb, n_valid, batch: cutlass.Constexpr,
+    epilogue: cutlass.Constexpr, dual: cutlass.Constexpr,
+):  # fmt: skip
+    """The warps' accumulators of row block ``rb`` meet in ``part``; the sum
+    of each of its first ``n_valid`` rows and each request goes to the
+    epilogue. CTA barriers before and after (``part`` is reused)."""
+    tidx, warp, lane = thread_ids()
+    g, q = lane // 4, lane % 4
+    n_blocks = (batch + N_BLOCK - 1) // N_BLOCK
+    # C fragment: (row g, requests 2q, 2q + 1), then row g + 8.
+    for m in cutlass.range_constexpr(2 if dual else 1):
+        for nb in cutlass.range_constexpr(n_blocks):
+            col = nb * N_BLOCK + 2 * q
+            part[warp, m, g, col] = acc[m, nb, 0]
+            part[warp, m, g, col + 1] = acc[m, nb, 1]
+            part[warp, m, g + 8, col] = acc[m, nb, 2]
+            part[warp, m, g + 8, col + 1] = acc[m, nb, 3]
+    cute.arch.sync_threads()
+    for idx in cutlass.range(tidx, ROWS * batch, NUM_THREADS):
+        i, n = idx // batch, idx % batch
+        s1 = Float32(0.0)
+        s2 = Float32(0.0)
+        for v in cutlass.range_constexpr(NUM_WARPS):
+            s1 = s1 + part[v, 0, i, n]
+            if cutlass.const_expr(dual):
+                s2 = s2 + part[v, 1, i, n]
+        if cutlass.const_expr(not dual):
+            s2 = s1
+        if i < n_valid:
+            epilogue(rb + i, n, s1, s2)
+    cute.arch.sync_threads()
+
+
+@cute.jit
 def gemv_mma(
     w: cute.Tensor,  # [M, K] bf16 row-major
     w2: cute.Tensor,  # a second [M, K] matrix, or w itself when not dual
@@ -111,64 +191,15 @@ def gemv_mma(
     dual: cutlass.Constexpr,
     red: cute.Tensor,  # smem fp32, at least red_floats(batch) elements
 ):
-    tidx, warp, lane = thread_ids()
+    _, warp, lane = thread_ids()
     batch, k_dim = x.shape
     n_blocks = (batch + N_BLOCK - 1) // N_BLOCK
-    n_pad = n_blocks * N_BLOCK
-    n_mats = 2 if dual else 1
-    # red[warp, matrix, row, request]
-    part = cute.make_tensor(
-        red.iterator,
-        cute.make_layout(
-            (NUM_WARPS, n_mats, ROWS, n_pad),
-            stride=(n_mats * ROWS * n_pad, ROWS * n_pad, n_pad, 1),
-        ),
-    )
+    part = partials(red, batch, dual)
     g, q = lane // 4, lane % 4
-    k_blocks = k_dim // K_BLOCK
     for rb in cutlass.range(lo, hi, ROWS):
-        acc = cute.make_rmem_tensor((n_mats, n_blocks, 4), Float32)
+        acc = cute.make_rmem_tensor((2 if dual else 1, n_blocks, 4), Float32)
         acc.fill(0.0)
-        for kb in cutlass.range(warp, k_blocks, NUM_WARPS, unroll=4):
+        for kb in cutlass.range(warp, k_dim // K_BLOCK, NUM_WARPS, unroll=4):
             j = kb * (K_BLOCK // VEC) + q  # this lane's 128-bit vector
-            for m in cutlass.range_constexpr(n_mats):
-                mat = w if m == 0 else w2
-                a_lo = cute.make_rmem_tensor((4,), Int32)
-                a_hi = cute.make_rmem_tensor((4,), Int32)
-                row_frag(mat, rb + g, hi, j, a_lo)
-                row_frag(mat, rb + g + 8, hi, j, a_hi)
-                for nb in cutlass.range_constexpr(n_blocks):
-                    b = cute.make_rmem_tensor((4,), Int32)
-                    input_frag(x, norm, rstd, nb * N_BLOCK + g, j, b, normed)
-                    for half in cutlass.range_constexpr(2):
-                        e = 2 * half
-                        d = mma_bf16(
-                            a_lo[e], a_hi[e], a_lo[e + 1], a_hi[e + 1],
-                            b[e], b[e + 1],
-                            acc[m, nb, 0], acc[m, nb, 1], acc[m, nb, 2],
-                            acc[m, nb, 3],
-                        )  # fmt: skip
-                        for c in cutlass.range_constexpr(4):
-                            acc[m, nb, c] = d[c]
-        # C fragment: (row g, requests 2q, 2q + 1), then row g + 8.
-        for m in cutlass.range_constexpr(n_mats):
-            for nb in cutlass.range_constexpr(n_blocks):
-                col = nb * N_BLOCK + 2 * q
-                part[warp, m, g, col] = acc[m, nb, 0]
-                part[warp, m, g, col + 1] = acc[m, nb, 1]
-                part[warp, m, g + 8, col] = acc[m, nb, 2]
-                part[warp, m, g + 8, col + 1] = acc[m, nb, 3]
-        cute.arch.sync_threads()
-        for idx in cutlass.range(tidx, ROWS * batch, NUM_THREADS):
-            i, n = idx // batch, idx % batch
-            s1 = Float32(0.0)
-            s2 = Float32(0.0)
-            for v in cutlass.range_constexpr(NUM_WARPS):
-                s1 = s1 + part[v, 0, i, n]
-                if cutlass.const_expr(dual):
-                    s2 = s2 + part[v, 1, i, n]
-            if cutlass.const_expr(not dual):
-                s2 = s1
-            if rb + i < hi:
-                epilogue(rb + i, n, s1, s2)
-        cute.arch.sync_threads()  # part is reused by the next row block
+            mma_step(w, w2, dual, rb + g, hi, j, x, norm, rstd, j, normed, acc)
+        mma_finish(part, acc, rb, hi - rb, batch, epilogue, dual)

@@ -17,7 +17,7 @@ from vllm_ext.megakernel.kernel.ops.common import (
     stages_input,
 )
 from vllm_ext.megakernel.kernel.ops.gemv import gemv
-from vllm_ext.megakernel.kernel.ops.weight_pipe import paged_gemv
+from vllm_ext.megakernel.kernel.ops.gemv_paged import paged_gemv
 from vllm_ext.megakernel.kernel.ops.weight_stage import (
     cap_rows,
     stage_view,

@@ -24,8 +24,9 @@ from vllm_ext.megakernel.kernel.ops.common import (
     warp_sum,
 )
 from vllm_ext.megakernel.kernel.ops.gemv import gemv
+from vllm_ext.megakernel.kernel.ops.gemv_paged import paged_gemv
 from vllm_ext.megakernel.kernel.ops.kv import kv_slot_entry
-from vllm_ext.megakernel.kernel.ops.weight_pipe import head_pages, paged_gemv
+from vllm_ext.megakernel.kernel.ops.weight_pipe import head_pages
 from vllm_ext.megakernel.kernel.ops.weight_stage import (
     cap_rows,
     stage_view,

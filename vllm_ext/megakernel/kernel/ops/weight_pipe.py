@@ -23,7 +23,7 @@ is long. For the tensor-core GEMV (``mma_gemv``) a page is an MMA's 16 rows
 by ``k_chunk`` columns, one copy per row. Producer (``top_up``) and
 consumers (``paged_gemv``) derive the same page sequence from the
 instructions and ``geometry``; ``tests/megakernel/test_weight_pipe.py``
-replays both schedules in Python.
+replays both schedules in Python. The consumers are in ``gemv_paged.py``.
 """
 
 from __future__ import annotations
@@ -36,23 +36,9 @@ from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.experimental import primitives as prims
 
 from vllm_ext.megakernel.isa import WORDS, Op
-from vllm_ext.megakernel.kernel.ops.common import (
-    NUM_THREADS,
-    NUM_WARPS,
-    VEC,
-    thread_ids,
-    vectors,
-)
-from vllm_ext.megakernel.kernel.ops.gemv import gemv_row
-from vllm_ext.megakernel.kernel.ops.gemv_mma import (
-    K_BLOCK,
-    N_BLOCK,
-    input_frag,
-    mma_bf16,
-    red_floats,
-    row_frag,
-)
+from vllm_ext.megakernel.kernel.ops.common import NUM_WARPS, thread_ids
 from vllm_ext.megakernel.kernel.ops.gemv_mma import ROWS as MMA_ROWS
+from vllm_ext.megakernel.kernel.ops.gemv_mma import red_floats
 from vllm_ext.megakernel.kernel.shape import (
     PAGE_BYTES,
     GlobalSlot,
@@ -358,157 +344,3 @@ def wait_page(p: cutlass.Constexpr, g):
                             p.sm, g)  # fmt: skip
             trap()
         nanosleep(Int32(POLL_NS))
-
-
-@cute.jit
-def paged_gemv(
-    p: cutlass.Constexpr,
-    op: cutlass.Constexpr,  # whose pages (geometry)
-    page0,  # the instruction's page that holds row0
-    row0,
-    row_end,
-    x: cute.Tensor,
-    norm: cute.Tensor,
-    rstd: cute.Tensor,
-    epilogue: cutlass.Constexpr,
-    normed: cutlass.Constexpr,
-):
-    """Rows [row0, row_end) of ``W @ x[b]`` from the pages that hold them
-    (the same contract as ``gemv.gemv``). Short rows: a warp per row. Long
-    rows (fewer than ``NUM_WARPS`` per page): warps split each row's k, and
-    their sums meet in ``p.red``. A CTA barrier ends each page, then thread
-    0 refills its slot."""
-    tile = geometry(p.shape)[op]
-    if cutlass.const_expr(p.shape.mma_gemv):
-        _paged_mma(p, tile, page0, row0, row_end, x, norm, rstd, epilogue, normed)
-    else:
-        _paged_rows(p, tile, page0, row0, row_end, x, norm, rstd, epilogue, normed)
-
-
-@cute.jit
-def _paged_rows(p: cutlass.Constexpr, tile: cutlass.Constexpr, page0, row0, row_end,
-                x, norm, rstd, epilogue: cutlass.Constexpr,
-                normed: cutlass.Constexpr):  # fmt: skip
-    """The CUDA-core GEMV over pages of whole rows."""
-    k, per_page, dual = tile.k, tile.per_page, tile.dual
-    tidx, warp, lane = thread_ids()
-    slices = warps_per_row(per_page)
-    batch = x.shape[0]
-    base = p.state[BASE] + page0
-    for kk in cutlass.range((row_end - row0 + per_page - 1) // per_page):
-        g = base + kk
-        wait_page(p, g)
-        first = row0 + kk * per_page
-        n = cutlass.min(Int32(per_page), row_end - first)
-        w1 = p.page(g % p.slots, per_page, k)
-        w2 = w1
-        if cutlass.const_expr(dual):
-            w2 = p.page(g % p.slots, per_page, k, second=True)
-        if cutlass.const_expr(slices == 1):
-            for r in cutlass.range(warp, n, NUM_WARPS):
-                gemv_row(first + r, vectors(w1[r, None]), vectors(w2[r, None]), x,
-                       norm, rstd, lane, epilogue, normed, dual)  # fmt: skip
-            cute.arch.sync_threads()
-        else:
-            r = warp // slices
-            red = cute.make_tensor(
-                p.red.iterator + (g % 2) * (NUM_WARPS * 2 * batch),
-                cute.make_layout((NUM_WARPS, 2, batch), stride=(2 * batch, batch, 1)),
-            )
-            if r < n:
-                gemv_row(first + r, vectors(w1[r, None]), vectors(w2[r, None]), x,
-                       norm, rstd, lane, epilogue, normed, dual, warp % slices,
-                       slices, red[warp, None, None])  # fmt: skip
-            cute.arch.sync_threads()
-            for idx in cutlass.range(tidx, n * batch, NUM_THREADS):
-                rr, i = idx // batch, idx % batch
-                s1, s2 = Float32(0.0), Float32(0.0)
-                for sl in cutlass.range_constexpr(slices):
-                    s1 = s1 + red[rr * slices + sl, 0, i]
-                    s2 = s2 + red[rr * slices + sl, 1, i]
-                epilogue(first + rr, i, s1, s2)
-        if tidx == 0:
-            top_up(p, g + 1)
-
-
-@cute.jit
-def _paged_mma(p: cutlass.Constexpr, tile: cutlass.Constexpr, page0, row0, row_end,
-               x, norm, rstd, epilogue: cutlass.Constexpr,
-               normed: cutlass.Constexpr):  # fmt: skip
-    """The tensor-core GEMV (``gemv_mma``'s fragments and reduction) over
-    pages of 16 rows by ``k_chunk`` columns: a row block's accumulators
-    carry across its k pages; each page ends with a CTA barrier, then
-    thread 0 refills its slot."""
-    tidx, warp, lane = thread_ids()
-    batch = x.shape[0]
-    n_blocks = (batch + N_BLOCK - 1) // N_BLOCK
-    n_pad = n_blocks * N_BLOCK
-    n_mats = 2 if tile.dual else 1
-    part = cute.make_tensor(
-        p.red.iterator,
-        cute.make_layout(
-            (NUM_WARPS, n_mats, MMA_ROWS, n_pad),
-            stride=(n_mats * MMA_ROWS * n_pad, MMA_ROWS * n_pad, n_pad, 1),
-        ),
-    )
-    g, q = lane // 4, lane % 4
-    base = p.state[BASE] + page0
-    for rb in cutlass.range(row0, row_end, MMA_ROWS):
-        n_valid = cutlass.min(Int32(MMA_ROWS), row_end - rb)
-        acc = cute.make_rmem_tensor((n_mats, n_blocks, 4), Float32)
-        acc.fill(0.0)
-        first_page = base + ((rb - row0) // MMA_ROWS) * tile.k_pages
-        for kc in cutlass.range(tile.k_pages):
-            pg = first_page + kc
-            wait_page(p, pg)
-            w1 = p.page(pg % p.slots, MMA_ROWS, tile.k_chunk)
-            w2 = w1
-            if cutlass.const_expr(tile.dual):
-                w2 = p.page(pg % p.slots, MMA_ROWS, tile.k_chunk, second=True)
-            k_len = cutlass.min(Int32(tile.k_chunk), tile.k - kc * tile.k_chunk)
-            v0 = kc * (tile.k_chunk // VEC)  # the page's first input vector
-            for kb in cutlass.range(warp, k_len // K_BLOCK, NUM_WARPS, unroll=2):
-                j = kb * (K_BLOCK // VEC) + q  # this lane's vector in the page
-                for m in cutlass.range_constexpr(n_mats):
-                    mat = w1 if m == 0 else w2
-                    a_lo = cute.make_rmem_tensor((4,), Int32)
-                    a_hi = cute.make_rmem_tensor((4,), Int32)
-                    row_frag(mat, g, n_valid, j, a_lo)
-                    row_frag(mat, g + 8, n_valid, j, a_hi)
-                    for nb in cutlass.range_constexpr(n_blocks):
-                        b = cute.make_rmem_tensor((4,), Int32)
-                        input_frag(x, norm, rstd, nb * N_BLOCK + g, v0 + j, b, normed)
-                        for half in cutlass.range_constexpr(2):
-                            e = 2 * half
-                            d = mma_bf16(
-                                a_lo[e], a_hi[e], a_lo[e + 1], a_hi[e + 1],
-                                b[e], b[e + 1],
-                                acc[m, nb, 0], acc[m, nb, 1], acc[m, nb, 2],
-                                acc[m, nb, 3],
-                            )  # fmt: skip
-                            for c in cutlass.range_constexpr(4):
-                                acc[m, nb, c] = d[c]
-            cute.arch.sync_threads()
-            if tidx == 0:
-                top_up(p, pg + 1)
-        # C fragment: (row g, requests 2q, 2q + 1), then row g + 8.
-        for m in cutlass.range_constexpr(n_mats):
-            for nb in cutlass.range_constexpr(n_blocks):
-                col = nb * N_BLOCK + 2 * q
-                part[warp, m, g, col] = acc[m, nb, 0]
-                part[warp, m, g, col + 1] = acc[m, nb, 1]
-                part[warp, m, g + 8, col] = acc[m, nb, 2]
-                part[warp, m, g + 8, col + 1] = acc[m, nb, 3]
-        cute.arch.sync_threads()
-        for idx in cutlass.range(tidx, MMA_ROWS * batch, NUM_THREADS):
-            i, n = idx // batch, idx % batch
-            s1, s2 = Float32(0.0), Float32(0.0)
-            for v in cutlass.range_constexpr(NUM_WARPS):
-                s1 = s1 + part[v, 0, i, n]
-                if cutlass.const_expr(tile.dual):
-                    s2 = s2 + part[v, 1, i, n]
-            if cutlass.const_expr(not tile.dual):
-                s2 = s1
-            if i < n_valid:
-                epilogue(rb + i, n, s1, s2)
-        cute.arch.sync_threads()  # part is reused by the next row block
