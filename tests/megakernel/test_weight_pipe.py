@@ -28,8 +28,8 @@ from vllm_ext.megakernel.kernel.ops.weight_pipe import (
     tile_pages,
     warps_per_row,
 )
-from vllm_ext.megakernel.kernel.persistent import ring_slots
-from vllm_ext.megakernel.kernel.shape import PAGE_BYTES, KernelShape
+from vllm_ext.megakernel.kernel.persistent import SMEM_LIMIT, ring_slots, shared_bytes
+from vllm_ext.megakernel.kernel.shape import KernelShape
 from vllm_ext.megakernel.planner import plan
 
 
@@ -213,5 +213,5 @@ def test_ring_fits_beside_the_rest_of_shared_memory():
     _, small = real_shape("llama-3.2-1b", 1)
     _, staged = real_shape("llama-3.2-1b", 16)
     assert ring_slots(small) > ring_slots(staged) >= 3
-    assert ring_slots(small) * PAGE_BYTES <= 6 * 32 * 1024
+    assert shared_bytes(small) <= SMEM_LIMIT and shared_bytes(staged) <= SMEM_LIMIT
     assert not ring_slots(KernelShape(**{**small.as_dict(), "weight_pipe": False}))

@@ -50,8 +50,8 @@ from vllm_ext.megakernel.kernel.sync import nanosleep, trap
 
 PAGE_ELEMS = PAGE_BYTES // 2
 POLL_NS = 32  # between tests of a page's mbarrier (as between counter polls)
-# One page being read and at least two in flight; past six the L1 that is
-# left (activations re-read per row) shrinks below 40 KiB.
+# One page being read and at least two in flight; at six, 8B shapes leave
+# about 30 KiB of the SM's 256 KiB as L1 (activations re-read per row).
 MIN_SLOTS = 3
 MAX_SLOTS = 6
 # The producer's state in shared memory (written by thread 0 only): the
