@@ -18,8 +18,9 @@ process so a fault in one cannot take the others down:
      (fused QKV and gate/up GEMMs, SDPA over a contiguous cache, the same
      epilogue math) captured in one CUDA graph; and the weight-read floor
      (the step's weight bytes at the read bandwidth of a large copy).
-Then: a broken program must trap with its message, not hang; and the first
-case again under compute-sanitizer when the machine has it. Writes
+Then: a broken program must trap with its message, not hang; and, when the
+machine has compute-sanitizer, the first case and then each variant under it
+(two steps of a two-layer program: the same compiled kernel). Writes
 OUT_DIR/device_check.json and OUT_DIR/device_check.md.
 """
 
@@ -84,14 +85,19 @@ ATTN_TOLERANCE = 2**-6
 BUDGET_S = int(os.environ.get("DEVICE_CHECK_BUDGET_S", "540"))
 
 
-def load_case(case_dir: Path):
+def load_case(case_dir: Path, layers: int | None = None):
+    """The case's model shape and program; with ``layers``, the program of
+    that many layers instead (layers are data to the kernel: shape.py)."""
     meta = torch.load(case_dir / "program.pt")
     fields = dict(meta["spec"])
     fields["dtype"] = torch.bfloat16
+    if layers is not None:
+        fields["num_layers"] = layers
     spec = ModelSpec(**fields)
-    program = plan(spec, meta["batch"], DEVICES["h200"], with_lm_head=True)
+    program = plan(spec, meta["batch"], DEVICES["h200"], with_lm_head=True,
+                   fuse_combine=meta["shape"].get("fused_combine", False))  # fmt: skip
     table, lengths = program.encode()
-    if not (
+    if layers is None and not (
         torch.equal(table, meta["queues"]) and torch.equal(lengths, meta["lengths"])
     ):
         raise SystemExit("the program planned here differs from the bundle's")
@@ -186,7 +192,8 @@ class FlashInferDecode:
 def is_variant(case_dir: Path) -> bool:
     """A case built with an experimental kernel variant (build flags)."""
     shape = torch.load(case_dir / "program.pt")["shape"]
-    flags = ("stage_weights", "stage_queue", "mma_gemv", "weight_pipe", "wide_attn")
+    flags = ("stage_weights", "stage_queue", "mma_gemv", "weight_pipe", "wide_attn",
+             "fused_combine")  # fmt: skip
     return any(shape.get(f) for f in flags)
 
 
@@ -566,7 +573,7 @@ def queue_variant(queue: torch.Tensor, keep=None, waits: bool = True):
 
 # Kernel variants device_check.sh may build beside the default (case
 # directory MODEL-bBATCH-VARIANT).
-VARIANTS = ("staged", "mma", "pipe", "fast")
+VARIANTS = ("staged", "mma", "pipe", "tail", "fast")
 
 # What the breakdown times: the whole program without its waits (what the
 # dependencies cost), each instruction kind alone on the SMs the plan gives
@@ -640,12 +647,19 @@ def trap_check(case_dir: Path) -> dict:
     return {"ok": False, "why": "the broken program did not trap"}
 
 
+# Layers of the program run under compute-sanitizer: every instruction kind
+# and a layer-to-layer handoff, at a fraction of the whole model's time (the
+# first call's whole 1B model did not finish under it in 150 s).
+SANITIZE_LAYERS = 2
+
+
 def sanitize_step(case_dir: Path) -> dict:
-    """Two kernel steps and nothing else (no interpreter): what runs under
-    compute-sanitizer, which slows every kernel by orders of magnitude. The
-    spin bound is raised so slowed producers do not look like a hang."""
-    spec, program = load_case(case_dir)
-    weights = random_weights(spec, seed=1, device="cuda")
+    """Two kernel steps and nothing else (no interpreter) of the case's kernel
+    on a SANITIZE_LAYERS-layer program: what runs under compute-sanitizer,
+    which slows every kernel by orders of magnitude. The spin bound is
+    raised so slowed producers do not look like a hang."""
+    spec, program = load_case(case_dir, layers=SANITIZE_LAYERS)
+    weights = random_weights(spec, seed=1, device=DEVICE)
     ex, _ = make_executor(
         case_dir, program, weights, (CONTEXT + BLOCK_SIZE - 1) // BLOCK_SIZE
     )
@@ -653,9 +667,10 @@ def sanitize_step(case_dir: Path) -> dict:
     for step in range(2):
         n = max(1, program.batch - step)
         ex.step(_to(random_decode_inputs(spec, n, seed=7 + step, max_len=CONTEXT),
-                    "cuda"))  # fmt: skip
-    torch.cuda.synchronize()
-    return {"ok": bool(torch.isfinite(ex.logits[:1]).all())}
+                    DEVICE))  # fmt: skip
+    sync()
+    return {"ok": bool(torch.isfinite(ex.logits[:1]).all()),
+            "layers": spec.num_layers}  # fmt: skip
 
 
 # ---------------------------------------------------------------- driver
@@ -776,7 +791,14 @@ def markdown(report: dict) -> str:
     lines += ["", f"per-op attention: {', '.join(sorted(attention)) or '-'}"]
     sanitizer = report["sanitizer"]
     if isinstance(sanitizer, dict):
-        sanitizer = "ok" if sanitizer.get("ok") else sanitizer.get("tail", "")[-300:]
+        sanitizer = (
+            "; ".join(
+                f"{name} "
+                + ("ok" if r.get("ok") else r.get("why") or r.get("tail", "")[-300:])
+                for name, r in sanitizer.items()
+            )
+            or "not run"
+        )
     lines += [
         "",
         f"trap: {report['trap'].get('ok')}",
@@ -786,9 +808,10 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _case_size(case: Path) -> tuple[int, int]:
+def _case_size(case: Path) -> tuple[int, int, bool]:
     meta = torch.load(case / "program.pt")
-    return meta["spec"]["num_layers"] * meta["spec"]["hidden_size"], meta["batch"]
+    size = meta["spec"]["num_layers"] * meta["spec"]["hidden_size"]
+    return size, meta["batch"], is_variant(case)
 
 
 def main() -> int:
@@ -828,28 +851,37 @@ def main() -> int:
     def save() -> None:
         (out / "device_check.json").write_text(json.dumps(report, indent=2))
 
-    # Each case is checked, then timed if correct, smallest first: what the
-    # deadline cuts is the largest cases, not every case's timing. Then the
-    # trap, then the sanitizer (slow) with whatever time is left.
+    # Each case is checked, then timed if correct, smallest first (the
+    # default before its variants): what the deadline cuts is the largest
+    # cases, not every case's timing. The trap and the sanitizer run on the
+    # first case right after it; the variants go under the sanitizer with
+    # whatever time is left at the end.
+    sanitizer = shutil.which("compute-sanitizer")
+    report["sanitizer"] = {} if sanitizer else "not installed on this machine"
+
+    def sanitize(case: Path, limit: int) -> None:
+        if sanitizer:
+            prefix = [sanitizer, "--error-exitcode", "3"]
+            report["sanitizer"][case.name] = run("sanitize", case, limit, prefix)
+            save()
+
     if not quick:
         report["bandwidth"] = run("bandwidth", cases[0], 60)
-    for case in cases:
+    for k, case in enumerate(cases):
         entry = {"correctness": run("correctness", case, 90)}
         report["cases"][case.name] = entry
         save()
         if not quick and entry["correctness"].get("ok"):
             entry["timing"] = run("timing", case, 90)
             save()
-    trap = run("trap", cases[0], 90)
-    trap["ok"] = "wait timeout" in trap.get("tail", "")
-    report["trap"] = trap
-    sanitizer = shutil.which("compute-sanitizer")
-    if sanitizer:
-        report["sanitizer"] = run(
-            "sanitize", cases[0], 150, [sanitizer, "--error-exitcode", "3"]
-        )
-    else:
-        report["sanitizer"] = "not installed on this machine"
+        if k == 0:
+            trap = run("trap", case, 90)
+            trap["ok"] = "wait timeout" in trap.get("tail", "")
+            report["trap"] = trap
+            sanitize(case, 120)
+    for case in cases:
+        if is_variant(case) and report["cases"][case.name]["correctness"].get("ok"):
+            sanitize(case, 90)
     report["ok"] = trap["ok"] and all(
         c["correctness"].get("ok") for c in report["cases"].values()
     )

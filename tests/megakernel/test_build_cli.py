@@ -40,11 +40,22 @@ def build(*args: str) -> subprocess.CompletedProcess:
             "llama-3.1-8b",
             "sm_90a",
             64,
-            ("--mma-gemv", "--weight-pipe", "--wide-attn", "--stage-queue"),
+            (
+                "--mma-gemv",
+                "--weight-pipe",
+                "--wide-attn",
+                "--stage-queue",
+                "--fused-combine",
+            ),
         ),
         ("llama-3.2-1b", "sm_90a", 16, ("--stage-weights", "--stage-queue")),
         ("llama-3.1-8b", "sm_100a", 64, ("--weight-pipe", "--stage-queue")),
-        ("qwen3-8b", "sm_90a", 64, ("--weight-pipe", "--wide-attn", "--stage-queue")),
+        (
+            "qwen3-8b",
+            "sm_90a",
+            64,
+            ("--weight-pipe", "--wide-attn", "--stage-queue", "--fused-combine"),
+        ),
     ],
 )
 def test_build_real_shape(tmp_path, name, arch, batch, variant):
@@ -63,6 +74,11 @@ def test_build_real_shape(tmp_path, name, arch, batch, variant):
     assert (summary["mma_ops"] > 0) == ("--mma-gemv" in variant)
     assert (summary["async_copies"] > 0) == ("--stage-weights" in variant)
     assert (summary["bulk_copies"] > 0) == ("--weight-pipe" in variant)
+    # Fused COMBINE: no COMBINE instructions (opcode 4); the tail's acq_rel
+    # and release atomics beside the one signal of the default kernel.
+    fused = "--fused-combine" in variant
+    assert (program["queues"][..., 0] == 4).any() != fused
+    assert (summary["release_atomics"] > 1) == fused
 
 
 def test_cache_key_separates_shape_bucket_and_arch():

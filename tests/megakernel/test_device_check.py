@@ -40,7 +40,7 @@ def test_dry_run_builds_a_small_bundle():
            "DEVICE_CHECK_BATCHES": "1", "DEVICE_CHECK_FLASHINFER": "0",
            "DEVICE_CHECK_VARIANTS":
                "llama-3.2-1b:1:staged llama-3.2-1b:1:mma "
-               "llama-3.2-1b:1:pipe"}  # fmt: skip
+               "llama-3.2-1b:1:tail"}  # fmt: skip
     proc = subprocess.run(
         [str(ROOT / "scripts" / "device_check.sh"), "--dry-run"],
         capture_output=True, text=True, timeout=600, env=env,
@@ -51,18 +51,23 @@ def test_dry_run_builds_a_small_bundle():
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert set(manifest["builds"]) == {
         "llama-3.2-1b-b1", "llama-3.2-1b-b1-staged", "llama-3.2-1b-b1-mma",
-        "llama-3.2-1b-b1-pipe",
+        "llama-3.2-1b-b1-tail",
     }  # fmt: skip
-    flags = {"llama-3.2-1b-b1": (False, False, False, False, False),
-             "llama-3.2-1b-b1-staged": (True, True, False, False, False),
-             "llama-3.2-1b-b1-mma": (False, True, True, True, True),
-             "llama-3.2-1b-b1-pipe": (False, True, False, True, False)}  # fmt: skip
+    # stage_weights, stage_queue, mma_gemv, weight_pipe, wide_attn, fused_combine
+    flags = {"llama-3.2-1b-b1": (0, 0, 0, 0, 0, 0),
+             "llama-3.2-1b-b1-staged": (1, 1, 0, 0, 0, 0),
+             "llama-3.2-1b-b1-mma": (0, 1, 1, 1, 1, 1),
+             "llama-3.2-1b-b1-tail": (0, 1, 0, 1, 0, 1)}  # fmt: skip
     for name, build in manifest["builds"].items():
         assert build["spill_bytes"] == 0 and build["arch"] == "sm_90a"
-        shape = torch.load(bundle / name / "program.pt")["shape"]
+        meta = torch.load(bundle / name / "program.pt")
+        shape = meta["shape"]
         got = (shape["stage_weights"], shape["stage_queue"], shape["mma_gemv"],
-               shape["weight_pipe"], shape["wide_attn"])  # fmt: skip
-        assert got == flags[name]
+               shape["weight_pipe"], shape["wide_attn"],
+               shape["fused_combine"])  # fmt: skip
+        assert got == tuple(map(bool, flags[name]))
+        # A fused program has no COMBINE instructions (opcode 4).
+        assert (meta["queues"][..., 0] == 4).any() != shape["fused_combine"]
         assert (build["async_copies"] > 0) == shape["stage_weights"]
         assert (build["bulk_copies"] > 0) == shape["weight_pipe"]
     case = bundle / "llama-3.2-1b-b1"
@@ -74,14 +79,16 @@ def test_dry_run_builds_a_small_bundle():
 
 
 @pytest.fixture
-def harness(tmp_path, monkeypatch):
+def harness(request, tmp_path, monkeypatch):
     """device_run on CPU: a tiny Qwen3-shaped case, the kernel replaced by
-    the stand-in (optionally corrupting one buffer after each launch)."""
+    the stand-in (optionally corrupting one buffer after each launch). An
+    indirect parameter True plans it with fused COMBINEs."""
     d = _device_run()
     monkeypatch.setattr(d, "DEVICE", "cpu")
     monkeypatch.setattr(d, "CONTEXT", 40)
     spec = make_spec("qwen3", torch.bfloat16)
-    program = plan(spec, 2, DEVICES["h200"], with_lm_head=True)
+    program = plan(spec, 2, DEVICES["h200"], with_lm_head=True,
+                   fuse_combine=getattr(request, "param", False))  # fmt: skip
     save_program(tmp_path / "program.pt", program,
                  KernelShape.from_program(program, BLOCK_SIZE))  # fmt: skip
     corrupt: dict = {}
@@ -103,11 +110,16 @@ def harness(tmp_path, monkeypatch):
     return d, tmp_path, corrupt
 
 
+@pytest.mark.parametrize("harness", [False, True], ids=["plain", "fused"],
+                         indirect=True)  # fmt: skip
 def test_harness_passes_a_correct_kernel(harness):
     d, case, _ = harness
     result = d.correctness(case)
     assert result["ok"], result
     assert len(result["steps"]) == d.STEPS
+    if d.is_variant(case):  # (fused: judged by the local checks alone)
+        assert "COMBINE" in result["steps"][0]["errors"]
+        return
     assert all(
         s["greedy_agree"] == f"{s['batch']}/{s['batch']}" for s in result["steps"]
     )
@@ -131,6 +143,18 @@ def test_harness_names_the_wrong_instruction(harness, buffer, op):
         assert errors["QKV"]["max"] <= errors["QKV"]["tol"]
 
 
+@pytest.mark.parametrize("harness", [True], ids=["fused"], indirect=True)
+def test_harness_names_a_wrong_fused_combine(harness):
+    """With fused COMBINEs the merge has no instruction of its own: a wrong
+    merge still fails COMBINE at its layer, and ATTN before it passes."""
+    d, case, corrupt = harness
+    corrupt.update(name="attn", layer=1)
+    errors = d.correctness(case)["steps"][0]["errors"]
+    assert errors["COMBINE"]["layer"] == 1
+    assert errors["COMBINE"]["max"] > errors["COMBINE"]["tol"]
+    assert errors["ATTN"]["max"] <= errors["ATTN"]["tol"]
+
+
 def test_a_variant_case_is_judged_by_the_local_checks_alone(harness):
     d, case, corrupt = harness
     meta = torch.load(case / "program.pt")
@@ -143,6 +167,20 @@ def test_a_variant_case_is_judged_by_the_local_checks_alone(harness):
     result = d.correctness(case)
     assert not result["ok"]
     assert result["steps"][0]["errors"]["GATE_UP"]["layer"] == 1
+
+
+def test_sanitizer_step_runs_a_shorter_program_of_the_same_kernel(harness, monkeypatch):
+    """The sanitizer runs the case's kernel on a program of fewer layers
+    (layers are data to it); the full program must still match the bundle's."""
+    d, case, _ = harness
+    monkeypatch.setattr(d, "SANITIZE_LAYERS", 1)
+    assert d.sanitize_step(case) == {"ok": True, "layers": 1}
+    meta = torch.load(case / "program.pt")
+    meta["lengths"][0] += 1
+    torch.save(meta, case / "program.pt")
+    d.load_case(case, layers=1)  # (a shorter program is planned afresh)
+    with pytest.raises(SystemExit, match="differs from the bundle"):
+        d.load_case(case)
 
 
 def test_local_checks_cover_every_instruction(harness):

@@ -13,6 +13,7 @@ from vllm_ext.megakernel.interpret import (
     ProgramExecutor,
     ProgramInterpreter,
 )
+from vllm_ext.megakernel.isa import Op
 from vllm_ext.megakernel.planner import batch_buckets, plan
 from vllm_ext.model_spec import ModelSpec
 from vllm_ext.reference import ReferenceExecutor
@@ -69,6 +70,37 @@ def test_interleavings_agree_bitwise_and_match_reference(arch, dtype, batch):
     # fp32 logits over the final norm's output.
     lm = outs[0].float() @ weights.lm_head.float().t()
     torch.testing.assert_close(logits[0], lm, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", sorted(SPECS))
+@pytest.mark.parametrize("batch", [1, 5])
+def test_fused_combine_gives_the_unfused_programs_bits(arch, batch):
+    """The last ATTN chunk of each head runs its COMBINE (a tail): under any
+    interleaving, and on the second step (where the tail fires at twice the
+    chunk count), the results are bit for bit the plain program's."""
+    spec = make_spec(arch, torch.float32)
+    weights = random_weights(spec, seed=1)
+    device = dataclasses.replace(DEVICES["h200"], num_sms=16)
+    plain = plan(spec, batch, device, with_lm_head=True)
+    fused = plan(spec, batch, device, with_lm_head=True, fuse_combine=True)
+    ops = [i.op for q in fused.queues for i in q]
+    assert Op.COMBINE not in ops and fused.attn_chunks > 1
+    assert len(ops) == plain.num_instructions - spec.num_layers * spec.num_kv_heads
+
+    def run(program, seed):
+        interp = ProgramInterpreter(program, weights, seed=seed)
+        got = []
+        for step in range(2):
+            inputs = random_decode_inputs(spec, batch, seed=7 + step)
+            got.append((interp.step(inputs).clone(), interp.logits.clone(),
+                        inputs.kv_caches))  # fmt: skip
+        return got
+
+    want = run(plain, 0)
+    for seed in (1, 2):
+        for (o, lg, kv), (wo, wlg, wkv) in zip(run(fused, seed), want, strict=True):
+            assert torch.equal(o, wo) and torch.equal(lg, wlg)
+            assert all(torch.equal(a, b) for a, b in zip(kv, wkv, strict=True))
 
 
 def test_counters_need_no_reset_between_steps():

@@ -141,6 +141,21 @@ def test_wide_attention_variant_compiles_clean(gpu, model, tmp_path):
     check_sass(build(gpu, tmp_path / "b16", both))
 
 
+@pytest.mark.parametrize("gpu", ARCHS)
+def test_fused_combine_variant_compiles_clean(gpu, tmp_path):
+    """The experimental fused COMBINE: the last ATTN chunk's signal is an
+    acq_rel atomic (fence, add, L1 invalidate) and the merge it then runs
+    ends with a release atomic of its own (the default kernel has one
+    release atomic and one acquire load: test_build_cli.py)."""
+    spec = ModelSpec.from_hf_config(hf_config("llama"), torch.bfloat16)
+    program = plan(spec, 4, DEVICES["h200"], with_lm_head=True, fuse_combine=True)
+    shape = KernelShape.from_program(program, 16)
+    assert shape.fused_combine
+    built = build(gpu, tmp_path, shape)
+    check_sass(built)
+    assert built.release_atomics >= 3 and built.acquire_loads >= 2
+
+
 @pytest.mark.parametrize(
     "changes, match",
     [

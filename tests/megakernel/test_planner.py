@@ -64,6 +64,24 @@ def test_real_programs_verify(name, batch):
     assert report.num_instructions == program.num_instructions
 
 
+@pytest.mark.parametrize("name", REAL)
+@pytest.mark.parametrize("batch", [1, 16])
+def test_fused_combine_programs_verify_and_cost(name, batch):
+    """No COMBINE instructions, one tail per (layer, kv head); the cost model
+    runs the tails (the O_PROJs wait for them) and keeps the same floor."""
+    spec = spec_of(name)
+    plain = plan(spec, batch, DEVICES["h200"], with_lm_head=True)
+    fused = plan(spec, batch, DEVICES["h200"], with_lm_head=True, fuse_combine=True)
+    report = verify(fused)
+    tails = sum(1 for sm, _ in report.schedule if sm >= len(fused.queues))
+    assert tails == spec.num_layers * spec.num_kv_heads
+    assert fused.num_instructions == plain.num_instructions - tails
+    pred, base = predict(fused), predict(plain)
+    assert pred.floor_s == base.floor_s
+    # Without the tails' merges the O_PROJs would never start.
+    assert pred.step_s > pred.critical_path_s > 0
+
+
 @pytest.mark.parametrize("device", ["h100", "h200", "b200"])
 def test_weights_are_balanced_over_sms(device):
     pred = predict(plan(spec_of("llama-3.1-8b"), 1, DEVICES[device], with_lm_head=True))

@@ -137,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
         help="experimental: attention with 128-bit K/V loads and the batch's "
         "requests side by side",
     )
+    parser.add_argument(
+        "--fused-combine",
+        action="store_true",
+        help="experimental: no COMBINE instructions; the last ATTN chunk of each "
+        "kv head merges the head's partials",
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -148,7 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     program = plan(
-        spec, args.batch, DEVICES[DEFAULT_DEVICE[args.arch]], with_lm_head=True
+        spec,
+        args.batch,
+        DEVICES[DEFAULT_DEVICE[args.arch]],
+        with_lm_head=True,
+        fuse_combine=args.fused_combine,
     )
     verify(program)
     try:

@@ -14,6 +14,9 @@ A design tool, not a claim. Its assumptions, all here:
   release/acquire round trip through L2). Executing costs
   ``instruction_overhead_s`` plus its activation and KV bytes at the SM's
   share of bandwidth.
+* A tail (isa.py: the last ATTN chunk of a head runs its COMBINE) starts
+  ``dependency_latency_s`` after that chunk's signal (its atomic's round
+  trip) and costs what a COMBINE instruction costs, on the same SM.
 * The weight-read floor is all weight bytes at the full copy bandwidth.
 
 GPU measurements update ``DEVICES``; docs/perf.md keeps predicted and
@@ -115,6 +118,7 @@ def predict(program, device: Device | None = None) -> Prediction:
     # is met; instructions start in time order (ends are never earlier than
     # the start of the instruction that signalled them).
     need = {i.wait_counter: i.wait_count for q in queues for i in q}
+    signallers = _signallers(queues)
     signals: dict[int, list[float]] = {}
     blocked: dict[int, list[int]] = {}
     pos = [0] * len(queues)
@@ -140,17 +144,26 @@ def predict(program, device: Device | None = None) -> Prediction:
         start, sm = heapq.heappop(heap)
         instr, cost = queues[sm][pos[sm]], costs[sm][pos[sm]]
         end = start + device.instruction_overhead_s + cost.other_bytes / bw
+        ended = [(instr.signal_counter, end)]
+        c = instr.signal_counter
+        if instr.tail != NO_COUNTER and len(signals.get(c, [])) + 1 == signallers[c]:
+            # (Started in time order, so an earlier chunk may end later.)
+            end = max(end, *signals.get(c, [])) + device.dependency_latency_s
+            end += _tail_s(program, instr, device)
+            ended.append((instr.tail, end))
         _stall_stream(
             load_done[sm], cum_bytes[sm], pos[sm], end, device.lookahead_bytes, bw
         )
         finish[sm] = end
         pos[sm] += 1
         schedule(sm)
-        if instr.signal_counter != NO_COUNTER:
-            got = signals.setdefault(instr.signal_counter, [])
-            got.append(end)
-            if len(got) == need.get(instr.signal_counter):
-                for waiter in blocked.pop(instr.signal_counter, []):
+        for counter, at in ended:
+            if counter == NO_COUNTER:
+                continue
+            got = signals.setdefault(counter, [])
+            got.append(at)
+            if len(got) == need.get(counter):
+                for waiter in blocked.pop(counter, []):
                     schedule(waiter)
     if any(p != len(q) for p, q in zip(pos, queues, strict=True)):
         raise ValueError("program deadlocks (run the verifier)")
@@ -163,6 +176,25 @@ def predict(program, device: Device | None = None) -> Prediction:
         sm_finish_s=tuple(finish),
         sm_weight_bytes=weight_bytes,
         critical_path_s=_critical_path(program, costs, device),
+    )
+
+
+def _signallers(queues) -> dict[int, int]:
+    count: dict[int, int] = {}
+    for q in queues:
+        for i in q:
+            count[i.signal_counter] = count.get(i.signal_counter, 0) + 1
+    return count
+
+
+def _tail_s(program, attn, device: Device) -> float:
+    """Execution time of the COMBINE an ATTN's tail runs."""
+    from vllm_ext.megakernel.isa import Instruction, Op
+
+    combine = Instruction(Op.COMBINE, attn.layer, attn.arg0, 0)
+    return (
+        device.instruction_overhead_s
+        + program.cost(combine).other_bytes / device.sm_bytes_per_s
     )
 
 
@@ -192,6 +224,7 @@ def _critical_path(program, costs, device: Device) -> float:
     bw = device.sm_bytes_per_s
     by_counter: dict[int, float] = {}
     sm_end: dict[int, float] = {}
+    signallers, seen = _signallers(program.queues), {}
     done = 0.0
     # Phases appear in global order in every queue, so one pass over the
     # instructions in that order sees every signaller before its waiters.
@@ -201,10 +234,15 @@ def _critical_path(program, costs, device: Device) -> float:
             ready = max(ready, by_counter.get(instr.wait_counter, 0.0)
                         + device.dependency_latency_s)  # fmt: skip
         end = ready + device.instruction_overhead_s + costs[sm][idx].other_bytes / bw
+        c = instr.signal_counter
+        if c != NO_COUNTER:
+            by_counter[c] = max(by_counter.get(c, 0.0), end)
+            seen[c] = seen.get(c, 0) + 1
+            if instr.tail != NO_COUNTER and seen[c] == signallers[c]:
+                # The last chunk in global order stands for whichever ends last.
+                end = max(end, by_counter[c]) + device.dependency_latency_s
+                end += _tail_s(program, instr, device)
+                by_counter[instr.tail] = max(by_counter.get(instr.tail, 0.0), end)
         sm_end[sm] = end
-        if instr.signal_counter != NO_COUNTER:
-            by_counter[instr.signal_counter] = max(
-                by_counter.get(instr.signal_counter, 0.0), end
-            )
         done = max(done, end)
     return done

@@ -7,7 +7,8 @@ instruction's wait is met (``counters[c] >= epoch * count``), runs it, and
 signals. Counters persist across steps and are never reset (epochs), as on
 the GPU. Every instruction computes its output from its inputs alone, and
 reductions run in a fixed order, so the result is bit for bit the same
-under every interleaving; the tests check that.
+under every interleaving; the tests check that. A tail (isa.py) runs as on
+the GPU: on the SM whose ATTN completes its head, right after its signal.
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ class ProgramInterpreter:
         self.rng = random.Random(seed)
         self.counters = [0] * program.num_counters
         self.epoch = 0
+        # How many instructions signal each counter (a tail runs on the last).
+        self.signallers = [0] * program.num_counters
+        for q in program.queues:
+            for instr in q:
+                if instr.signal_counter != NO_COUNTER:
+                    self.signallers[instr.signal_counter] += 1
 
     def step(self, inputs: DecodeInputs) -> torch.Tensor:
         """One decode step of exactly ``program.batch`` rows; returns the
@@ -70,6 +77,11 @@ class ProgramInterpreter:
             else:
                 blocked.setdefault(instr.wait_counter, []).append(sm)
 
+        def signal(c: int) -> None:
+            self.counters[c] += 1
+            for waiter in blocked.pop(c, []):
+                arrive(waiter)
+
         for sm in range(len(queues)):
             arrive(sm)
         while ready:
@@ -79,10 +91,13 @@ class ProgramInterpreter:
             instr = queues[sm][pos[sm]]
             self._execute(instr)
             pos[sm] += 1
-            if instr.signal_counter != NO_COUNTER:
-                self.counters[instr.signal_counter] += 1
-                for waiter in blocked.pop(instr.signal_counter, []):
-                    arrive(waiter)
+            c = instr.signal_counter
+            if c != NO_COUNTER:
+                signal(c)
+                done = self.epoch * self.signallers[c]
+                if instr.tail != NO_COUNTER and self.counters[c] == done:
+                    self._execute(Instruction(Op.COMBINE, instr.layer, instr.arg0, 0))
+                    signal(instr.tail)
             arrive(sm)
         stuck = [sm for sm in range(len(queues)) if pos[sm] < len(queues[sm])]
         if stuck:

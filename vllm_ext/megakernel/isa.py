@@ -4,11 +4,17 @@
 A program is one queue of instructions per SM. Each instruction is
 ``WORDS`` int32 words::
 
-    [opcode, layer, arg0, arg1, wait_counter, wait_count, signal_counter, 0]
+    [opcode, layer, arg0, arg1, wait_counter, wait_count, signal_counter, tail]
 
 It first waits until ``counters[wait_counter] >= epoch * wait_count``
 (``wait_counter == NO_COUNTER``: no wait), runs, makes its stores visible,
-then adds 1 to ``counters[signal_counter]``. ``epoch`` is the 1-based step
+then adds 1 to ``counters[signal_counter]``. ``tail`` is ATTN's alone
+(NO_COUNTER elsewhere, and for ATTN in the default program): the chunk whose
+signal completes its head (brings ``counters[signal_counter]`` to
+``epoch * attn_chunks``: every chunk of kv head g has stored its partial)
+then runs COMBINE for g on the same CTA and adds 1 to ``counters[tail]``.
+The merge thus starts as soon as its last input exists, with no phase
+boundary and no instruction of its own. ``epoch`` is the 1-based step
 number, kept on the device (the cell after the last counter, bumped before
 each launch): counters only grow, so the same program replays step after
 step (inside a CUDA graph too) with no host reset.
@@ -76,6 +82,7 @@ class Instruction:
     wait_counter: int = NO_COUNTER
     wait_count: int = 0
     signal_counter: int = NO_COUNTER
+    tail: int = NO_COUNTER
 
     def words(self) -> tuple[int, ...]:
         return (
@@ -86,13 +93,13 @@ class Instruction:
             self.wait_counter,
             self.wait_count,
             self.signal_counter,
-            0,
+            self.tail,
         )
 
     @classmethod
     def from_words(cls, words) -> Instruction:
-        op, layer, a0, a1, wc, wn, sc, _ = (int(w) for w in words)
-        return cls(Op(op), layer, a0, a1, wc, wn, sc)
+        op, layer, a0, a1, wc, wn, sc, tail = (int(w) for w in words)
+        return cls(Op(op), layer, a0, a1, wc, wn, sc, tail)
 
     def __str__(self) -> str:
         wait = (
@@ -100,9 +107,10 @@ class Instruction:
             if self.wait_counter == NO_COUNTER
             else (f" wait c{self.wait_counter}>={self.wait_count}")
         )
+        tail = "" if self.tail == NO_COUNTER else f", last COMBINE c{self.tail}"
         return (
             f"{self.op.name}(l={self.layer}, {self.arg0}, {self.arg1}){wait}"
-            f" signal c{self.signal_counter}"
+            f" signal c{self.signal_counter}{tail}"
         )
 
 

@@ -8,6 +8,10 @@ far. Every queue is therefore a subsequence of the global order, which is
 what makes the program deadlock-free when all CTAs are co-resident (see
 verify.py). Each phase waits for the whole previous phase through one
 counter; tiles are sized from bytes so every phase spreads over all SMs.
+
+With ``fuse_combine`` there are no COMBINE instructions: the last ATTN chunk
+of each kv head merges the head's partials itself (``tail`` in isa.py), which
+removes one of the six phase boundaries of a layer.
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ class Program:
     counter_names: tuple[str, ...]
     # (sm, index in queue) of every instruction, in the global order.
     order: tuple[tuple[int, int], ...] = field(repr=False)
+    # ATTN's last chunk per kv head runs the head's COMBINE (isa.py, tail).
+    fuse_combine: bool = False
 
     @property
     def num_instructions(self) -> int:
@@ -130,6 +136,7 @@ def plan(
     *,
     with_lm_head: bool = False,
     max_attn_chunks: int = MAX_ATTN_CHUNKS,
+    fuse_combine: bool = False,
 ) -> Program:
     """The program of one decode step of ``batch`` requests on ``device``."""
     if batch < 1:
@@ -141,16 +148,18 @@ def plan(
         counters.append(name)
         return len(counters) - 1
 
-    # Phases in global order: (op, layer, tiles, wait (counter, count), signal).
-    phases: list[tuple[Op, int, list[tuple[int, int]], tuple[int, int], int]] = []
+    # Phases in global order: (op, layer, tiles, wait (counter, count), signal,
+    # tail).
+    phases: list[tuple[Op, int, list[tuple[int, int]], tuple[int, int], int, int]]
+    phases = []
     none = (NO_COUNTER, 0)
 
     def gemv_tiles(n: int) -> list[tuple[int, int]]:
         return split(n, n_sm, COL_MULTIPLE)
 
-    def phase(op, layer, tiles, wait, name) -> tuple[int, int]:
+    def phase(op, layer, tiles, wait, name, tail=NO_COUNTER) -> tuple[int, int]:
         c = counter(name)
-        phases.append((op, layer, tiles, wait, c))
+        phases.append((op, layer, tiles, wait, c, tail))
         return (c, len(tiles))
 
     h = spec.hidden_size
@@ -164,8 +173,10 @@ def plan(
         combine_c = counter(f"L{layer}.combine")
         for g in range(spec.num_kv_heads):
             attn_tiles = [(g, c) for c in range(chunks)]
-            a = phase(Op.ATTN, layer, attn_tiles, qkv, f"L{layer}.attn.g{g}")
-            phases.append((Op.COMBINE, layer, [(g, 0)], a, combine_c))
+            tail = combine_c if fuse_combine else NO_COUNTER
+            a = phase(Op.ATTN, layer, attn_tiles, qkv, f"L{layer}.attn.g{g}", tail)
+            if not fuse_combine:
+                phases.append((Op.COMBINE, layer, [(g, 0)], a, combine_c, NO_COUNTER))
         combined = (combine_c, spec.num_kv_heads)
         o = phase(Op.O_PROJ, layer, gemv_tiles(h), combined, f"L{layer}.o_proj")
         gu = phase(
@@ -186,9 +197,9 @@ def plan(
     queues: list[list[Instruction]] = [[] for _ in range(n_sm)]
     load = [0] * n_sm
     order = []
-    for op, layer, tiles, (wait_c, wait_n), signal in phases:
+    for op, layer, tiles, (wait_c, wait_n), signal, tail in phases:
         for a0, a1 in tiles:
-            instr = Instruction(op, layer, a0, a1, wait_c, wait_n, signal)
+            instr = Instruction(op, layer, a0, a1, wait_c, wait_n, signal, tail)
             cost = program.cost(instr)
             sm = min(range(n_sm), key=load.__getitem__)
             load[sm] += cost.weight_bytes + cost.other_bytes
@@ -203,4 +214,5 @@ def plan(
         tuple(tuple(q) for q in queues),
         tuple(counters),
         tuple(order),
+        fuse_combine,
     )

@@ -18,6 +18,12 @@ The argument, checked here rather than assumed:
 4. *Single assignment.* No buffer unit is written by two instructions, and
    every unit read is written by some instruction (activations are per-layer
    buffers, so a step has no write-after-read hazards to order).
+
+A tail (isa.py: the last ATTN chunk of a head runs its COMBINE) is checked as
+a COMBINE alone in a queue of its own that waits for all the head's chunks:
+that is when it runs, and it never waits after that, so it adds no way to
+deadlock. Its writes and the reads that wait for it are checked as any
+instruction's.
 """
 
 from __future__ import annotations
@@ -95,28 +101,59 @@ class Report:
 
 
 def verify(program) -> Report:
-    queues = program.queues
-    _check_counting(program)
+    """Raise VerificationError naming the first fault; the schedule in the
+    report lists tails after the real queues (SM index >= num_sms)."""
+    queues = program.queues + _tail_queues(program)
+    _check_counting(program, queues)
     schedule = _simulate(queues)
     hb = _happens_before(queues, schedule)
-    _check_data(program, schedule, hb)
+    _check_data(program, queues, schedule, hb)
     return Report(
-        num_sms=len(queues),
-        num_instructions=sum(len(q) for q in queues),
+        num_sms=len(program.queues),
+        num_instructions=sum(len(q) for q in program.queues),
         num_counters=program.num_counters,
         schedule=tuple(schedule),
     )
 
 
-def _check_counting(program) -> None:
-    signallers: dict[int, int] = defaultdict(int)
+def _tail_queues(program) -> tuple[tuple[Instruction, ...], ...]:
+    """One queue per tail: the COMBINE, waiting for every chunk of its head."""
+    heads: dict[int, list[Instruction]] = defaultdict(list)
+    tails = []
     for q in program.queues:
+        for instr in q:
+            if instr.tail != NO_COUNTER and instr.op != Op.ATTN:
+                raise VerificationError(f"{instr}: only ATTN may have a tail")
+            if instr.signal_counter != NO_COUNTER:
+                heads[instr.signal_counter].append(instr)
+    for counter, chunks in heads.items():
+        first = chunks[0]
+        if all(i.tail == NO_COUNTER for i in chunks):
+            continue
+        same = {(i.op, i.layer, i.arg0, i.tail) for i in chunks}
+        if len(same) != 1 or len(chunks) != program.attn_chunks:
+            raise VerificationError(
+                f"counter {counter} ({program.counter_names[counter]}): a tail "
+                f"needs its counter signalled by exactly the {program.attn_chunks} "
+                f"ATTN chunks of one head with one tail, got {len(chunks)}: "
+                + "; ".join(str(i) for i in chunks[:3])
+            )
+        if not 0 <= first.tail < program.num_counters:
+            raise VerificationError(f"{first}: no such counter")
+        tails.append((Instruction(Op.COMBINE, first.layer, first.arg0, 0, counter,
+                                  len(chunks), first.tail),))  # fmt: skip
+    return tuple(tails)
+
+
+def _check_counting(program, queues) -> None:
+    signallers: dict[int, int] = defaultdict(int)
+    for q in queues:
         for instr in q:
             if instr.signal_counter != NO_COUNTER:
                 if not 0 <= instr.signal_counter < program.num_counters:
                     raise VerificationError(f"{instr}: no such counter")
                 signallers[instr.signal_counter] += 1
-    for sm, q in enumerate(program.queues):
+    for sm, q in enumerate(queues):
         for idx, instr in enumerate(q):
             c = instr.wait_counter
             if c == NO_COUNTER:
@@ -195,14 +232,14 @@ def _happens_before(queues, schedule) -> dict[tuple[int, int], int]:
     return hb
 
 
-def _check_data(program, schedule, hb) -> None:
+def _check_data(program, queues, schedule, hb) -> None:
     index = {key: i for i, key in enumerate(schedule)}
     writers: dict[tuple[str, int], list[tuple[int, int, tuple[int, int]]]] = (
         defaultdict(list)
     )
     reads = []
     for sm, idx in schedule:
-        r, w = accesses(program, program.queues[sm][idx])
+        r, w = accesses(program, queues[sm][idx])
         for region in w:
             writers[(region.buffer, region.layer)].append(
                 (region.lo, region.hi, (sm, idx))
@@ -226,8 +263,7 @@ def _check_data(program, schedule, hb) -> None:
                 continue
             covered += min(hi, region.hi) - max(lo, region.lo)
             if writer != key and not hb[key] >> index[writer] & 1:
-                instr, w_instr = program.queues[key[0]][key[1]], None
-                w_instr = program.queues[writer[0]][writer[1]]
+                instr, w_instr = queues[key[0]][key[1]], queues[writer[0]][writer[1]]
                 raise VerificationError(
                     f"SM {key[0]} #{key[1]} {instr} reads {region.buffer}"
                     f"[layer {region.layer}] before SM {writer[0]} #{writer[1]} "

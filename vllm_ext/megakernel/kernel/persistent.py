@@ -72,6 +72,7 @@ def _buffers(s: KernelShape) -> list[int]:
         4 * NUM_WARPS * s.group * s.head_dim,  # warp_o
         W_STAGE_ELEMS * 2 if s.stage_weights else 0,
         QUEUE_STAGE * WORDS * 4 if s.stage_queue else 0,
+        4 if s.fused_combine else 0,  # tail flag
         # (With the weight pipeline, the pipeline holds this scratch.)
         red_floats(s.batch) * 4 if s.mma_gemv and not s.weight_pipe else 0,
     ]
@@ -188,6 +189,10 @@ class Megakernel:
             ),
             16,
         )
+
+        if cutlass.const_expr(s.fused_combine):
+            # Thread 0 tells the CTA whether its ATTN completed the head.
+            tail = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
 
         # The weight stage (experimental, shape.stage_weights); without it
         # the ops receive x_stage in its place and never read it.
@@ -339,10 +344,34 @@ class Megakernel:
                 if cutlass.const_expr(s.weight_pipe):
                     # Every page of this instruction is released.
                     pipe_state[BASE] = pipe_state[BASE] + instr_pages(s, op, a0, a1)
-                if ins[6] >= 0:
+                if cutlass.const_expr(s.fused_combine):
+                    tail[0] = Int32(0)
+                    if op == Op.ATTN and ins[7] >= 0:
+                        # Acquire too: the chunk that completes the head reads
+                        # the other chunks' partials next.
+                        old = cute.arch.atomic_add(counters.iterator + ins[6],
+                                                   Int32(1), sem="acq_rel",
+                                                   scope="gpu")  # fmt: skip
+                        if old + 1 - epoch * s.attn_chunks == 0:
+                            tail[0] = Int32(1)
+                    elif ins[6] >= 0:
+                        cute.arch.atomic_add(counters.iterator + ins[6], Int32(1),
+                                             sem="release", scope="gpu")  # fmt: skip
+                elif ins[6] >= 0:
                     cute.arch.atomic_add(
                         counters.iterator + ins[6], Int32(1), sem="release", scope="gpu"
                     )
+            if cutlass.const_expr(s.fused_combine):
+                # The tail: the last chunk of kv head a0 merges its partials.
+                if op == Op.ATTN:
+                    cute.arch.sync_threads()
+                    if tail[0] != 0:
+                        combine(s, ptrs, layer, a0)
+                        cute.arch.sync_threads()
+                        if tidx == 0:
+                            done = counters.iterator + ins[7]
+                            cute.arch.atomic_add(done, Int32(1), sem="release",
+                                                 scope="gpu")  # fmt: skip
 
 
 def fake_args():

@@ -117,6 +117,10 @@ class KernelShape:
     # tokens per warp load and requests side by side
     # (kernel/ops/attn_wide.py).
     wide_attn: bool = False
+    # Experimental (not yet measured): the program has no COMBINE
+    # instructions; the last ATTN chunk of each kv head merges the head's
+    # partials (isa.py, tail). Set from the program, which it must match.
+    fused_combine: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden", "intermediate", "head_dim"):
@@ -185,6 +189,7 @@ class KernelShape:
             mma_gemv=mma_gemv,
             weight_pipe=weight_pipe,
             wide_attn=wide_attn,
+            fused_combine=program.fuse_combine,
         )
 
     def as_dict(self) -> dict:
