@@ -25,7 +25,7 @@ BATCHES=${DEVICE_CHECK_BATCHES:-"1 16"}
 # Experimental kernel variants, checked and timed beside the default in the
 # same call: MODEL:BATCH:VARIANT, built into MODEL-bBATCH-VARIANT with the
 # variant's build flags (below). The breakdown tells their parts apart.
-VARIANTS=${DEVICE_CHECK_VARIANTS-"llama-3.2-1b:1:pipe llama-3.1-8b:1:pipe llama-3.2-1b:1:tail llama-3.2-1b:16:fast llama-3.1-8b:16:fast llama-3.2-1b:16:mma llama-3.1-8b:16:mma"}
+VARIANTS=${DEVICE_CHECK_VARIANTS-"llama-3.2-1b:1:pipe llama-3.1-8b:1:pipe llama-3.2-1b:1:tail llama-3.2-1b:1:split llama-3.1-8b:1:split llama-3.2-1b:16:fast llama-3.1-8b:16:fast llama-3.2-1b:16:mma llama-3.1-8b:16:mma"}
 variant_flags() {
     case $1 in
         # weights into shared memory before each wait; the queue at launch
@@ -34,10 +34,14 @@ variant_flags() {
         pipe) echo --weight-pipe --stage-queue ;;
         # pipe, with each head's COMBINE run by its last ATTN chunk
         tail) echo --weight-pipe --stage-queue --fused-combine ;;
-        # tail and the wide attention (batch >= 4)
-        fast) echo --weight-pipe --wide-attn --stage-queue --fused-combine ;;
+        # tail, with QKV tiles of head parts (96 instead of 48 per layer)
+        split) echo --weight-pipe --stage-queue --fused-combine --split-qkv ;;
+        # split and the wide attention (batch >= 4)
+        fast) echo --weight-pipe --wide-attn --stage-queue --fused-combine \
+            --split-qkv ;;
         # fast, with the GEMVs on tensor cores reading the pipeline's pages
-        mma) echo --mma-gemv --weight-pipe --wide-attn --stage-queue --fused-combine ;;
+        mma) echo --mma-gemv --weight-pipe --wide-attn --stage-queue \
+            --fused-combine --split-qkv ;;
         *) echo "device_check: unknown variant $1" >&2; exit 2 ;;
     esac
 }

@@ -94,8 +94,10 @@ def load_case(case_dir: Path, layers: int | None = None):
     if layers is not None:
         fields["num_layers"] = layers
     spec = ModelSpec(**fields)
+    shape = meta["shape"]
     program = plan(spec, meta["batch"], DEVICES["h200"], with_lm_head=True,
-                   fuse_combine=meta["shape"].get("fused_combine", False))  # fmt: skip
+                   fuse_combine=shape.get("fused_combine", False),
+                   qkv_parts=shape.get("qkv_parts", 1))  # fmt: skip
     table, lengths = program.encode()
     if layers is None and not (
         torch.equal(table, meta["queues"]) and torch.equal(lengths, meta["lengths"])
@@ -194,7 +196,7 @@ def is_variant(case_dir: Path) -> bool:
     shape = torch.load(case_dir / "program.pt")["shape"]
     flags = ("stage_weights", "stage_queue", "mma_gemv", "weight_pipe", "wide_attn",
              "fused_combine")  # fmt: skip
-    return any(shape.get(f) for f in flags)
+    return any(shape.get(f) for f in flags) or shape.get("qkv_parts", 1) > 1
 
 
 def correctness(case_dir: Path) -> dict:
@@ -573,7 +575,7 @@ def queue_variant(queue: torch.Tensor, keep=None, waits: bool = True):
 
 # Kernel variants device_check.sh may build beside the default (case
 # directory MODEL-bBATCH-VARIANT).
-VARIANTS = ("staged", "mma", "pipe", "tail", "fast")
+VARIANTS = ("staged", "mma", "pipe", "tail", "split", "fast")
 
 # What the breakdown times: the whole program without its waits (what the
 # dependencies cost), each instruction kind alone on the SMs the plan gives

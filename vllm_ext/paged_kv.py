@@ -27,9 +27,11 @@ def write_kv(
     value: torch.Tensor,
     slot_mapping: torch.Tensor,
     heads: slice = slice(None),
+    dims: slice = slice(None),
 ) -> None:
     """Store ``key``/``value`` ``[T, kv_heads, head_dim]`` at their slots
-    (only kv heads ``heads`` when given; ``None`` skips K or V)."""
+    (only kv heads ``heads`` and dims ``dims`` of each when given, the
+    values then ``[T, len(heads), len(dims)]``; ``None`` skips K or V)."""
     num_tokens = slot_mapping.shape[0]
     block_size = kv_cache.shape[2]
     head_dim = kv_cache.shape[3] // 2
@@ -37,7 +39,9 @@ def write_kv(
     valid = slots != PAD_SLOT_ID
     slots = slots[valid]
     blocks, offsets = slots // block_size, slots % block_size
-    for part, values in ((slice(0, head_dim), key), (slice(head_dim, None), value)):
+    lo, hi, _ = dims.indices(head_dim)
+    for base, values in ((0, key), (head_dim, value)):
+        part = slice(base + lo, base + hi)
         if values is not None:
             kv_cache[blocks, heads, offsets, part] = values[:num_tokens][valid].to(
                 kv_cache.dtype

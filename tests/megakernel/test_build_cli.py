@@ -46,10 +46,16 @@ def build(*args: str) -> subprocess.CompletedProcess:
                 "--wide-attn",
                 "--stage-queue",
                 "--fused-combine",
+                "--split-qkv",
             ),
         ),
         ("llama-3.2-1b", "sm_90a", 16, ("--stage-weights", "--stage-queue")),
-        ("llama-3.1-8b", "sm_100a", 64, ("--weight-pipe", "--stage-queue")),
+        (
+            "llama-3.1-8b",
+            "sm_100a",
+            64,
+            ("--weight-pipe", "--stage-queue", "--split-qkv"),
+        ),  # fmt: skip
         (
             "qwen3-8b",
             "sm_90a",
@@ -79,6 +85,10 @@ def test_build_real_shape(tmp_path, name, arch, batch, variant):
     fused = "--fused-combine" in variant
     assert (program["queues"][..., 0] == 4).any() != fused
     assert (summary["release_atomics"] > 1) == fused
+    # Head parts: twice the Llama shapes' 48 QKV tiles per layer.
+    qkv = int((program["queues"][..., 0] == 2).sum())
+    assert qkv == (96 if "--split-qkv" in variant else 48) * program["spec"][
+        "num_layers"]  # fmt: skip
 
 
 def test_cache_key_separates_shape_bucket_and_arch():
@@ -120,3 +130,11 @@ def test_bad_config_exits_2(tmp_path):
     result = build("--config", "llama-3.2-1b", "--batch", "12", "--arch", "sm_90a",
                    "--out", str(tmp_path))  # fmt: skip
     assert result.returncode == 2 and "multiple of 8" in result.stderr
+    # Head parts: not with QK-norm, not with the weight stage.
+    result = build("--config", "qwen3-8b", "--batch", "1", "--arch", "sm_90a",
+                   "--split-qkv", "--out", str(tmp_path))  # fmt: skip
+    assert result.returncode == 2 and "cannot be split" in result.stderr
+    result = build("--config", "llama-3.2-1b", "--batch", "1", "--arch", "sm_90a",
+                   "--split-qkv", "--stage-weights", "--out",
+                   str(tmp_path))  # fmt: skip
+    assert result.returncode == 2 and "weight stage" in result.stderr

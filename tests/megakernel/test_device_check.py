@@ -40,7 +40,7 @@ def test_dry_run_builds_a_small_bundle():
            "DEVICE_CHECK_BATCHES": "1", "DEVICE_CHECK_FLASHINFER": "0",
            "DEVICE_CHECK_VARIANTS":
                "llama-3.2-1b:1:staged llama-3.2-1b:1:mma "
-               "llama-3.2-1b:1:tail"}  # fmt: skip
+               "llama-3.2-1b:1:split"}  # fmt: skip
     proc = subprocess.run(
         [str(ROOT / "scripts" / "device_check.sh"), "--dry-run"],
         capture_output=True, text=True, timeout=600, env=env,
@@ -51,21 +51,22 @@ def test_dry_run_builds_a_small_bundle():
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert set(manifest["builds"]) == {
         "llama-3.2-1b-b1", "llama-3.2-1b-b1-staged", "llama-3.2-1b-b1-mma",
-        "llama-3.2-1b-b1-tail",
+        "llama-3.2-1b-b1-split",
     }  # fmt: skip
-    # stage_weights, stage_queue, mma_gemv, weight_pipe, wide_attn, fused_combine
-    flags = {"llama-3.2-1b-b1": (0, 0, 0, 0, 0, 0),
-             "llama-3.2-1b-b1-staged": (1, 1, 0, 0, 0, 0),
-             "llama-3.2-1b-b1-mma": (0, 1, 1, 1, 1, 1),
-             "llama-3.2-1b-b1-tail": (0, 1, 0, 1, 0, 1)}  # fmt: skip
+    # stage_weights, stage_queue, mma_gemv, weight_pipe, wide_attn,
+    # fused_combine, qkv_parts
+    flags = {"llama-3.2-1b-b1": (0, 0, 0, 0, 0, 0, 1),
+             "llama-3.2-1b-b1-staged": (1, 1, 0, 0, 0, 0, 1),
+             "llama-3.2-1b-b1-mma": (0, 1, 1, 1, 1, 1, 2),
+             "llama-3.2-1b-b1-split": (0, 1, 0, 1, 0, 1, 2)}  # fmt: skip
     for name, build in manifest["builds"].items():
         assert build["spill_bytes"] == 0 and build["arch"] == "sm_90a"
         meta = torch.load(bundle / name / "program.pt")
         shape = meta["shape"]
         got = (shape["stage_weights"], shape["stage_queue"], shape["mma_gemv"],
                shape["weight_pipe"], shape["wide_attn"],
-               shape["fused_combine"])  # fmt: skip
-        assert got == tuple(map(bool, flags[name]))
+               shape["fused_combine"], shape["qkv_parts"])  # fmt: skip
+        assert got == flags[name]
         # A fused program has no COMBINE instructions (opcode 4).
         assert (meta["queues"][..., 0] == 4).any() != shape["fused_combine"]
         assert (build["async_copies"] > 0) == shape["stage_weights"]
@@ -82,13 +83,14 @@ def test_dry_run_builds_a_small_bundle():
 def harness(request, tmp_path, monkeypatch):
     """device_run on CPU: a tiny Qwen3-shaped case, the kernel replaced by
     the stand-in (optionally corrupting one buffer after each launch). An
-    indirect parameter True plans it with fused COMBINEs."""
+    indirect parameter, a dict, changes the architecture ("arch") or the
+    program (the planner's options)."""
     d = _device_run()
     monkeypatch.setattr(d, "DEVICE", "cpu")
     monkeypatch.setattr(d, "CONTEXT", 40)
-    spec = make_spec("qwen3", torch.bfloat16)
-    program = plan(spec, 2, DEVICES["h200"], with_lm_head=True,
-                   fuse_combine=getattr(request, "param", False))  # fmt: skip
+    options = dict(getattr(request, "param", {}))
+    spec = make_spec(options.pop("arch", "qwen3"), torch.bfloat16)
+    program = plan(spec, 2, DEVICES["h200"], with_lm_head=True, **options)
     save_program(tmp_path / "program.pt", program,
                  KernelShape.from_program(program, BLOCK_SIZE))  # fmt: skip
     corrupt: dict = {}
@@ -110,15 +112,18 @@ def harness(request, tmp_path, monkeypatch):
     return d, tmp_path, corrupt
 
 
-@pytest.mark.parametrize("harness", [False, True], ids=["plain", "fused"],
-                         indirect=True)  # fmt: skip
+SPLIT = {"arch": "llama", "fuse_combine": True, "qkv_parts": 2}
+
+
+@pytest.mark.parametrize("harness", [{}, {"fuse_combine": True}, SPLIT],
+                         ids=["plain", "fused", "split"], indirect=True)  # fmt: skip
 def test_harness_passes_a_correct_kernel(harness):
     d, case, _ = harness
     result = d.correctness(case)
     assert result["ok"], result
     assert len(result["steps"]) == d.STEPS
-    if d.is_variant(case):  # (fused: judged by the local checks alone)
-        assert "COMBINE" in result["steps"][0]["errors"]
+    if d.is_variant(case):  # (judged by the local checks alone)
+        assert {"QKV", "KV_APPEND", "COMBINE"} <= set(result["steps"][0]["errors"])
         return
     assert all(
         s["greedy_agree"] == f"{s['batch']}/{s['batch']}" for s in result["steps"]
@@ -143,7 +148,8 @@ def test_harness_names_the_wrong_instruction(harness, buffer, op):
         assert errors["QKV"]["max"] <= errors["QKV"]["tol"]
 
 
-@pytest.mark.parametrize("harness", [True], ids=["fused"], indirect=True)
+@pytest.mark.parametrize("harness", [{"fuse_combine": True}], ids=["fused"],
+                         indirect=True)  # fmt: skip
 def test_harness_names_a_wrong_fused_combine(harness):
     """With fused COMBINEs the merge has no instruction of its own: a wrong
     merge still fails COMBINE at its layer, and ATTN before it passes."""

@@ -14,7 +14,7 @@ from vllm_ext.megakernel.interpret import (
     ProgramInterpreter,
 )
 from vllm_ext.megakernel.isa import Op
-from vllm_ext.megakernel.planner import batch_buckets, plan
+from vllm_ext.megakernel.planner import batch_buckets, plan, qkv_parts_to_fill
 from vllm_ext.model_spec import ModelSpec
 from vllm_ext.reference import ReferenceExecutor
 from vllm_ext.testing import random_decode_inputs, random_weights
@@ -74,18 +74,29 @@ def test_interleavings_agree_bitwise_and_match_reference(arch, dtype, batch):
 
 @pytest.mark.parametrize("arch", sorted(SPECS))
 @pytest.mark.parametrize("batch", [1, 5])
-def test_fused_combine_gives_the_unfused_programs_bits(arch, batch):
-    """The last ATTN chunk of each head runs its COMBINE (a tail): under any
-    interleaving, and on the second step (where the tail fires at twice the
-    chunk count), the results are bit for bit the plain program's."""
+@pytest.mark.parametrize("fuse, split", [(True, False), (False, True), (True, True)],
+                         ids=["fused", "split", "both"])  # fmt: skip
+def test_program_variants_give_the_plain_programs_bits(arch, batch, fuse, split):
+    """Fused COMBINE (the last ATTN chunk of each head runs its COMBINE, a
+    tail) and QKV over head parts: under any interleaving, and on the second
+    step (where a tail fires at twice the chunk count), the results are bit
+    for bit the plain program's."""
     spec = make_spec(arch, torch.float32)
     weights = random_weights(spec, seed=1)
     device = dataclasses.replace(DEVICES["h200"], num_sms=16)
+    parts = qkv_parts_to_fill(spec, 64) if split else 1
+    assert (parts > 1) == (split and not spec.qk_norm)
     plain = plan(spec, batch, device, with_lm_head=True)
-    fused = plan(spec, batch, device, with_lm_head=True, fuse_combine=True)
-    ops = [i.op for q in fused.queues for i in q]
-    assert Op.COMBINE not in ops and fused.attn_chunks > 1
-    assert len(ops) == plain.num_instructions - spec.num_layers * spec.num_kv_heads
+    other = plan(spec, batch, device, with_lm_head=True, fuse_combine=fuse,
+                 qkv_parts=parts)  # fmt: skip
+    ops = [i.op for q in other.queues for i in q]
+    if fuse:
+        assert Op.COMBINE not in ops and other.attn_chunks > 1
+    heads = spec.num_q_heads + 2 * spec.num_kv_heads
+    assert ops.count(Op.QKV) == min(heads * parts, 16) * spec.num_layers
+    tails = spec.num_layers * spec.num_kv_heads if fuse else 0
+    assert len(ops) == plain.num_instructions - tails + ops.count(Op.QKV) - (
+        min(heads, 16) * spec.num_layers)  # fmt: skip
 
     def run(program, seed):
         interp = ProgramInterpreter(program, weights, seed=seed)
@@ -98,7 +109,7 @@ def test_fused_combine_gives_the_unfused_programs_bits(arch, batch):
 
     want = run(plain, 0)
     for seed in (1, 2):
-        for (o, lg, kv), (wo, wlg, wkv) in zip(run(fused, seed), want, strict=True):
+        for (o, lg, kv), (wo, wlg, wkv) in zip(run(other, seed), want, strict=True):
             assert torch.equal(o, wo) and torch.equal(lg, wlg)
             assert all(torch.equal(a, b) for a, b in zip(kv, wkv, strict=True))
 

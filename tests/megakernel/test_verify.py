@@ -190,3 +190,21 @@ def test_o_proj_not_waiting_for_the_tails_is_a_race(fused):
                         wait_count=fused.attn_chunks)  # fmt: skip
     with pytest.raises(VerificationError, match="reads attn.*before"):
         verify(bad)
+
+
+# ------------------------------------------------- QKV over head parts
+
+
+def test_head_parts_verify_and_a_part_written_twice_is_caught():
+    spec = dataclasses.replace(SPEC, architecture="LlamaForCausalLM", qk_norm=False)
+    split = plan(spec, 4, DEVICE, with_lm_head=True, qkv_parts=2)
+    verify(split)
+    where = next(
+        (sm, i)
+        for sm, q in enumerate(split.queues)
+        for i, ins in enumerate(q)
+        if ins.op == Op.QKV and ins.arg0 == 0
+    )
+    instr = split.queues[where[0]][where[1]]
+    with pytest.raises(VerificationError, match="written twice"):
+        verify(replace_instr(split, where, arg1=instr.arg1 + 1))

@@ -20,25 +20,33 @@ import pytest
 
 from vllm_ext.megakernel.build import spec_or_exit
 from vllm_ext.megakernel.cost import DEVICES
+from vllm_ext.megakernel.interpret import head_part_dims
 from vllm_ext.megakernel.isa import Op
 from vllm_ext.megakernel.kernel.ops.weight_pipe import (
     PAGE_ELEMS,
     geometry,
     head_pages,
     tile_pages,
+    unit_row,
     warps_per_row,
 )
 from vllm_ext.megakernel.kernel.persistent import SMEM_LIMIT, ring_slots, shared_bytes
 from vllm_ext.megakernel.kernel.shape import KernelShape
-from vllm_ext.megakernel.planner import plan
+from vllm_ext.megakernel.planner import plan, qkv_parts_to_fill
 
 
-def weight_rows(s: KernelShape, op: Op, lo: int, hi: int) -> range:
+def weight_rows(s: KernelShape, op: Op, lo: int, hi: int) -> list[int]:
     """The rows of its weight matrix (each of gate and up) an instruction
-    reads, from the ISA's definition of its args."""
+    reads, from the ISA's definition of its args (QKV: head parts)."""
     if op == Op.QKV:
-        return range(lo * s.head_dim, hi * s.head_dim)
-    return range(lo, hi)
+        d, parts = s.head_dim, s.qkv_parts
+        return sorted(
+            (u // parts) * d + dim
+            for u in range(lo, hi)
+            for dims in head_part_dims(d, parts, u % parts)
+            for dim in range(dims.start, dims.stop)
+        )
+    return list(range(lo, hi))
 
 
 def producer_pages(s: KernelShape, op: Op, lo: int, hi: int) -> list[tuple]:
@@ -51,7 +59,7 @@ def producer_pages(s: KernelShape, op: Op, lo: int, hi: int) -> list[tuple]:
         block, kc = divmod(kp, t.k_pages)
         first = lo * t.unit + block * t.per_page
         k0 = kc * t.k_chunk
-        out.append((first, min(t.per_page, hi * t.unit - first), k0,
+        out.append((unit_row(t, first), min(t.per_page, hi * t.unit - first), k0,
                     min(t.k_chunk, t.k - k0)))  # fmt: skip
     return out
 
@@ -62,9 +70,16 @@ def consumer_pages(s: KernelShape, op: Op, lo: int, hi: int) -> list[tuple]:
     two consumers walk their pages."""
     t = geometry(s)[op]
     calls = [(0, lo, hi)]  # (page0, row0, row_end)
-    if op == Op.QKV:
+    if op == Op.QKV and s.qkv_parts == 1:
         d = s.head_dim
         calls = [((h - lo) * head_pages(s), h * d, h * d + d) for h in range(lo, hi)]
+    elif op == Op.QKV:  # once per block of each head part
+        d, parts, hp = s.head_dim, s.qkv_parts, head_pages(s)
+        n = d // (2 * parts)
+        calls = [((u - lo) * hp + blk * (hp // 2), first, first + n)
+                 for u in range(lo, hi) for blk in (0, 1)
+                 for first in [(u // parts) * d + blk * (d // 2)
+                               + (u % parts) * n]]  # fmt: skip
     out = []
     for page0, row0, row_end in calls:
         if s.mma_gemv:  # _paged_mma: row blocks of 16, their k pages in order
@@ -82,21 +97,28 @@ def consumer_pages(s: KernelShape, op: Op, lo: int, hi: int) -> list[tuple]:
     return out
 
 
-def real_shape(config: str, batch: int, mma: bool = False) -> tuple:
+def real_shape(config: str, batch: int, mma: bool = False, split: bool = False):
     spec = spec_or_exit("test", config, "bfloat16", batch)
-    program = plan(spec, batch, DEVICES["h200"], with_lm_head=True)
+    parts = qkv_parts_to_fill(spec, DEVICES["h200"].num_sms) if split else 1
+    program = plan(spec, batch, DEVICES["h200"], with_lm_head=True, qkv_parts=parts)
     shape = KernelShape.from_program(program, 16, stage_queue=True, weight_pipe=True,
                                      mma_gemv=mma)  # fmt: skip
+    assert shape.qkv_parts == (2 if split else 1)
     return program, shape
 
 
-CASES = [(c, b, mma) for c in ("llama-3.2-1b", "llama-3.1-8b", "qwen3-8b")
-         for b in (1, 16, 64) for mma in (False, True)]  # fmt: skip
+# (QKV head parts: the Llama shapes, whose heads have no QK-norm.)
+CASES = [(c, b, mma, False) for c in ("llama-3.2-1b", "llama-3.1-8b", "qwen3-8b")
+         for b in (1, 16, 64) for mma in (False, True)] + [
+        (c, b, mma, True) for c in ("llama-3.2-1b", "llama-3.1-8b")
+         for b in (1, 16) for mma in (False, True)]  # fmt: skip
 
 
-@pytest.mark.parametrize("config, batch, mma", CASES)
-def test_pages_cover_each_instruction_once_and_fit(config, batch, mma):
-    program, s = real_shape(config, batch, mma)
+# Tiles and pages do not depend on the batch (only the ring's size does).
+@pytest.mark.parametrize("config, mma, split",
+                         sorted({(c, m, sp) for c, _, m, sp in CASES}))  # fmt: skip
+def test_pages_cover_each_instruction_once_and_fit(config, mma, split):
+    program, s = real_shape(config, 1, mma, split)
     geo = geometry(s)
     for op, t in geo.items():
         # Pages split a CTA's 8 warps evenly (whole rows) or are one MMA's
@@ -107,8 +129,8 @@ def test_pages_cover_each_instruction_once_and_fit(config, batch, mma):
         else:
             assert t.per_page * warps_per_row(t.per_page) in (t.per_page, 8)
             assert t.k_chunk == t.k
-        if op == Op.QKV:
-            assert s.head_dim % t.per_page == 0
+        if op == Op.QKV:  # pages divide a part's blocks of rows
+            assert s.head_dim // (2 * s.qkv_parts) % t.per_page == 0
         matrices = 2 if t.dual else 1
         assert matrices * t.per_page * t.k_chunk <= PAGE_ELEMS
         assert (t.per_page * t.k_chunk * 2) % 16 == 0  # the up half's offset
@@ -133,6 +155,9 @@ def test_pages_cover_each_instruction_once_and_fit(config, batch, mma):
             )
             rows = weight_rows(s, ins.op, ins.arg0, ins.arg1)
             assert cells == [(r, c) for r in rows for c in range(t.k_pages)]
+            # Each page's rows are contiguous rows of the matrix, all read.
+            wanted = set(rows)
+            assert all(f in wanted and f + n - 1 in wanted for f, n, _, _ in made)
             assert all(0 < n <= t.per_page and 0 < c <= t.k_chunk
                        for _, n, _, c in made)  # fmt: skip
             assert all(k0 + c <= t.k and (c * 2) % 16 == 0 for _, _, k0, c in made)
@@ -192,9 +217,11 @@ def replay_ring(program, s: KernelShape, slots: int, refill: bool = True) -> Non
         assert ring.issued == base, "pages issued but never read"
 
 
-@pytest.mark.parametrize("config, batch, mma", CASES)
-def test_ring_schedule_never_waits_on_an_unissued_or_reused_page(config, batch, mma):
-    program, s = real_shape(config, batch, mma)
+@pytest.mark.parametrize("config, batch, mma, split", CASES)
+def test_ring_schedule_never_waits_on_an_unissued_or_reused_page(
+    config, batch, mma, split
+):
+    program, s = real_shape(config, batch, mma, split)
     assert ring_slots(s) >= 3
     replay_ring(program, s, ring_slots(s))
 

@@ -30,7 +30,7 @@ from vllm_ext.megakernel.cost import DEFAULT_DEVICE, DEVICES
 from vllm_ext.megakernel.kernel import aot
 from vllm_ext.megakernel.kernel.shape import KernelShape
 from vllm_ext.megakernel.plan import print_summary, spec_or_exit
-from vllm_ext.megakernel.planner import plan
+from vllm_ext.megakernel.planner import plan, qkv_parts_to_fill
 from vllm_ext.megakernel.verify import verify
 
 KERNEL_DIR = Path(aot.__file__).resolve().parent
@@ -143,6 +143,12 @@ def main(argv: list[str] | None = None) -> int:
         help="experimental: no COMBINE instructions; the last ATTN chunk of each "
         "kv head merges the head's partials",
     )
+    parser.add_argument(
+        "--split-qkv",
+        action="store_true",
+        help="experimental: QKV tiles are parts of heads (RoPE pairs), as many "
+        "parts as keep one tile per SM; not with --stage-weights",
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -153,12 +159,19 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    device = DEVICES[DEFAULT_DEVICE[args.arch]]
+    parts = qkv_parts_to_fill(spec, device.num_sms) if args.split_qkv else 1
+    if args.split_qkv and parts == 1:
+        print(f"build: --split-qkv: {args.config}'s heads cannot be split "
+              "(QK-norm, or head_dim too small)", file=sys.stderr)  # fmt: skip
+        return 2
     program = plan(
         spec,
         args.batch,
-        DEVICES[DEFAULT_DEVICE[args.arch]],
+        device,
         with_lm_head=True,
         fuse_combine=args.fused_combine,
+        qkv_parts=parts,
     )
     verify(program)
     try:

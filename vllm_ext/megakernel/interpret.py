@@ -154,10 +154,18 @@ class ProgramInterpreter:
                 w.embed, self.inputs.input_ids, a, b, dtype
             )
         elif i.op == Op.QKV:
+            # Units are head parts (isa.py): compute the heads they are part
+            # of, keep the parts' dims (each output element alone, so this
+            # is bit for bit what a whole-head program computes).
+            parts = self.program.qkv_parts
+            lo, hi = a // parts, (b - 1) // parts + 1
             heads = qkv.reference(
-                buf["h"][layer], w.layers[layer], s, a, b, self.cos, self.sin
+                buf["h"][layer], w.layers[layer], s, lo, hi, self.cos, self.sin
             )
-            self._store_qkv(layer, a, b, heads)
+            for u in range(a, b):
+                head = u // parts
+                for dims in head_part_dims(s.head_dim, parts, u % parts):
+                    self._store_qkv(layer, head, dims, heads[:, head - lo, dims])
         elif i.op == Op.ATTN:
             group = s.num_q_heads // s.num_kv_heads
             o, lse = attn.reference(
@@ -200,26 +208,33 @@ class ProgramInterpreter:
         else:
             raise ValueError(f"cannot execute {i}")
 
-    def _store_qkv(self, layer: int, lo: int, hi: int, heads: torch.Tensor) -> None:
+    def _store_qkv(self, layer: int, head: int, dims: slice, y: torch.Tensor) -> None:
+        """Dims ``dims`` of fused head ``head``: to q, or appended to the
+        paged cache as the new K or V at each request's slot."""
         s = self.program.spec
         nq, nkv = s.num_q_heads, s.num_kv_heads
-        cache = self.inputs.kv_caches[layer]
-        for j, head in enumerate(range(lo, hi)):
-            y = heads[:, j]
-            if head < nq:
-                self.buf["q"][layer][:, head] = y
-                continue
-            # Append this kv head's new K or V at each request's slot.
-            is_k = head < nq + nkv
-            g = head - nq if is_k else head - nq - nkv
-            y = y[:, None]  # [B, 1 head, d]
-            write_kv(
-                cache,
-                y if is_k else None,
-                None if is_k else y,
-                self.inputs.slot_mapping,
-                heads=slice(g, g + 1),
-            )
+        if head < nq:
+            self.buf["q"][layer][:, head, dims] = y
+            return
+        is_k = head < nq + nkv
+        g = head - nq if is_k else head - nq - nkv
+        y = y[:, None]  # [B, 1 head, len(dims)]
+        write_kv(
+            self.inputs.kv_caches[layer],
+            y if is_k else None,
+            None if is_k else y,
+            self.inputs.slot_mapping,
+            heads=slice(g, g + 1),
+            dims=dims,
+        )
+
+
+def head_part_dims(head_dim: int, parts: int, part: int) -> tuple[slice, slice]:
+    """The two dim ranges of part ``part`` of a head (isa.py): a slice of
+    each RoPE half."""
+    n, half = head_dim // (2 * parts), head_dim // 2
+    lo = part * n
+    return slice(lo, lo + n), slice(half + lo, half + lo + n)
 
 
 class ProgramExecutor:

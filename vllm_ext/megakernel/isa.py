@@ -26,9 +26,9 @@ of the batch):
 opcode     computes                                 args
 ========== ======================================== ========================
 EMBED      h[0][:, lo:hi] = embed[ids, lo:hi]       hidden cols [lo, hi)
-QKV        RMSNorm(h[l]) @ Wqkv (+bias) for heads   fused heads [lo, hi):
-           [lo, hi); q/k: QK-norm, RoPE; k/v:       q heads, then k, then v
-           appended to the paged KV cache
+QKV        RMSNorm(h[l]) @ Wqkv (+bias) for heads   fused head parts
+           [lo, hi); q/k: QK-norm, RoPE; k/v:       [lo, hi): q heads, then
+           appended to the paged KV cache           k, then v (see below)
 ATTN       partial attention of kv head g's q       g, chunk c (of
            heads over chunk c of each sequence      ``attn_chunks``)
            -> (o, lse) in fp32
@@ -44,6 +44,12 @@ FINAL_NORM out = RMSNorm(h[L])                      hidden cols [lo, hi)
 LM_HEAD    logits[:, lo:hi] = out @ Wlm[lo:hi].T    vocab cols [lo, hi)
            (fp32)
 ========== ======================================== ========================
+
+QKV's units are parts of fused heads: with ``P = qkv_parts`` (planner.py;
+1 by default, so units are heads), unit ``u`` is part ``u % P`` of fused
+head ``u // P``, and part ``p`` of a head is its output dims
+``[p*d/2P, (p+1)*d/2P)`` and the same shifted by ``d/2``: the pairs NeoX
+RoPE rotates together, so a part needs no other part's output.
 
 Every activation buffer is written once per step (per-layer buffers), so
 the only hazards are read-after-write, which the counters order.

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from vllm_ext.megakernel.cost import DEFAULT_DEVICE, DEVICES, predict
-from vllm_ext.megakernel.planner import plan
+from vllm_ext.megakernel.planner import plan, qkv_parts_to_fill
 from vllm_ext.megakernel.verify import VerificationError, verify
 from vllm_ext.model_spec import ModelSpec, UnsupportedModelError
 
@@ -86,7 +86,9 @@ def check_interleavings(program, n: int, seed: int = 0) -> tuple[bool, float]:
         num_layers=min(program.spec.num_layers, INTERPRET_LAYERS),
         vocab_size=min(program.spec.vocab_size, INTERPRET_VOCAB),
     )
-    small = plan(spec, program.batch, program.device)
+    small = plan(spec, program.batch, program.device,
+                 fuse_combine=program.fuse_combine,
+                 qkv_parts=program.qkv_parts)  # fmt: skip
     verify(small)
     weights = random_weights(spec, seed=seed)
     outs = []
@@ -119,6 +121,16 @@ def main(argv: list[str] | None = None) -> int:
         action="store_false",
         help="stop at the final norm (vLLM's LM head computes the logits)",
     )
+    parser.add_argument(
+        "--fused-combine",
+        action="store_true",
+        help="the last ATTN chunk of each kv head runs its COMBINE (isa.py)",
+    )
+    parser.add_argument(
+        "--split-qkv",
+        action="store_true",
+        help="QKV tiles of head parts, as many as keep one tile per SM",
+    )
     parser.add_argument("--interleavings", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -130,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     spec = spec_or_exit("plan", args.config, args.dtype, args.batch)
 
     t0 = time.perf_counter()
-    program = plan(spec, args.batch, device, with_lm_head=args.lm_head)
+    parts = qkv_parts_to_fill(spec, device.num_sms) if args.split_qkv else 1
+    program = plan(spec, args.batch, device, with_lm_head=args.lm_head,
+                   fuse_combine=args.fused_combine, qkv_parts=parts)  # fmt: skip
     plan_s = time.perf_counter() - t0
     try:
         verify(program)
@@ -150,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         "num_instructions": program.num_instructions,
         "num_counters": program.num_counters,
         "attn_chunks": program.attn_chunks,
+        "fused_combine": program.fuse_combine,
+        "qkv_parts": program.qkv_parts,
         "instructions_per_sm": [min(counts), max(counts)],
         "plan_s": round(plan_s, 3),
     }

@@ -12,6 +12,10 @@ counter; tiles are sized from bytes so every phase spreads over all SMs.
 With ``fuse_combine`` there are no COMBINE instructions: the last ATTN chunk
 of each kv head merges the head's partials itself (``tail`` in isa.py), which
 removes one of the six phase boundaries of a layer.
+
+With ``qkv_parts`` = P > 1, QKV tiles are parts of heads (isa.py), so the
+phase spreads over P times as many SMs: whole heads give 48 tiles on the
+Llama shapes, where the other phases use all 132 SMs.
 """
 
 from __future__ import annotations
@@ -71,6 +75,8 @@ class Program:
     order: tuple[tuple[int, int], ...] = field(repr=False)
     # ATTN's last chunk per kv head runs the head's COMBINE (isa.py, tail).
     fuse_combine: bool = False
+    # QKV's units: heads split into this many RoPE-pair parts (isa.py).
+    qkv_parts: int = 1
 
     @property
     def num_instructions(self) -> int:
@@ -99,7 +105,7 @@ class Program:
         if instr.op == Op.EMBED:
             return Cost(0, 2 * b * (hi - lo) * e)
         if instr.op == Op.QKV:
-            cols = (hi - lo) * d
+            cols = (hi - lo) * d // self.qkv_parts
             w = cols * h * e + h * e + (cols * e if s.qkv_bias else 0)
             return Cost(w, b * h * e + 2 * b * cols * e)
         if instr.op == Op.ATTN:
@@ -129,6 +135,29 @@ class Program:
         raise ValueError(f"no cost for {instr}")
 
 
+def qkv_parts_to_fill(spec: ModelSpec, num_sms: int) -> int:
+    """The most parts per head that still leave QKV at most one tile per SM
+    (1 where heads cannot be split: see ``check_qkv_parts``)."""
+    heads, parts = spec.num_q_heads + 2 * spec.num_kv_heads, 1
+    while heads * parts * 2 <= num_sms and _qkv_parts_error(spec, parts * 2) is None:
+        parts *= 2
+    return parts
+
+
+def _qkv_parts_error(spec: ModelSpec, parts: int) -> str | None:
+    d = spec.head_dim
+    if parts < 1 or parts & (parts - 1):
+        return f"qkv_parts must be a power of two, got {parts}"
+    if parts > 1 and spec.qk_norm:
+        return "QK-norm needs a head's whole output: qkv_parts must be 1"
+    if d % (2 * parts * COL_MULTIPLE):
+        return (
+            f"head_dim {d} in {parts} parts: each part's two RoPE halves must "
+            f"be multiples of {COL_MULTIPLE} rows"
+        )
+    return None
+
+
 def plan(
     spec: ModelSpec,
     batch: int,
@@ -137,10 +166,13 @@ def plan(
     with_lm_head: bool = False,
     max_attn_chunks: int = MAX_ATTN_CHUNKS,
     fuse_combine: bool = False,
+    qkv_parts: int = 1,
 ) -> Program:
     """The program of one decode step of ``batch`` requests on ``device``."""
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
+    if (error := _qkv_parts_error(spec, qkv_parts)) is not None:
+        raise ValueError(error)
     n_sm = device.num_sms
     counters: list[str] = []
 
@@ -168,7 +200,7 @@ def plan(
     chunks = max(1, min(max_attn_chunks, n_sm // spec.num_kv_heads))
     prev = phase(Op.EMBED, 0, small, none, "embed")
     for layer in range(spec.num_layers):
-        qkv_tiles = split(heads, n_sm, 1)
+        qkv_tiles = split(heads * qkv_parts, n_sm, 1)
         qkv = phase(Op.QKV, layer, qkv_tiles, prev, f"L{layer}.qkv")
         combine_c = counter(f"L{layer}.combine")
         for g in range(spec.num_kv_heads):
@@ -192,8 +224,9 @@ def plan(
         phase(Op.LM_HEAD, spec.num_layers, gemv_tiles(spec.vocab_size), prev, "lm_head")
 
     program = Program(
-        spec, batch, device, chunks, with_lm_head, (), tuple(counters), ()
-    )
+        spec, batch, device, chunks, with_lm_head, (), tuple(counters), (),
+        fuse_combine, qkv_parts,
+    )  # fmt: skip
     queues: list[list[Instruction]] = [[] for _ in range(n_sm)]
     load = [0] * n_sm
     order = []
@@ -215,4 +248,5 @@ def plan(
         tuple(counters),
         tuple(order),
         fuse_combine,
+        qkv_parts,
     )

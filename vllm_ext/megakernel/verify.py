@@ -59,18 +59,20 @@ def accesses(program, instr: Instruction) -> tuple[list[Region], list[Region]]:
     op = instr.op
     if op == Op.EMBED:
         return [], [Region("h", 0, a, b)]
+    parts = program.qkv_parts  # q, k and v units: parts of heads (isa.py)
     if op == Op.QKV:
         writes = []
         for name, base, n in (("q", 0, nq), ("k", nq, nkv), ("v", nq + nkv, nkv)):
+            base, n = base * parts, n * parts
             lo, hi = max(a, base) - base, min(b, base + n) - base
             if lo < hi:
                 writes.append(Region(name, ly, lo, hi))
         return [Region("h", ly, 0, h)], writes
     if op == Op.ATTN:
         reads = [
-            Region("q", ly, a * group, (a + 1) * group),
-            Region("k", ly, a, a + 1),
-            Region("v", ly, a, a + 1),
+            Region("q", ly, a * group * parts, (a + 1) * group * parts),
+            Region("k", ly, a * parts, (a + 1) * parts),
+            Region("v", ly, a * parts, (a + 1) * parts),
         ]
         return reads, [Region("part", ly, a * chunks + b, a * chunks + b + 1)]
     if op == Op.COMBINE:

@@ -121,6 +121,10 @@ class KernelShape:
     # instructions; the last ATTN chunk of each kv head merges the head's
     # partials (isa.py, tail). Set from the program, which it must match.
     fused_combine: bool = False
+    # Experimental (not yet measured): QKV's units are heads split into this
+    # many RoPE-pair parts (isa.py), so the phase spreads over more SMs. Set
+    # from the program, which it must match.
+    qkv_parts: int = 1
 
     def __post_init__(self) -> None:
         for name in ("hidden", "intermediate", "head_dim"):
@@ -144,6 +148,11 @@ class KernelShape:
             page_rows(self.hidden, dual=True)  # GATE_UP (QKV, LM_HEAD: narrower)
             page_rows(self.q_heads * self.head_dim)  # O_PROJ
             page_rows(self.intermediate)  # DOWN
+        if self.qkv_parts > 1 and self.stage_weights:
+            raise ValueError(
+                "qkv_parts > 1 is not read by the weight stage (it stages whole "
+                "heads): use the weight pipeline"
+            )
         if self.mma_gemv:
             if self.stage_weights:
                 raise ValueError("mma_gemv and stage_weights share a buffer: pick one")
@@ -190,6 +199,7 @@ class KernelShape:
             weight_pipe=weight_pipe,
             wide_attn=wide_attn,
             fused_combine=program.fuse_combine,
+            qkv_parts=program.qkv_parts,
         )
 
     def as_dict(self) -> dict:

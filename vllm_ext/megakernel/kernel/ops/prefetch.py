@@ -35,7 +35,14 @@ def prefetch_weights(s: cutlass.Constexpr, ptrs: cute.Tensor, glob, op, layer, l
     shape: KernelShape = s
     h, d, inter = shape.hidden, shape.head_dim, shape.intermediate
     if op == Op.QKV:
-        _rows(ptrs[layer, LayerSlot.QKV], d * h * 2, lo, hi)
+        if cutlass.const_expr(shape.qkv_parts > 1):
+            # The first unit's two blocks of rows (a unit per SM, as planned).
+            n, half = d // (2 * shape.qkv_parts), d // 2
+            first = (lo // shape.qkv_parts) * d + (lo % shape.qkv_parts) * n
+            _rows(ptrs[layer, LayerSlot.QKV], h * 2, first, first + n)
+            _rows(ptrs[layer, LayerSlot.QKV], h * 2, first + half, first + half + n)
+        else:
+            _rows(ptrs[layer, LayerSlot.QKV], d * h * 2, lo, hi)
     elif op == Op.O_PROJ:
         _rows(ptrs[layer, LayerSlot.O_PROJ], shape.q_size * 2, lo, hi)
     elif op == Op.GATE_UP:

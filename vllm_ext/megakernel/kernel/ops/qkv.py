@@ -51,6 +51,43 @@ def _store_head(head_buf: cute.Tensor, first_row, bias):
 
 
 @cute.jit
+def _rope_store(
+    s: cutlass.Constexpr, i, head, j, x1, x2, q, positions, cos_sin, slots, cache,
+    kv_block_stride,
+):  # fmt: skip
+    """Request i's dims j and j + d/2 of q or k head ``head`` (fused index):
+    NeoX RoPE of (x1, x2), then to q or to the paged cache at the request's
+    slot (none for a padded row)."""
+    shape: KernelShape = s
+    nq, half = shape.q_heads, shape.head_dim // 2
+    p = positions[i]
+    c, sn = cos_sin[p, j], cos_sin[p, j + half]
+    y1 = (x1 * c - x2 * sn).to(BFloat16)
+    y2 = (x2 * c + x1 * sn).to(BFloat16)
+    if head < nq:
+        q[i, head, j] = y1
+        q[i, head, j + half] = y2
+    else:
+        slot = slots[i]
+        if slot >= 0:
+            entry = kv_slot_entry(shape, cache, slot, head - nq, kv_block_stride)
+            entry[j] = y1
+            entry[j + half] = y2
+
+
+@cute.jit
+def _store_v(s: cutlass.Constexpr, i, g, j, head_buf, col, slots, cache,
+             kv_block_stride):  # fmt: skip
+    """Request i's dim j of kv head g's new V (head_buf column ``col``), to
+    the paged cache at the request's slot (none for a padded row)."""
+    shape: KernelShape = s
+    slot = slots[i]
+    if slot >= 0:
+        entry = kv_slot_entry(shape, cache, slot, g, kv_block_stride)
+        entry[shape.head_dim + j] = head_buf[i, col].to(BFloat16)
+
+
+@cute.jit
 def qkv(
     s: cutlass.Constexpr,
     ptrs: cute.Tensor,
@@ -67,7 +104,7 @@ def qkv(
 ):
     shape: KernelShape = s
     b, h, d = shape.batch, shape.hidden, shape.head_dim
-    nq, nkv, half = shape.q_heads, shape.kv_heads, shape.head_dim // 2
+    nq, nkv = shape.q_heads, shape.kv_heads
     rows = (nq + 2 * nkv) * d
     x = gmem(BFloat16, ptrs[layer, LayerSlot.H_IN], (b, h))
     w = gmem(BFloat16, ptrs[layer, LayerSlot.QKV], (rows, h))
@@ -80,11 +117,31 @@ def qkv(
     bias = None
     if cutlass.const_expr(shape.qkv_bias):
         bias = gmem(BFloat16, ptrs[layer, LayerSlot.QKV_BIAS], (rows,))
-    tidx, warp, lane = thread_ids()
 
     row_rstd(x, rstd, shape.rms_norm_eps)
     if cutlass.const_expr(stages_input(shape)):
         stage_normed(x, norm, rstd, x_stage)
+    if cutlass.const_expr(shape.qkv_parts > 1):
+        _head_parts(shape, w, x, x_stage, norm, rstd, bias, q, positions, slots,
+                    cos_sin, cache, kv_block_stride, head_buf, w_stage, lo,
+                    hi)  # fmt: skip
+    else:
+        _whole_heads(shape, ptrs, layer, lo, hi, kv_block_stride, rstd, head_buf,
+                     head_rstd, x_stage, w_stage, w, x, norm, bias, q, positions,
+                     slots, cos_sin, cache)  # fmt: skip
+
+
+@cute.jit
+def _whole_heads(
+    s: cutlass.Constexpr, ptrs, layer, lo, hi, kv_block_stride, rstd, head_buf,
+    head_rstd, x_stage, w_stage, w, x, norm, bias, q, positions, slots, cos_sin,
+    cache,
+):  # fmt: skip
+    """Units [lo, hi) that are whole fused heads (the default)."""
+    shape: KernelShape = s
+    b, h, d = shape.batch, shape.hidden, shape.head_dim
+    nq, nkv, half = shape.q_heads, shape.kv_heads, shape.head_dim // 2
+    tidx, warp, lane = thread_ids()
     staged = shape.stage_weights
     ws, end = w, lo * d
     if cutlass.const_expr(staged):
@@ -132,26 +189,64 @@ def qkv(
                     r = head_rstd[i]
                     x1 = round_bf16(x1 * r * head_norm[j].to(Float32))
                     x2 = round_bf16(x2 * r * head_norm[j + half].to(Float32))
-                p = positions[i]
-                c, sn = cos_sin[p, j], cos_sin[p, j + half]
-                y1 = (x1 * c - x2 * sn).to(BFloat16)
-                y2 = (x2 * c + x1 * sn).to(BFloat16)
-                if head < nq:
-                    q[i, head, j] = y1
-                    q[i, head, j + half] = y2
-                else:
-                    slot = slots[i]
-                    if slot >= 0:
-                        entry = kv_slot_entry(shape, cache, slot, head - nq,
-                                              kv_block_stride)  # fmt: skip
-                        entry[j] = y1
-                        entry[j + half] = y2
+                _rope_store(shape, i, head, j, x1, x2, q, positions, cos_sin, slots,
+                            cache, kv_block_stride)  # fmt: skip
         else:
             for idx in cutlass.range(tidx, b * d, NUM_THREADS):
                 i, j = idx // d, idx % d
-                slot = slots[i]
-                if slot >= 0:
-                    entry = kv_slot_entry(shape, cache, slot, head - nq - nkv,
-                                          kv_block_stride)  # fmt: skip
-                    entry[d + j] = head_buf[i, j].to(BFloat16)
+                _store_v(shape, i, head - nq - nkv, j, head_buf, j, slots, cache,
+                         kv_block_stride)  # fmt: skip
         cute.arch.sync_threads()  # head_buf is reused by the next head
+
+
+@cute.jit
+def _head_parts(
+    s: cutlass.Constexpr, w, x, x_stage, norm, rstd, bias, q, positions, slots,
+    cos_sin, cache, kv_block_stride, head_buf, w_stage, lo, hi,
+):  # fmt: skip
+    """Units [lo, hi) that are parts of heads (isa.py; shape.qkv_parts > 1,
+    not with QK-norm): part p of a head is rows ``[p*n, (p+1)*n)`` of each
+    RoPE half (n = d / 2P), gathered in head_buf as ``[first half's n |
+    second half's n]``, so each column pair RoPE rotates is in one part."""
+    shape: KernelShape = s
+    b, d, parts = shape.batch, shape.head_dim, shape.qkv_parts
+    nq, nkv, half = shape.q_heads, shape.kv_heads, shape.head_dim // 2
+    n = d // (2 * parts)
+    tidx, _, _ = thread_ids()
+    for unit in cutlass.range(lo, hi):
+        head, part = unit // parts, unit % parts
+        for blk in cutlass.range_constexpr(2):
+            first = head * d + blk * half + part * n
+            # Row r of this block lands in head_buf column blk * n + r - first.
+            epilogue = _store_head(head_buf, first - blk * n, bias)
+            if cutlass.const_expr(shape.weight_pipe):
+                # The block's first page within the instruction's (a unit's
+                # pages: its first block's, then its second's).
+                page0 = (unit - lo) * head_pages(shape) + blk * (head_pages(shape) // 2)
+                if cutlass.const_expr(stages_input(shape)):
+                    paged_gemv(w_stage, Op.QKV, page0, first, first + n, x_stage,
+                               norm, rstd, epilogue, False)  # fmt: skip
+                else:
+                    paged_gemv(w_stage, Op.QKV, page0, first, first + n, x, norm,
+                               rstd, epilogue, True)  # fmt: skip
+            elif cutlass.const_expr(stages_input(shape)):
+                gemv(w, w, x_stage, norm, rstd, first, first + n, epilogue, False,
+                     False, mma=shape.mma_gemv, red=w_stage)  # fmt: skip
+            else:
+                gemv(w, w, x, norm, rstd, first, first + n, epilogue, True, False,
+                     mma=shape.mma_gemv, red=w_stage)  # fmt: skip
+        cute.arch.sync_threads()
+        if head < nq + nkv:
+            for idx in cutlass.range(tidx, b * n, NUM_THREADS):
+                i, j = idx // n, idx % n
+                dim = part * n + j  # in the first RoPE half
+                _rope_store(shape, i, head, dim, head_buf[i, j], head_buf[i, n + j],
+                            q, positions, cos_sin, slots, cache,
+                            kv_block_stride)  # fmt: skip
+        else:
+            for idx in cutlass.range(tidx, b * 2 * n, NUM_THREADS):
+                i, col = idx // (2 * n), idx % (2 * n)
+                dim = (col // n) * half + part * n + col % n
+                _store_v(shape, i, head - nq - nkv, dim, head_buf, col, slots,
+                         cache, kv_block_stride)  # fmt: skip
+        cute.arch.sync_threads()  # head_buf is reused by the next unit

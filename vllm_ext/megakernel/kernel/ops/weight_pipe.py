@@ -71,38 +71,58 @@ class Tile:
     dual: bool  # gate and up: the same rows of two matrices per page
     unit: int  # matrix rows per unit of the instruction's [lo, hi)
     k_chunk: int  # columns per page: k (whole rows: one copy) or less
+    # Units made of two equal blocks of rows (QKV head parts, isa.py) when
+    # above 1: how many units a head has. Pages never straddle a block.
+    parts: int = 1
 
     @property
     def k_pages(self) -> int:
         return (self.k + self.k_chunk - 1) // self.k_chunk
 
 
-def _row_tile(k: int, dual: bool, unit: int, cap: int | None = None) -> Tile:
+def unit_row(t: Tile, idx):
+    """The matrix row that row ``idx`` of the instruction's units is (its
+    units' rows laid end to end): itself, or for QKV head parts the row of
+    the part's block (isa.py)."""
+    if t.parts == 1:
+        return idx
+    n, head_rows = t.unit // 2, t.unit * t.parts
+    u, r = idx // t.unit, idx % t.unit
+    return (u // t.parts) * head_rows + (r // n) * (head_rows // 2) + (
+        u % t.parts) * n + r % n  # fmt: skip
+
+
+def _row_tile(k: int, dual: bool, unit: int, cap: int | None = None,
+              parts: int = 1) -> Tile:  # fmt: skip
     rows = page_rows(k, dual)
-    return Tile(k, rows if cap is None else min(rows, cap), dual, unit, k)
+    return Tile(k, rows if cap is None else min(rows, cap), dual, unit, k, parts)
 
 
-def _mma_tile(k: int, dual: bool, unit: int) -> Tile:
+def _mma_tile(k: int, dual: bool, unit: int, parts: int = 1) -> Tile:
     """The tensor-core GEMV's pages: an MMA's 16 rows by as many columns as
     fit (1024, or 512 each of gate and up), one bulk copy per row."""
     k_chunk = PAGE_ELEMS // (MMA_ROWS * (2 if dual else 1))
-    return Tile(k, MMA_ROWS, dual, unit, min(k_chunk, k))
+    return Tile(k, MMA_ROWS, dual, unit, min(k_chunk, k), parts)
 
 
 def geometry(s: KernelShape) -> dict[Op, Tile]:
     """The pages of every opcode that reads weights. QKV's args count heads
-    and its consumer reads a head at a time, so its pages divide a head."""
-    d = s.head_dim
+    (or head parts) and its consumer reads a head (or a part's block) at a
+    time, so its pages divide a head (or a block)."""
+    d, parts = s.head_dim, s.qkv_parts
+    unit = d // parts
     if s.mma_gemv:
         return {
-            Op.QKV: _mma_tile(s.hidden, False, d),
+            Op.QKV: _mma_tile(s.hidden, False, unit, parts),
             Op.O_PROJ: _mma_tile(s.q_size, False, 1),
             Op.GATE_UP: _mma_tile(s.hidden, True, 1),
             Op.DOWN: _mma_tile(s.intermediate, False, 1),
             Op.LM_HEAD: _mma_tile(s.hidden, False, 1),
         }
     return {
-        Op.QKV: _row_tile(s.hidden, False, d, cap=d),
+        Op.QKV: _row_tile(
+            s.hidden, False, unit, cap=unit // 2 if parts > 1 else d, parts=parts
+        ),  # fmt: skip
         Op.O_PROJ: _row_tile(s.q_size, False, 1),
         Op.GATE_UP: _row_tile(s.hidden, True, 1),
         Op.DOWN: _row_tile(s.intermediate, False, 1),
@@ -111,9 +131,10 @@ def geometry(s: KernelShape) -> dict[Op, Tile]:
 
 
 def head_pages(s: KernelShape) -> int:
-    """Pages of one QKV head (its pages never straddle two heads)."""
+    """Pages of one QKV unit, a head or a head part (its pages never
+    straddle two units, nor a part's two blocks)."""
     t = geometry(s)[Op.QKV]
-    return tile_pages(s.head_dim, t.per_page) * t.k_pages
+    return tile_pages(t.unit, t.per_page) * t.k_pages
 
 
 def warps_per_row(rows: int) -> int:
@@ -248,9 +269,10 @@ def _issue_rows(p: cutlass.Constexpr, slot, t: cutlass.Constexpr, base: Int64, l
         nbytes = rows * row_bytes
         total = nbytes * 2 if tile.dual else nbytes
         cute.arch.mbarrier_arrive_and_expect_tx(p.mbar.iterator + slot, total)
-        _copy(p, slot, 0, base + Int64(first) * row_bytes, nbytes)
+        row = unit_row(tile, first)
+        _copy(p, slot, 0, base + Int64(row) * row_bytes, nbytes)
         if cutlass.const_expr(tile.dual):
-            _copy(p, slot, tile.per_page * tile.k, second + Int64(first) * row_bytes,
+            _copy(p, slot, tile.per_page * tile.k, second + Int64(row) * row_bytes,
                   nbytes)  # fmt: skip
     else:
         block, kc = kp // tile.k_pages, kp % tile.k_pages
@@ -260,8 +282,9 @@ def _issue_rows(p: cutlass.Constexpr, slot, t: cutlass.Constexpr, base: Int64, l
         nbytes = cutlass.min(Int32(tile.k_chunk), tile.k - k0) * 2
         total = rows * nbytes * (2 if tile.dual else 1)
         cute.arch.mbarrier_arrive_and_expect_tx(p.mbar.iterator + slot, total)
+        row = unit_row(tile, first)
         for r in cutlass.range(rows):
-            src = Int64(first + r) * row_bytes + Int64(k0) * 2
+            src = Int64(row + r) * row_bytes + Int64(k0) * 2
             _copy(p, slot, r * tile.k_chunk, base + src, nbytes)
             if cutlass.const_expr(tile.dual):
                 _copy(p, slot, (tile.per_page + r) * tile.k_chunk, second + src,
