@@ -54,7 +54,12 @@ def _generate(model: str, dtype: str, **engine_kwargs):
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
         backend = runner.decode_backend
-        stats = None if backend is None else (backend.stats.steps, backend.stats.tokens)
+        stats = None
+        if backend is not None:
+            # Which programs reference mode ran: (fused COMBINE, QKV parts).
+            interps = getattr(backend.executor, "interpreters", {}).values()
+            kinds = {(i.program.fuse_combine, i.program.qkv_parts) for i in interps}
+            stats = (backend.stats.steps, backend.stats.tokens, kinds)
         results = [
             (
                 list(o.outputs[0].token_ids),
@@ -72,10 +77,17 @@ def _generate(model: str, dtype: str, **engine_kwargs):
         cleanup_dist_env_and_memory()
 
 
+# The program variants (fused COMBINE, QKV head parts: 2 parts at head dim
+# 64, 4 at 128) through vLLM on two of the fp32 runs.
+VARIANTS = {("llama", "float32"): "fused_combine,split_qkv",
+            ("mistral", "float32"): "fused_combine,split_qkv"}  # fmt: skip
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_megakernel_matches_default(demo_model, monkeypatch, arch, dtype):
     monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
+    monkeypatch.setenv("VLLM_MEGAKERNEL_VARIANTS", VARIANTS.get((arch, dtype), ""))
     model = demo_model(arch)
     default, no_stats = _generate(model, dtype)
     mega, stats = _generate(model, dtype, decode_backend="megakernel")
@@ -84,9 +96,11 @@ def test_megakernel_matches_default(demo_model, monkeypatch, arch, dtype):
     assert [len(ids) for ids, _ in mega] == MAX_TOKENS
     # All prompts are scheduled in the first step, so every later token is
     # produced by a decode-only step, each through the megakernel runner.
-    steps, tokens = stats
+    steps, tokens, kinds = stats
     assert tokens == sum(n - 1 for n in MAX_TOKENS)
     assert steps == max(MAX_TOKENS) - 1
+    parts = {"llama": 2, "mistral": 4}.get(arch) if (arch, dtype) in VARIANTS else 1
+    assert kinds == {((arch, dtype) in VARIANTS, parts)}
 
     if dtype == "float32":
         assert [ids for ids, _ in mega] == [ids for ids, _ in default]
@@ -128,6 +142,11 @@ def test_default_is_auto_and_hashed():
             "drop --attention-backend",
         ),
         ({"VLLM_MEGAKERNEL_INTERPRET": "yes please"}, {}, "is not a boolean"),
+        (
+            {"VLLM_MEGAKERNEL_INTERPRET": "1", "VLLM_MEGAKERNEL_VARIANTS": "fast"},
+            {},
+            "unknown variant 'fast'",
+        ),
     ],
 )
 def test_startup_errors_are_clear(demo_model, monkeypatch, env, kwargs, message):

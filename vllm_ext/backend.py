@@ -86,6 +86,14 @@ class MegakernelDecodeBackend(DecodeBackend):
                 "VLLM_MEGAKERNEL_INTERPRET=1: decode steps run through the "
                 "megakernel's PyTorch reference executor (slow; for testing)."
             )
+        variants = envs.VLLM_MEGAKERNEL_VARIANTS  # raises on an unknown name
+        if variants.names:
+            logger.warning(
+                "VLLM_MEGAKERNEL_VARIANTS=%s: experimental variants, not yet "
+                "measured on a GPU%s.",
+                variants,
+                " (reference mode runs the program variants only)" if interpret else "",
+            )
 
     def __init__(
         self, vllm_config: VllmConfig, model: torch.nn.Module, device: torch.device
@@ -112,6 +120,7 @@ class MegakernelDecodeBackend(DecodeBackend):
                 DEVICES[envs.VLLM_MEGAKERNEL_INTERPRET_DEVICE],
                 self.buckets,
                 seed=envs.VLLM_MEGAKERNEL_INTERPRET_SEED,
+                variants=envs.VLLM_MEGAKERNEL_VARIANTS,
             )
         # verify_and_update_config refused every other case at start-up.
         from vllm_ext.megakernel.kernel.executor import GpuExecutor
@@ -128,6 +137,7 @@ class MegakernelDecodeBackend(DecodeBackend):
             max_blocks=-(-max_len // block_size),
             cache_dir=envs.VLLM_MEGAKERNEL_CACHE_DIR,
             logger=logger,
+            variants=envs.VLLM_MEGAKERNEL_VARIANTS,
         )
 
     def accepts(self, num_reqs: int, num_tokens: int, max_query_len: int) -> bool:

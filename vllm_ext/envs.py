@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     VLLM_MEGAKERNEL_INTERPRET_DEVICE: str = "h200"
     VLLM_MEGAKERNEL_INTERPRET_SEED: int = 0
     VLLM_MEGAKERNEL_CACHE_DIR: str | None = None
+    from vllm_ext.megakernel.variants import Variants
+
+    VLLM_MEGAKERNEL_VARIANTS: Variants = Variants()
 
 
 def _bool(name: str) -> bool:
@@ -74,7 +77,17 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_MEGAKERNEL_CACHE_DIR": lambda: (
         os.environ.get("VLLM_MEGAKERNEL_CACHE_DIR") or None
     ),
+    # Experimental kernel and program variants, comma-separated (names in
+    # megakernel/variants.py; e.g. "weight_pipe,stage_queue,fused_combine").
+    # Off by default: the default kernel is the one validated on a GPU.
+    "VLLM_MEGAKERNEL_VARIANTS": lambda: _variants("VLLM_MEGAKERNEL_VARIANTS"),
 }
+
+
+def _variants(name: str):
+    from vllm_ext.megakernel.variants import Variants
+
+    return Variants.parse(os.environ.get(name, ""), name)
 
 
 def __getattr__(name: str) -> Any:

@@ -95,12 +95,17 @@ def test_refusals():
         KernelExecutor(program, fp32, None, block_size=BLOCK_SIZE, max_blocks=4)
 
 
-def test_gpu_executor_builds_every_bucket_and_picks_one(tmp_path, monkeypatch):
+@pytest.mark.parametrize("variants", ["", "fused_combine,split_qkv"],
+                         ids=["default", "program_variants"])  # fmt: skip
+def test_gpu_executor_builds_every_bucket_and_picks_one(tmp_path, monkeypatch,
+                                                        variants):  # fmt: skip
     """GpuExecutor on CPU with only the GPU queries and the library load
     replaced: it plans, builds (really, into a fresh cache) and prepares
     every bucket at construction, and routes each step to the smallest
-    bucket that fits."""
+    bucket that fits; with VLLM_MEGAKERNEL_VARIANTS' program variants, their
+    programs and kernels."""
     from vllm_ext.megakernel.kernel import executor as gpu
+    from vllm_ext.megakernel.variants import Variants
 
     spec = make_spec("mistral", torch.bfloat16)
     weights = random_weights(spec, seed=1)
@@ -120,8 +125,12 @@ def test_gpu_executor_builds_every_bucket_and_picks_one(tmp_path, monkeypatch):
     standins = {}
     ex = gpu.GpuExecutor(spec, weights, torch.device("cpu"), (1, 2),
                          block_size=BLOCK_SIZE, max_blocks=4,
-                         cache_dir=tmp_path)  # fmt: skip
+                         cache_dir=tmp_path,
+                         variants=Variants.parse(variants))  # fmt: skip
     assert sorted(ex.executors) == [1, 2] and len(set(loaded)) == 2
+    for kex in ex.executors.values():
+        assert kex.shape.fused_combine == kex.program.fuse_combine == bool(variants)
+        assert kex.shape.qkv_parts == kex.program.qkv_parts == (4 if variants else 1)
     assert all(p.exists() and p.parent.parent == tmp_path for p in loaded)
     for kex in ex.executors.values():
         standins[kex.queue.data_ptr()] = KernelStandIn(kex.program, weights)
@@ -163,6 +172,20 @@ def test_workspace_is_the_interpreters_buffers(arch):
             per_layer = interp.buf[name]
             assert len(per_layer) == dims[0]
             assert all(tuple(t.shape) == dims[1:] for t in per_layer), name
+
+
+def test_gpu_executor_refuses_variants_that_do_not_combine(monkeypatch):
+    from vllm_ext.megakernel.kernel import executor as gpu
+    from vllm_ext.megakernel.variants import Variants
+
+    monkeypatch.setattr(gpu, "arch_for_device", lambda device: "sm_90a")
+    monkeypatch.setattr(gpu, "device_for", lambda device, arch: DEVICE)
+    spec = make_spec("llama", torch.bfloat16)
+    with pytest.raises(MegakernelError, match="VARIANTS=mma_gemv,stage_weights: "
+                       "mma_gemv and stage_weights"):  # fmt: skip
+        gpu.GpuExecutor(spec, random_weights(spec, seed=1), torch.device("cpu"),
+                        (1,), block_size=BLOCK_SIZE, max_blocks=4,
+                        variants=Variants.parse("mma_gemv,stage_weights"))  # fmt: skip
 
 
 def test_gpu_executor_names_what_a_failed_build_needs(tmp_path, monkeypatch):

@@ -30,6 +30,7 @@ from vllm_ext.megakernel.ops import (
     qkv,
 )
 from vllm_ext.megakernel.planner import Program
+from vllm_ext.megakernel.variants import Variants
 from vllm_ext.paged_kv import write_kv
 from vllm_ext.runner import DecodeInputs
 from vllm_ext.weights import DecodeWeights
@@ -249,9 +250,11 @@ class ProgramExecutor:
         device,
         buckets: tuple[int, ...],
         seed: int = 0,
+        variants: Variants | None = None,
     ) -> None:
         self.spec, self.weights, self.device = spec, weights, device
         self.buckets, self.seed = buckets, seed
+        self.variants = variants or Variants()
         self.interpreters: dict[int, ProgramInterpreter] = {}
 
     def interpreter(self, batch: int) -> ProgramInterpreter:
@@ -262,7 +265,8 @@ class ProgramExecutor:
             from vllm_ext.megakernel.planner import plan
             from vllm_ext.megakernel.verify import verify
 
-            program = plan(self.spec, bucket, self.device)
+            options = self.variants.plan_options(self.spec, self.device.num_sms)
+            program = plan(self.spec, bucket, self.device, **options)
             verify(program)
             self.interpreters[bucket] = ProgramInterpreter(
                 program, self.weights, seed=self.seed + bucket

@@ -28,6 +28,7 @@ from vllm_ext.megakernel.kernel.launcher import (
 )
 from vllm_ext.megakernel.kernel.shape import KernelShape
 from vllm_ext.megakernel.planner import plan
+from vllm_ext.megakernel.variants import Variants
 from vllm_ext.megakernel.verify import verify
 from vllm_ext.model_spec import ModelSpec
 from vllm_ext.runner import DecodeInputs
@@ -54,6 +55,7 @@ class GpuExecutor:
         max_blocks: int,
         cache_dir: str | Path | None = None,
         logger: logging.Logger | None = None,
+        variants: Variants | None = None,
     ) -> None:
         from vllm_ext.megakernel.build import library_for
 
@@ -65,14 +67,20 @@ class GpuExecutor:
         arch = arch_for_device(device)
         target = device_for(device, arch)
         log = logger.info if logger else None
+        variants = variants or Variants()
+        options = variants.plan_options(spec, target.num_sms)
         programs = {}
         for bucket in buckets:
-            program = plan(spec, bucket, target)
+            program = plan(spec, bucket, target, **options)
             verify(program)
             programs[bucket] = program
-        shapes = {
-            b: KernelShape.from_program(p, block_size) for b, p in programs.items()
-        }
+        try:
+            shapes = {
+                b: KernelShape.from_program(p, block_size, **variants.kernel_flags())
+                for b, p in programs.items()
+            }
+        except ValueError as e:
+            raise MegakernelError(f"VLLM_MEGAKERNEL_VARIANTS={variants}: {e}") from e
         cache_dir = Path(cache_dir) if cache_dir else None
 
         def build(shape: KernelShape) -> Path:

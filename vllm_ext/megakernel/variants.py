@@ -1,0 +1,54 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The experimental kernel and program variants, by name: what
+``VLLM_MEGAKERNEL_VARIANTS`` selects for a served model (the build CLI has a
+flag for each). Off by default; one becomes the default once the GPU check
+has shown it correct and faster (docs/perf.md).
+
+Kernel variants are ``KernelShape`` flags: they change how instructions
+run, not the program. Program variants are planner options: the program
+changes, so the interpreter (reference mode) runs them too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm_ext.model_spec import ModelSpec
+
+# KernelShape flags, as the build CLI names them with dashes.
+KERNEL = ("stage_queue", "weight_pipe", "wide_attn", "mma_gemv", "stage_weights")
+# Planner options: the fused COMBINE (isa.py, tail) and QKV head parts.
+PROGRAM = ("fused_combine", "split_qkv")
+
+
+@dataclass(frozen=True)
+class Variants:
+    names: frozenset[str] = frozenset()
+
+    @classmethod
+    def parse(cls, text: str, source: str = "VLLM_MEGAKERNEL_VARIANTS") -> Variants:
+        """Comma-separated names; an unknown name is an error naming the
+        known ones."""
+        names = {n.strip() for n in text.split(",") if n.strip()}
+        unknown = sorted(names - set(KERNEL) - set(PROGRAM))
+        if unknown:
+            raise ValueError(
+                f"{source}: unknown variant {', '.join(map(repr, unknown))}; "
+                f"choose from {', '.join(KERNEL + PROGRAM)}"
+            )
+        return cls(frozenset(names))
+
+    def plan_options(self, spec: ModelSpec, num_sms: int) -> dict:
+        """Keyword arguments of ``planner.plan``. Heads that cannot be split
+        (QK-norm, narrow heads) keep whole heads."""
+        from vllm_ext.megakernel.planner import qkv_parts_to_fill
+
+        parts = qkv_parts_to_fill(spec, num_sms) if "split_qkv" in self.names else 1
+        return {"fuse_combine": "fused_combine" in self.names, "qkv_parts": parts}
+
+    def kernel_flags(self) -> dict:
+        """Keyword arguments of ``KernelShape.from_program``."""
+        return {name: name in self.names for name in KERNEL}
+
+    def __str__(self) -> str:
+        return ",".join(n for n in KERNEL + PROGRAM if n in self.names) or "none"
