@@ -882,7 +882,7 @@ def main() -> int:
             trap = run("trap", case, 90)
             trap["ok"] = "wait timeout" in trap.get("tail", "")
             report["trap"] = trap
-            sanitize(case, 120)
+            sanitize(case, 90)
     for case in cases:
         if is_variant(case) and report["cases"][case.name]["correctness"].get("ok"):
             sanitize(case, 90)

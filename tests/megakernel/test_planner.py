@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The planner on real model shapes: fast, verified, balanced, costed."""
 
+import dataclasses
 import time
 
 import pytest
@@ -80,6 +81,17 @@ def test_fused_combine_programs_verify_and_cost(name, batch):
     assert pred.floor_s == base.floor_s
     # Without the tails' merges the O_PROJs would never start.
     assert pred.step_s > pred.critical_path_s > 0
+
+
+def test_fused_combine_with_one_chunk_per_head():
+    """Few SMs for the kv heads: one chunk each, so every chunk is its head's
+    last and runs the merge."""
+    device = dataclasses.replace(DEVICES["h200"], num_sms=8)
+    program = plan(spec_of("llama-3.2-1b"), 1, device, with_lm_head=True,
+                   fuse_combine=True)  # fmt: skip
+    assert program.attn_chunks == 1
+    verify(program)
+    assert predict(program).step_s > predict(program).critical_path_s > 0
 
 
 @pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.1-8b"])

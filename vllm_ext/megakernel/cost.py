@@ -148,7 +148,7 @@ def predict(program, device: Device | None = None) -> Prediction:
         c = instr.signal_counter
         if instr.tail != NO_COUNTER and len(signals.get(c, [])) + 1 == signallers[c]:
             # (Started in time order, so an earlier chunk may end later.)
-            end = max(end, *signals.get(c, [])) + device.dependency_latency_s
+            end = max([end, *signals.get(c, [])]) + device.dependency_latency_s
             end += _tail_s(program, instr, device)
             ended.append((instr.tail, end))
         _stall_stream(

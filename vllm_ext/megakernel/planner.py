@@ -137,7 +137,7 @@ class Program:
 
 def qkv_parts_to_fill(spec: ModelSpec, num_sms: int) -> int:
     """The most parts per head that still leave QKV at most one tile per SM
-    (1 where heads cannot be split: see ``check_qkv_parts``)."""
+    (1 where heads cannot be split: see ``_qkv_parts_error``)."""
     heads, parts = spec.num_q_heads + 2 * spec.num_kv_heads, 1
     while heads * parts * 2 <= num_sms and _qkv_parts_error(spec, parts * 2) is None:
         parts *= 2
