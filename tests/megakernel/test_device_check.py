@@ -88,6 +88,7 @@ def harness(request, tmp_path, monkeypatch):
     d = _device_run()
     monkeypatch.setattr(d, "DEVICE", "cpu")
     monkeypatch.setattr(d, "CONTEXT", 40)
+    monkeypatch.setattr(d, "FULL_CHECK_BATCHES", (2,))  # the case's batch
     options = dict(getattr(request, "param", {}))
     spec = make_spec(options.pop("arch", "qwen3"), torch.bfloat16)
     program = plan(spec, 2, DEVICES["h200"], with_lm_head=True, **options)
@@ -159,6 +160,13 @@ def test_harness_names_a_wrong_fused_combine(harness):
     assert errors["COMBINE"]["layer"] == 1
     assert errors["COMBINE"]["max"] > errors["COMBINE"]["tol"]
     assert errors["ATTN"]["max"] <= errors["ATTN"]["tol"]
+
+
+def test_a_default_case_at_another_batch_runs_the_local_checks(harness, monkeypatch):
+    d, case, _ = harness
+    monkeypatch.setattr(d, "FULL_CHECK_BATCHES", (1,))
+    result = d.correctness(case)
+    assert result["ok"] and "drift" not in result["steps"][0]
 
 
 def test_a_variant_case_is_judged_by_the_local_checks_alone(harness):
