@@ -283,3 +283,54 @@ def test_flashinfer_page_lists():
     assert plan["indices"].tolist() == [7, 3, 9, 4]
     assert plan["indptr"].tolist() == [0, 3, 4]
     assert plan["last"].tolist() == [1, 16]
+
+
+def test_driver_order_and_verdict(tmp_path, monkeypatch):
+    """main() on CPU with its child runs replaced: smallest case first and
+    the default before its variant; the trap and the sanitizer right after
+    the first case, the variants under the sanitizer at the end; the
+    verdict needs every case correct and the trap."""
+    d = _device_run()
+    spec = make_spec("llama", torch.bfloat16)
+    bundle = tmp_path / "bundle"
+    for name, batch, fuse in (("m-b2", 2, False), ("m-b1-tail", 1, True),
+                              ("m-b1", 1, False)):  # fmt: skip
+        program = plan(spec, batch, DEVICES["h200"], with_lm_head=True,
+                       fuse_combine=fuse)  # fmt: skip
+        (bundle / name).mkdir(parents=True)
+        save_program(bundle / name / "program.pt", program,
+                     KernelShape.from_program(program, BLOCK_SIZE))  # fmt: skip
+    (bundle / "manifest.json").write_text(json.dumps({"commit": "abc"}))
+    calls = []
+
+    def run_child(what, case, timeout, prefix=None):
+        calls.append((what, case.name, bool(prefix)))
+        tail = "megakernel: wait timeout" if what == "trap" else ""
+        return {"ok": True, "seconds": 0.0, "tail": tail}
+
+    class Props:
+        name, multi_processor_count = "stand-in", 132
+
+    monkeypatch.setattr(d, "run_child", run_child)
+    monkeypatch.setattr(d.shutil, "which", lambda name: "/bin/compute-sanitizer")
+    monkeypatch.setattr(d.torch.cuda, "get_device_properties", lambda i: Props)
+    monkeypatch.setattr(d.sys, "argv", ["device_run.py", str(bundle),
+                                        str(tmp_path / "out")])  # fmt: skip
+    assert d.main() == 0
+    assert calls == [
+        ("bandwidth", "m-b1", False),
+        ("correctness", "m-b1", False), ("timing", "m-b1", False),
+        ("trap", "m-b1", False), ("sanitize", "m-b1", True),
+        ("correctness", "m-b1-tail", False), ("timing", "m-b1-tail", False),
+        ("correctness", "m-b2", False), ("timing", "m-b2", False),
+        ("sanitize", "m-b1-tail", True),
+    ]  # fmt: skip
+    report = json.loads((tmp_path / "out" / "device_check.json").read_text())
+    assert report["ok"] and set(report["sanitizer"]) == {"m-b1", "m-b1-tail"}
+    assert "sanitizer: m-b1 ok; m-b1-tail ok" in (
+        tmp_path / "out" / "device_check.md").read_text()  # fmt: skip
+    # A trap run without the kernel's message fails the whole check.
+    calls.clear()
+    monkeypatch.setattr(d, "run_child", lambda what, case, timeout, prefix=None: {
+        "ok": True, "seconds": 0.0, "tail": ""})  # fmt: skip
+    assert d.main() == 1
