@@ -216,7 +216,7 @@ def test_batches_above_the_largest_bucket_share_the_cache(demo_model, monkeypatc
     monkeypatch.setenv("VLLM_MEGAKERNEL_MAX_BATCH", "5")  # buckets 1, 2, 4
     model = demo_model("llama")
     default, _ = _generate(model, "float32")
-    mega, (steps, tokens) = _generate(model, "float32", decode_backend="megakernel")
+    mega, (steps, tokens, _) = _generate(model, "float32", decode_backend="megakernel")
     assert [ids for ids, _ in mega] == [ids for ids, _ in default]
     # Decode step s runs every request asking for more than s tokens.
     live = [sum(1 for n in MAX_TOKENS if n > s) for s in range(1, max(MAX_TOKENS))]

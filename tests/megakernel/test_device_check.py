@@ -39,8 +39,7 @@ def test_dry_run_builds_a_small_bundle():
     env = {**os.environ, "DEVICE_CHECK_MODELS": "llama-3.2-1b",
            "DEVICE_CHECK_BATCHES": "1", "DEVICE_CHECK_FLASHINFER": "0",
            "DEVICE_CHECK_VARIANTS":
-               "llama-3.2-1b:1:staged llama-3.2-1b:1:mma "
-               "llama-3.2-1b:1:split"}  # fmt: skip
+               "llama-3.2-1b:1:mma llama-3.2-1b:1:split"}  # fmt: skip
     proc = subprocess.run(
         [str(ROOT / "scripts" / "device_check.sh"), "--dry-run"],
         capture_output=True, text=True, timeout=600, env=env,
@@ -50,13 +49,11 @@ def test_dry_run_builds_a_small_bundle():
     bundle = ROOT / ".device"
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert set(manifest["builds"]) == {
-        "llama-3.2-1b-b1", "llama-3.2-1b-b1-staged", "llama-3.2-1b-b1-mma",
-        "llama-3.2-1b-b1-split",
+        "llama-3.2-1b-b1", "llama-3.2-1b-b1-mma", "llama-3.2-1b-b1-split",
     }  # fmt: skip
     # stage_weights, stage_queue, mma_gemv, weight_pipe, wide_attn,
     # fused_combine, qkv_parts
     flags = {"llama-3.2-1b-b1": (0, 0, 0, 0, 0, 0, 1),
-             "llama-3.2-1b-b1-staged": (1, 1, 0, 0, 0, 0, 1),
              "llama-3.2-1b-b1-mma": (0, 1, 1, 1, 1, 1, 2),
              "llama-3.2-1b-b1-split": (0, 1, 0, 1, 0, 1, 2)}  # fmt: skip
     for name, build in manifest["builds"].items():

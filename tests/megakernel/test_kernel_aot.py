@@ -88,7 +88,9 @@ def test_a_kernel_over_the_shared_memory_limit_is_refused():
         Megakernel(big)
 
 
-@pytest.mark.parametrize("gpu", ARCHS)
+# The variants compile for one arch each here, the other in
+# test_build_cli.py's real-shape grid or the GPU check's bundle (CI time).
+@pytest.mark.parametrize("gpu", ["sm_90a"])
 def test_weight_staging_variant_compiles_clean(gpu, tmp_path):
     """The experimental variant (weights copied into shared memory before
     each wait): the same checks, plus its cp.async copies."""
@@ -99,7 +101,7 @@ def test_weight_staging_variant_compiles_clean(gpu, tmp_path):
     assert built.mma_ops == 0
 
 
-@pytest.mark.parametrize("gpu", ARCHS)
+@pytest.mark.parametrize("gpu", ["sm_100a"])
 def test_tensor_core_variant_compiles_clean(gpu, tmp_path):
     """The experimental tensor-core GEMV: the same checks, plus its MMAs."""
     shape = dataclasses.replace(demo_shape("qwen2", 4), mma_gemv=True)
@@ -108,7 +110,7 @@ def test_tensor_core_variant_compiles_clean(gpu, tmp_path):
     assert built.mma_ops > 0 and built.async_copies == 0
 
 
-@pytest.mark.parametrize("gpu", ARCHS)
+@pytest.mark.parametrize("gpu", ["sm_90a"])
 @pytest.mark.parametrize("mma", [False, True], ids=["rows", "mma"])
 def test_weight_pipe_variant_compiles_clean(gpu, mma, tmp_path):
     """The experimental weight pipeline, read by the CUDA-core GEMV (pages
@@ -126,8 +128,7 @@ def test_weight_pipe_variant_compiles_clean(gpu, mma, tmp_path):
     assert built.async_copies == 0 and (built.mma_ops > 0) == mma
 
 
-@pytest.mark.parametrize("gpu", ARCHS)
-@pytest.mark.parametrize("model", ["mistral", "qwen2"])
+@pytest.mark.parametrize("model, gpu", [("mistral", "sm_90a"), ("qwen2", "sm_100a")])
 def test_wide_attention_variant_compiles_clean(gpu, model, tmp_path):
     """The experimental wide attention, alone: head dim 128 with 2 q heads
     per kv head (Mistral) and 64 with one (Qwen2), at batch 4 (two warps per
@@ -141,7 +142,7 @@ def test_wide_attention_variant_compiles_clean(gpu, model, tmp_path):
     check_sass(build(gpu, tmp_path / "b16", both))
 
 
-@pytest.mark.parametrize("gpu", ARCHS)
+@pytest.mark.parametrize("gpu", ["sm_100a"])
 def test_fused_combine_variant_compiles_clean(gpu, tmp_path):
     """The experimental fused COMBINE: the last ATTN chunk's signal is an
     acq_rel atomic (fence, add, L1 invalidate) and the merge it then runs

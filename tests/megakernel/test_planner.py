@@ -58,7 +58,7 @@ def test_plans_fast_and_in_global_order(name, batch):
 
 
 @pytest.mark.parametrize("name", REAL)
-@pytest.mark.parametrize("batch", BUCKETS)
+@pytest.mark.parametrize("batch", [1, 16, 64])  # (tiles do not depend on it)
 def test_real_programs_verify(name, batch):
     program = plan(spec_of(name), batch, DEVICES["h200"], with_lm_head=True)
     report = verify(program)
