@@ -59,6 +59,7 @@ from vllm_ext.megakernel.ops import (  # noqa: E402
     qkv,
 )
 from vllm_ext.megakernel.planner import plan  # noqa: E402
+from vllm_ext.megakernel.variants import KERNEL  # noqa: E402
 from vllm_ext.model_spec import ModelSpec  # noqa: E402
 from vllm_ext.runner import DecodeInputs  # noqa: E402
 from vllm_ext.testing import BLOCK_SIZE, random_decode_inputs, random_weights  # noqa: E402
@@ -195,8 +196,7 @@ class FlashInferDecode:
 def is_variant(case_dir: Path) -> bool:
     """A case built with an experimental kernel variant (build flags)."""
     shape = torch.load(case_dir / "program.pt")["shape"]
-    flags = ("stage_weights", "stage_queue", "mma_gemv", "weight_pipe", "wide_attn",
-             "fused_combine")  # fmt: skip
+    flags = (*KERNEL, "fused_combine")  # (split_qkv shows as qkv_parts)
     return any(shape.get(f) for f in flags) or shape.get("qkv_parts", 1) > 1
 
 

@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """VLLM_MEGAKERNEL_VARIANTS: names to planner options and kernel flags."""
 
+import argparse
+
 import pytest
 import torch
 
@@ -25,8 +27,13 @@ def test_names_to_options_and_flags():
     shape = KernelShape.from_program(program, 16, **v.kernel_flags())
     assert shape.weight_pipe and shape.stage_queue and not shape.mma_gemv
     assert shape.fused_combine and shape.qkv_parts == 2
-    # QK-norm heads stay whole; no names, no change.
+    # QK-norm heads stay whole (a build that asked for parts is refused);
+    # no names, no change.
     assert v.plan_options(spec_of("qwen3-8b"), 132)["qkv_parts"] == 1
+    with pytest.raises(ValueError, match="cannot be split"):
+        v.plan_options(spec_of("qwen3-8b"), 132, strict=True)
+    flags = argparse.Namespace(split_qkv=True, wide_attn=True, stage_queue=False)
+    assert Variants.from_flags(flags) == Variants.parse("wide_attn,split_qkv")
     assert Variants.parse("").plan_options(spec_of("llama-3.2-1b"), 132) == {
         "fuse_combine": False, "qkv_parts": 1}  # fmt: skip
     assert Variants.parse("").kernel_flags() == dict.fromkeys(KERNEL, False)

@@ -30,7 +30,8 @@ from vllm_ext.megakernel.cost import DEFAULT_DEVICE, DEVICES
 from vllm_ext.megakernel.kernel import aot
 from vllm_ext.megakernel.kernel.shape import KernelShape
 from vllm_ext.megakernel.plan import print_summary, spec_or_exit
-from vllm_ext.megakernel.planner import plan, qkv_parts_to_fill
+from vllm_ext.megakernel.planner import plan
+from vllm_ext.megakernel.variants import Variants
 from vllm_ext.megakernel.verify import verify
 
 KERNEL_DIR = Path(aot.__file__).resolve().parent
@@ -160,29 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = DEVICES[DEFAULT_DEVICE[args.arch]]
-    parts = qkv_parts_to_fill(spec, device.num_sms) if args.split_qkv else 1
-    if args.split_qkv and parts == 1:
-        print(f"build: --split-qkv: {args.config}'s heads cannot be split "
-              "(QK-norm, or head_dim too small)", file=sys.stderr)  # fmt: skip
-        return 2
-    program = plan(
-        spec,
-        args.batch,
-        device,
-        with_lm_head=True,
-        fuse_combine=args.fused_combine,
-        qkv_parts=parts,
-    )
-    verify(program)
+    variants = Variants.from_flags(args)
     try:
+        options = variants.plan_options(spec, device.num_sms, strict=True)
+        program = plan(spec, args.batch, device, with_lm_head=True, **options)
+        verify(program)
         shape = KernelShape.from_program(
-            program,
-            args.block_size,
-            stage_weights=args.stage_weights,
-            stage_queue=args.stage_queue,
-            mma_gemv=args.mma_gemv,
-            weight_pipe=args.weight_pipe,
-            wide_attn=args.wide_attn,
+            program, args.block_size, **variants.kernel_flags()
         )
     except ValueError as e:
         print(f"build: {e}", file=sys.stderr)

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from vllm_ext.megakernel.cost import DEFAULT_DEVICE, DEVICES, predict
-from vllm_ext.megakernel.planner import plan, qkv_parts_to_fill
+from vllm_ext.megakernel.planner import plan
+from vllm_ext.megakernel.variants import Variants
 from vllm_ext.megakernel.verify import VerificationError, verify
 from vllm_ext.model_spec import ModelSpec, UnsupportedModelError
 
@@ -141,10 +142,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     spec = spec_or_exit("plan", args.config, args.dtype, args.batch)
 
+    try:
+        options = Variants.from_flags(args).plan_options(
+            spec, device.num_sms, strict=True
+        )
+    except ValueError as e:
+        print(f"plan: {e}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
-    parts = qkv_parts_to_fill(spec, device.num_sms) if args.split_qkv else 1
-    program = plan(spec, args.batch, device, with_lm_head=args.lm_head,
-                   fuse_combine=args.fused_combine, qkv_parts=parts)  # fmt: skip
+    program = plan(spec, args.batch, device, with_lm_head=args.lm_head, **options)
     plan_s = time.perf_counter() - t0
     try:
         verify(program)
