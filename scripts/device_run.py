@@ -589,19 +589,23 @@ VARIANTS = ("staged", "mma", "pipe", "tail", "split", "fast")
 
 # What the breakdown times: the whole program without its waits (what the
 # dependencies cost), each instruction kind alone on the SMs the plan gives
-# it, and an all-NOP program (launch and queue walk).
+# it, an all-NOP program (launch and queue walk), and the all-NOP program
+# with the program's waits and signals (what the phase boundaries cost with
+# no data to move: polls, atomics, the slowest SM's queue walk).
+# name -> (kinds kept, waits kept)
 BREAKDOWN = {
-    "no waits": None,
-    "EMBED": (Op.EMBED,),
-    "QKV": (Op.QKV,),
-    "ATTN": (Op.ATTN,),
-    "COMBINE": (Op.COMBINE,),
-    "O_PROJ": (Op.O_PROJ,),
-    "GATE_UP": (Op.GATE_UP,),
-    "DOWN": (Op.DOWN,),
-    "FINAL_NORM": (Op.FINAL_NORM,),
-    "LM_HEAD": (Op.LM_HEAD,),
-    "NOP": (),
+    "no waits": (None, False),
+    "EMBED": ((Op.EMBED,), False),
+    "QKV": ((Op.QKV,), False),
+    "ATTN": ((Op.ATTN,), False),
+    "COMBINE": ((Op.COMBINE,), False),
+    "O_PROJ": ((Op.O_PROJ,), False),
+    "GATE_UP": ((Op.GATE_UP,), False),
+    "DOWN": ((Op.DOWN,), False),
+    "FINAL_NORM": ((Op.FINAL_NORM,), False),
+    "LM_HEAD": ((Op.LM_HEAD,), False),
+    "NOP": ((), False),
+    "NOP, waits": ((), True),
 }
 
 
@@ -617,10 +621,13 @@ def breakdown(ex, program, step, full_ms: float) -> dict:
     iters = max(2, min(20, int(40 / max(full_ms, 0.05))))
     out = {}
     try:
-        for name, keep in BREAKDOWN.items():
-            if name == "COMBINE" and program.fuse_combine:
-                continue  # no such instructions: the merges run in ATTN's row
-            ex.queue = queue_variant(original, keep, waits=False)
+        for name, (keep, waits) in BREAKDOWN.items():
+            if program.fuse_combine and (name == "COMBINE" or waits):
+                # No COMBINE instructions: the merges run in ATTN's row. And
+                # a NOP'd ATTN runs no merge, so its tail never signals: the
+                # waits probe is the unfused twin's.
+                continue
+            ex.queue = queue_variant(original, keep, waits=waits)
             replay = graphed(step)
             ms = time_ms(replay or step, iters=iters, repeats=5)
             nbytes = sum(by_op.get(int(o), 0) for o in (keep if keep else ()))
@@ -783,8 +790,8 @@ def markdown(report: dict) -> str:
     if timed:
         lines += [
             "",
-            "Breakdown (no waits; each kind alone on its planned SMs): ms "
-            "(weight TB/s)",
+            "Breakdown (no waits unless named; each kind alone on its planned "
+            "SMs): ms (weight TB/s)",
             "",
             "| variant | " + " | ".join(timed) + " |",
             "|---|" + "---|" * len(timed),

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -216,6 +217,48 @@ def test_queue_variant_keeps_only_what_it_is_asked_to():
     assert torch.equal(only_qkv[..., 1:4], queue[..., 1:4])
     assert torch.equal(d.queue_variant(queue), queue)
     assert (d.queue_variant(queue, ())[..., 0] == int(d.Op.NOP)).all()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_waits_probe_is_a_valid_program_or_skipped(monkeypatch, fused):
+    """The breakdown's all-NOP probe with waits keeps every signal the waits
+    count on, so it runs to the end on the GPU; a fused program's NOP'd ATTN
+    runs no tail, so that probe is left to its unfused twin."""
+    import dataclasses
+
+    from vllm_ext.megakernel.isa import decode
+    from vllm_ext.megakernel.verify import VerificationError, verify
+
+    d = _device_run()
+    spec = make_spec("llama", torch.bfloat16)
+    program = plan(spec, 2, DEVICES["h200"], with_lm_head=True, fuse_combine=fused)
+    queue, lengths = program.encode()
+    keep, waits = d.BREAKDOWN["NOP, waits"]
+    probe = d.queue_variant(queue, keep, waits=waits)
+    assert (probe[..., 4:] == queue[..., 4:]).all()  # waits, signals, tails
+    nops = dataclasses.replace(
+        program, queues=tuple(tuple(q) for q in decode(probe, lengths))
+    )
+    if fused:
+        with pytest.raises(VerificationError, match="only ATTN may have a tail"):
+            verify(nops)
+    else:
+        verify(nops)
+
+    ex = types.SimpleNamespace(queue=queue)
+    probes = []
+
+    def time_probe(fn, **kw):
+        probes.append(ex.queue)
+        return 1.0
+
+    monkeypatch.setattr(d, "graphed", lambda step: None)
+    monkeypatch.setattr(d, "time_ms", time_probe)
+    out = d.breakdown(ex, program, lambda: None, 1.0)
+    assert ("NOP, waits" in out) is not fused and ("COMBINE" in out) is not fused
+    assert len(probes) == len(out) and ex.queue is queue
+    if not fused:
+        assert torch.equal(probes[list(out).index("NOP, waits")], probe)
 
 
 def test_report_table():

@@ -57,6 +57,8 @@ def accesses(program, instr: Instruction) -> tuple[list[Region], list[Region]]:
     group, chunks = nq // nkv, program.attn_chunks
     h, L = s.hidden_size, s.num_layers
     op = instr.op
+    if op == Op.NOP:  # waits and signals only (timing probes)
+        return [], []
     if op == Op.EMBED:
         return [], [Region("h", 0, a, b)]
     parts = program.qkv_parts  # q, k and v units: parts of heads (isa.py)
