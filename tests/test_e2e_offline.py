@@ -4,10 +4,13 @@ default path: the same greedy tokens, and proof the decode steps went
 through the megakernel runner."""
 
 import gc
+import sys
+import types
+from pathlib import Path
 
 import pytest
 
-from tests.utils import check_logprobs_close
+from tests.utils import DEFAULT_RUNS, check_logprobs_close
 
 pytestmark = pytest.mark.e2e
 
@@ -77,6 +80,15 @@ def _generate(model: str, dtype: str, **engine_kwargs):
         cleanup_dist_env_and_memory()
 
 
+def _default(model: str, dtype: str):
+    """vLLM's default decode of the prompts, run once per model and dtype in
+    a test session (the cache lives in tests.utils: test_serve imports this
+    module under another name)."""
+    if (model, dtype) not in DEFAULT_RUNS:
+        DEFAULT_RUNS[model, dtype] = _generate(model, dtype)[0]
+    return DEFAULT_RUNS[model, dtype]
+
+
 # The program variants (fused COMBINE, QKV head parts: 2 parts at head dim
 # 64, 4 at 128) through vLLM on two of the fp32 runs.
 VARIANTS = {("llama", "float32"): "fused_combine,split_qkv",
@@ -89,9 +101,8 @@ def test_megakernel_matches_default(demo_model, monkeypatch, arch, dtype):
     monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
     monkeypatch.setenv("VLLM_MEGAKERNEL_VARIANTS", VARIANTS.get((arch, dtype), ""))
     model = demo_model(arch)
-    default, no_stats = _generate(model, dtype)
+    default = _default(model, dtype)
     mega, stats = _generate(model, dtype, decode_backend="megakernel")
-    assert no_stats is None
 
     assert [len(ids) for ids, _ in mega] == MAX_TOKENS
     # All prompts are scheduled in the first step, so every later token is
@@ -215,10 +226,75 @@ def test_batches_above_the_largest_bucket_share_the_cache(demo_model, monkeypatc
     monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
     monkeypatch.setenv("VLLM_MEGAKERNEL_MAX_BATCH", "5")  # buckets 1, 2, 4
     model = demo_model("llama")
-    default, _ = _generate(model, "float32")
+    default = _default(model, "float32")
     mega, (steps, tokens, _) = _generate(model, "float32", decode_backend="megakernel")
     assert [ids for ids, _ in mega] == [ids for ids, _ in default]
     # Decode step s runs every request asking for more than s tokens.
     live = [sum(1 for n in MAX_TOKENS if n > s) for s in range(1, max(MAX_TOKENS))]
     assert tokens == sum(n for n in live if n <= 4) > 0
     assert steps == sum(1 for n in live if n <= 4) < len(live)
+
+
+def test_gpu_route_through_vllm_with_a_stand_in_kernel(
+    demo_model, monkeypatch, tmp_path
+):
+    """The GPU route through vLLM, on CPU: the backend makes a GpuExecutor
+    (a program, kernel shape and library per bucket; each KernelExecutor's
+    address table bound to vLLM's own KV cache tensors), and each launch
+    goes to the CPU stand-in of the compiled kernel, which reads and writes
+    only through that table. Only the GPU queries, the compiler and the
+    library load are replaced. The tokens must be vLLM's default decode's."""
+    sys.path.insert(0, str(Path(__file__).parent / "megakernel"))
+    from kernel_standin import KernelStandIn, register_executor
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    import vllm_ext.backend as backend
+    from vllm_ext.megakernel import build
+    from vllm_ext.megakernel.cost import DEVICES
+    from vllm_ext.megakernel.kernel import executor as gpu
+
+    monkeypatch.delenv("VLLM_MEGAKERNEL_INTERPRET", raising=False)
+    monkeypatch.setenv("VLLM_MEGAKERNEL_MAX_BATCH", "4")  # buckets 1, 2, 4
+    # The layout every platform shares (paged_kv.py): the CPU backend writes it.
+    monkeypatch.setattr(backend, "_attention_backend_for_platform",
+                        lambda interpret: AttentionBackendEnum.MEGAKERNEL)  # fmt: skip
+    monkeypatch.setattr(gpu, "arch_for_device", lambda device: "sm_90a")
+    monkeypatch.setattr(gpu, "device_for", lambda device, arch: DEVICES["h200"])
+    built = []
+
+    def library_for(shape, arch, cache_dir, log=None):
+        built.append((shape.batch, arch))
+        return tmp_path / f"b{shape.batch}.so"
+
+    monkeypatch.setattr(build, "library_for", library_for)
+    no_library = types.SimpleNamespace(launch=None)
+    monkeypatch.setattr(gpu, "KernelLibrary", lambda path, device: no_library)
+    executors = []
+
+    class StandInExecutor(gpu.KernelExecutor):
+        def __init__(self, program, weights, launch, **kwargs):
+            standin = KernelStandIn(program, weights)
+            super().__init__(program, weights, standin, **kwargs)
+            register_executor(self.launch, self)
+            executors.append(self)
+
+        def step(self, inputs):
+            # What the table may address besides the executor's own buffers.
+            self.launch.register(*inputs.kv_caches)
+            return super().step(inputs)
+
+    monkeypatch.setattr(gpu, "KernelExecutor", StandInExecutor)
+
+    model = demo_model("llama")
+    default = _default(model, "bfloat16")
+    mega, (steps, tokens, _) = _generate(model, "bfloat16", decode_backend="megakernel")
+    assert sorted(built) == [(1, "sm_90a"), (2, "sm_90a"), (4, "sm_90a")]
+    assert [e.shape.batch for e in executors] == [1, 2, 4]
+    # Batches of more than 4 requests ran vLLM's path; every other step, one
+    # launch of the smallest bucket that fits.
+    live = [sum(1 for n in MAX_TOKENS if n > s) for s in range(1, max(MAX_TOKENS))]
+    launches = sum(e.launch.launches for e in executors)
+    assert steps == sum(1 for n in live if n <= 4) == launches
+    assert tokens == sum(n for n in live if n <= 4)
+    assert [e.launch.launches > 0 for e in executors] == [True, True, True]
+    check_logprobs_close(default, mega, "default", "megakernel (stand-in kernel)")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_e2e_offline import MAX_TOKENS, PROMPTS, _generate
+from tests.test_e2e_offline import MAX_TOKENS, PROMPTS, _default
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,7 +99,7 @@ def test_serve_matches_default_path(server, demo_model, monkeypatch):
         served_ids = list(pool.map(complete, range(len(PROMPTS))))
 
     monkeypatch.delenv("VLLM_MEGAKERNEL_INTERPRET", raising=False)
-    expected, _ = _generate(demo_model(arch), "float32")
+    expected = _default(demo_model(arch), "float32")
     assert single == expected[0][0]
     assert served_ids == [ids for ids, _ in expected]
 

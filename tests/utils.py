@@ -3,6 +3,10 @@
 
 import torch
 
+# vLLM's default decode of the end-to-end prompts, by (model, dtype): one
+# run per test session (test_e2e_offline._default).
+DEFAULT_RUNS: dict = {}
+
 
 def make_kv_cache(
     num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int, dtype
