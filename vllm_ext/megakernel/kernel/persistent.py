@@ -1,17 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 """The persistent kernel: one CTA per SM runs its queue of instructions.
 
-Per instruction (words as in ``isa.py``): thread 0 polls the wait counter
-with relaxed loads and a bounded spin (past ``max_spins`` it prints the
-opcode, SM, pc, counter, expected and seen value, then traps: a broken
-program ends the kernel, never hangs the GPU), then re-reads it with an
-acquire load whose value is used (an unused acquire load is dropped by the
-compiler); a CTA barrier; the CTA executes the instruction (``ops/``);
-after a CTA barrier (all stores issued), thread 0 adds 1 to the signal
-counter with a release atomic at GPU scope.
+Per instruction (words as in ``isa.py``): fetch it (``queue.py``); thread
+0 starts the next instruction's weight stream, then waits for the inputs
+(``control.wait_inputs``: a bounded spin that traps with a message); a CTA
+barrier; the CTA executes the instruction (``ops/``); a CTA barrier (all
+stores issued); thread 0 signals (``control.signal_done``: a release
+atomic at GPU scope).
 
 Model shape and batch bucket are compile-time (``KernelShape``); every
-address comes from the table ``ptrs`` (``shape.py``).
+address comes from the table ``ptrs`` (``shape.py``). The experimental
+variants (``variants.py``) are ``KernelShape`` flags, compiled out when
+off: the default kernel's SASS does not change with them.
 """
 
 import cuda.bindings.driver as cuda
@@ -21,6 +21,7 @@ from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
 from vllm_ext.megakernel.isa import WORDS, Op
+from vllm_ext.megakernel.kernel.control import run_tail, signal_done, wait_inputs
 from vllm_ext.megakernel.kernel.ops.attn import attn
 from vllm_ext.megakernel.kernel.ops.attn_wide import attn_wide
 from vllm_ext.megakernel.kernel.ops.combine import combine
@@ -48,10 +49,10 @@ from vllm_ext.megakernel.kernel.ops.weight_pipe import (
     top_up,
 )
 from vllm_ext.megakernel.kernel.ops.weight_stage import W_STAGE_ELEMS, stage_weights
+from vllm_ext.megakernel.kernel.queue import Queue, fetch
 from vllm_ext.megakernel.kernel.shape import NUM_SLOTS, KernelShape
-from vllm_ext.megakernel.kernel.sync import nanosleep, trap
+from vllm_ext.megakernel.kernel.sync import trap
 
-POLL_NS = 32
 # Queue entries staged in shared memory with shape.stage_queue (8 KiB; a
 # 36-layer model plans under 180 per SM on 132 SMs).
 QUEUE_STAGE = 256
@@ -190,8 +191,9 @@ class Megakernel:
             16,
         )
 
+        # Thread 0 tells the CTA whether its ATTN completed the head.
+        tail = None
         if cutlass.const_expr(s.fused_combine):
-            # Thread 0 tells the CTA whether its ATTN completed the head.
             tail = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
 
         # The weight stage (experimental, shape.stage_weights); without it
@@ -210,6 +212,7 @@ class Megakernel:
         # The queue's head in shared memory (experimental, shape.stage_queue):
         # one copy at launch instead of a dependent global load per
         # instruction; past QUEUE_STAGE entries it is read from global memory.
+        q = Queue(queue, sm)
         if cutlass.const_expr(s.stage_queue):
             q_stage = smem.allocate_tensor(
                 Int32, cute.make_layout((QUEUE_STAGE, WORDS), stride=(WORDS, 1)), 32
@@ -219,15 +222,13 @@ class Megakernel:
                 q_stage[idx // WORDS, idx % WORDS] = queue[sm, idx // WORDS,
                                                            idx % WORDS]  # fmt: skip
             cute.arch.sync_threads()
+            q = Queue(queue, sm, q_stage, n_staged)
 
         # The weight pipeline (experimental, shape.weight_pipe): the ops
         # receive it in place of the weight stage.
         if cutlass.const_expr(s.weight_pipe):
-            staged = q_stage if cutlass.const_expr(s.stage_queue) else None
-            n_in_stage = n_staged if cutlass.const_expr(s.stage_queue) else None
             w_stage = Pipe.allocate(
-                s, ring_slots(s), smem, queue=queue, q_stage=staged,
-                n_staged=n_in_stage, length=lengths[sm], sm=sm, ptrs=ptrs,
+                s, ring_slots(s), smem, q=q, length=lengths[sm], ptrs=ptrs,
                 glob=glob, max_spins=max_spins,
             )  # fmt: skip
             if tidx == 0:
@@ -237,20 +238,9 @@ class Megakernel:
             # rebinds w_stage, a trace-time object.)
             pipe_state = w_stage.state
 
-        # How thread 0 polls a wait counter. Relaxed loads, then one acquire
-        # load once the count is met (the validated default); with
-        # stage_queue (the per-instruction overhead variant) every poll is an
-        # acquire load, so a wait already met costs one L2 round trip, not two.
-        poll = "acquire" if s.stage_queue else "relaxed"
         ins = cute.make_rmem_tensor((WORDS,), Int32)
         for pc in cutlass.range(lengths[sm]):
-            if cutlass.const_expr(s.stage_queue):
-                if pc < n_staged:
-                    cute.autovec_copy(q_stage[pc, None], ins)
-                else:
-                    cute.autovec_copy(queue[sm, pc, None], ins)
-            else:
-                cute.autovec_copy(queue[sm, pc, None], ins)  # one 32-byte fetch
+            fetch(q, pc, ins)
             op, layer, a0, a1 = ins[0], ins[1], ins[2], ins[3]
             if cutlass.const_expr(s.stage_weights):
                 # All threads start copying this instruction's weights into
@@ -266,42 +256,15 @@ class Megakernel:
                 if pc + 1 < lengths[sm]:
                     if cutlass.const_expr(s.stage_queue):
                         nxt = cute.make_rmem_tensor((WORDS,), Int32)
-                        if pc + 1 < n_staged:
-                            cute.autovec_copy(q_stage[pc + 1, None], nxt)
-                        else:
-                            cute.autovec_copy(queue[sm, pc + 1, None], nxt)
+                        fetch(q, pc + 1, nxt)
                         prefetch_weights(s, ptrs, glob, nxt[0], nxt[1], nxt[2],
                                          nxt[3])  # fmt: skip
                     else:
                         nxt = queue[sm, pc + 1, None]
                         prefetch_weights(s, ptrs, glob, nxt[0], nxt[1], nxt[2],
                                          nxt[3])  # fmt: skip
-                if ins[4] >= 0:
-                    target = epoch * ins[5]
-                    ptr = counters.iterator + ins[4]
-                    seen = cute.arch.load(ptr, Int32, sem=poll, scope="gpu")
-                    spins = Int32(0)
-                    # Compared by difference: counters and targets wrap mod
-                    # 2^32 together, so a server never overflows them.
-                    while seen - target < 0:
-                        spins = spins + 1
-                        if spins > max_spins:
-                            cute.printf(
-                                "megakernel: wait timeout: opcode %d sm %d pc %d "
-                                "counter %d expected %d seen %d\n",
-                                op, sm, pc, ins[4], target, seen,
-                            )  # fmt: skip
-                            trap()
-                        if cutlass.const_expr(s.weight_pipe):
-                            # Pages keep streaming while the inputs are awaited.
-                            top_up(w_stage, pipe_state[BASE])
-                        nanosleep(Int32(POLL_NS))
-                        seen = cute.arch.load(ptr, Int32, sem=poll, scope="gpu")
-                    if cutlass.const_expr(poll == "relaxed"):
-                        # Acquire: the producers' stores are visible from here on.
-                        seen = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
-                        if seen - target < 0:
-                            trap()
+                wait_inputs(s, counters, ins, epoch, sm, pc, max_spins,
+                            w_stage if s.weight_pipe else None)  # fmt: skip
             cute.arch.sync_threads()
             if cutlass.const_expr(s.stage_weights):
                 cute.arch.cp_async_wait_group(0)
@@ -344,34 +307,11 @@ class Megakernel:
                 if cutlass.const_expr(s.weight_pipe):
                     # Every page of this instruction is released.
                     pipe_state[BASE] = pipe_state[BASE] + instr_pages(s, op, a0, a1)
-                if cutlass.const_expr(s.fused_combine):
-                    tail[0] = Int32(0)
-                    if op == Op.ATTN and ins[7] >= 0:
-                        # Acquire too: the chunk that completes the head reads
-                        # the other chunks' partials next.
-                        old = cute.arch.atomic_add(counters.iterator + ins[6],
-                                                   Int32(1), sem="acq_rel",
-                                                   scope="gpu")  # fmt: skip
-                        if old + 1 - epoch * s.attn_chunks == 0:
-                            tail[0] = Int32(1)
-                    elif ins[6] >= 0:
-                        cute.arch.atomic_add(counters.iterator + ins[6], Int32(1),
-                                             sem="release", scope="gpu")  # fmt: skip
-                elif ins[6] >= 0:
-                    cute.arch.atomic_add(
-                        counters.iterator + ins[6], Int32(1), sem="release", scope="gpu"
-                    )
+                signal_done(s, counters, ins, op, epoch, tail)
             if cutlass.const_expr(s.fused_combine):
-                # The tail: the last chunk of kv head a0 merges its partials.
                 if op == Op.ATTN:
-                    cute.arch.sync_threads()
-                    if tail[0] != 0:
-                        combine(s, ptrs, layer, a0)
-                        cute.arch.sync_threads()
-                        if tidx == 0:
-                            done = counters.iterator + ins[7]
-                            cute.arch.atomic_add(done, Int32(1), sem="release",
-                                                 scope="gpu")  # fmt: skip
+                    # The tail: the last chunk of kv head a0 merges its partials.
+                    run_tail(s, ptrs, counters, ins, layer, a0, tail)
 
 
 def fake_args():

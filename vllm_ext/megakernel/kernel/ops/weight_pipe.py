@@ -39,6 +39,7 @@ from vllm_ext.megakernel.isa import WORDS, Op
 from vllm_ext.megakernel.kernel.ops.common import NUM_WARPS, thread_ids
 from vllm_ext.megakernel.kernel.ops.gemv_mma import ROWS as MMA_ROWS
 from vllm_ext.megakernel.kernel.ops.gemv_mma import red_floats
+from vllm_ext.megakernel.kernel.queue import Queue, fetch
 from vllm_ext.megakernel.kernel.shape import (
     PAGE_BYTES,
     GlobalSlot,
@@ -178,11 +179,8 @@ class Pipe:
     mbar: cute.Tensor  # [slots] int64
     state: cute.Tensor  # [4] int32: CURSOR, CURSOR_PAGE, ISSUED, BASE
     red: cute.Tensor  # [red_elems(shape)] fp32
-    queue: cute.Tensor
-    q_stage: cute.Tensor | None  # the queue's head in shared memory
-    n_staged: object
+    q: Queue  # the CTA's instructions
     length: object
-    sm: object
     ptrs: cute.Tensor
     glob: object
     max_spins: object
@@ -316,17 +314,6 @@ def _issue(p: cutlass.Constexpr, op, layer, lo, hi, kp, slot):
 
 
 @cute.jit
-def _fetch(p: cutlass.Constexpr, pc, ins: cute.Tensor):
-    if cutlass.const_expr(p.q_stage is not None):
-        if pc < p.n_staged:
-            cute.autovec_copy(p.q_stage[pc, None], ins)
-        else:
-            cute.autovec_copy(p.queue[p.sm, pc, None], ins)
-    else:
-        cute.autovec_copy(p.queue[p.sm, pc, None], ins)
-
-
-@cute.jit
 def top_up(p: cutlass.Constexpr, released):
     """Thread 0: issue pages in queue order until ``slots`` pages past the
     ``released`` ones are in flight or the queue ends. Never blocks."""
@@ -336,7 +323,7 @@ def top_up(p: cutlass.Constexpr, released):
     # writes that refill it.
     cute.arch.fence_proxy("async.shared", space="cta")
     while (ipc < p.length) & (issued - released < p.slots):
-        _fetch(p, ipc, ins)
+        fetch(p.q, ipc, ins)
         if kp < instr_pages(p.shape, ins[0], ins[2], ins[3]):
             _issue(p, ins[0], ins[1], ins[2], ins[3], kp, issued % p.slots)
             issued = issued + 1
@@ -364,6 +351,6 @@ def wait_page(p: cutlass.Constexpr, g):
             tidx, _, _ = thread_ids()
             if tidx == 0:
                 cute.printf("megakernel: weight page timeout: sm %d page %d\n",
-                            p.sm, g)  # fmt: skip
+                            p.q.sm, g)  # fmt: skip
             trap()
         nanosleep(Int32(POLL_NS))
