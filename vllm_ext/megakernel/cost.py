@@ -57,7 +57,10 @@ DEVICES: dict[str, Device] = {
     for d in (
         Device(
             "h200", "sm_90a", 132, 4.3e12, 200 * 1024, 50 << 20,
-            source="copy bandwidth measured on an H200 (shared/GUIDE.md)",
+            instruction_overhead_s=0.9e-6,
+            source="copy bandwidth measured on an H200 (shared/GUIDE.md); the "
+            "instruction overhead from the all-NOP program on one (2026-11-30: "
+            "74 us over the 1B's longest queue, 83 instructions)",
         ),
         Device(
             "h100", "sm_90a", 132, 3.0e12, 200 * 1024, 50 << 20,

@@ -102,6 +102,8 @@ class Program:
         e = s.dtype.itemsize
         lo, hi = instr.arg0, instr.arg1
         h, d = s.hidden_size, s.head_dim
+        if instr.op == Op.NOP:  # waits and signals only (timing probes)
+            return Cost(0, 0)
         if instr.op == Op.EMBED:
             return Cost(0, 2 * b * (hi - lo) * e)
         if instr.op == Op.QKV:
