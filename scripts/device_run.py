@@ -537,7 +537,10 @@ def timing(case_dir: Path) -> dict:
             for _ in range(spec.num_layers)
         ),
     )
-    result = {"batch": b, "context": BENCH_CONTEXT}
+    result = {"batch": b, "context": BENCH_CONTEXT,
+              # What the calibration re-plans (vllm_ext/megakernel/calibrate.py).
+              "program": {"fuse_combine": program.fuse_combine,
+                          "qkv_parts": program.qkv_parts}}  # fmt: skip
 
     def mk():
         ex.step(inputs)

@@ -1,0 +1,67 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The cost model's figures from a GPU check's report: on the recorded H200
+report, and recovered from a report the model itself wrote."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_ext.megakernel.calibrate import calibrate, fit_case, main, phases, probe
+from vllm_ext.megakernel.cost import DEVICES, predict
+from vllm_ext.megakernel.plan import load_spec
+from vllm_ext.megakernel.planner import plan
+
+RUNS = Path(__file__).resolve().parents[2] / "docs" / "gpu-runs"
+REPORT = RUNS / "2026-11-30-h200-42d7577.json"
+
+
+def test_recorded_h200_report():
+    """The first H200 check (no waits probe yet): 0.9 us per instruction
+    walked, 7-11 us per phase boundary at batch 1 (docs/perf.md), and a model
+    that, assuming the weight pipeline, is faster than the default kernel."""
+    fits = {f.case: f for f in calibrate(json.loads(REPORT.read_text()))}
+    assert set(fits) == {f"llama-3.{m}-b{b}" for m in ("2-1b", "1-8b")
+                         for b in (1, 4, 16)}  # fmt: skip
+    for f in fits.values():
+        assert 0.7e-6 < f.instruction_overhead_s < 1.0e-6
+        assert f.dependency_latency_s is None
+        assert f.predicted_ms < f.measured_ms
+    for name in ("llama-3.2-1b-b1", "llama-3.1-8b-b1"):
+        assert 5e-6 < fits[name].wait_per_phase_s < 12e-6
+
+
+@pytest.mark.parametrize("overhead, latency", [(0.7e-6, 2.5e-6), (0.9e-6, 0.8e-6)])
+def test_recovers_the_figures_a_model_report_was_made_with(overhead, latency):
+    spec = load_spec("llama-3.2-1b", torch.bfloat16)
+    device = DEVICES["h200"]
+    program = plan(spec, 1, device, with_lm_head=True)
+    truth = dataclasses.replace(device, instruction_overhead_s=overhead,
+                                dependency_latency_s=latency)  # fmt: skip
+    walk = predict(probe(program, waits=False), truth).step_s * 1e3
+    chain = predict(probe(program, waits=True), truth).step_s * 1e3
+    whole = predict(program, truth).step_s * 1e3
+    timing = {
+        "megakernel_ms": whole,
+        "breakdown": {
+            "NOP": {"ms": walk},
+            "NOP, waits": {"ms": chain},
+            "no waits": {"ms": walk},
+        },
+    }
+    fit = fit_case("llama-3.2-1b-b1", timing, device, None, program=program)
+    assert fit.instruction_overhead_s == pytest.approx(overhead, rel=1e-3)
+    assert fit.dependency_latency_s == pytest.approx(latency, rel=1e-3)
+    assert fit.predicted_ms == pytest.approx(whole, rel=1e-3)
+    assert fit.wait_per_phase_s == pytest.approx(
+        (whole - walk) * 1e-3 / phases(program)
+    )
+
+
+def test_cli(capsys, tmp_path):
+    assert main([str(REPORT)]) == 0
+    out = capsys.readouterr().out
+    assert "| llama-3.2-1b-b1 | 1.457 |" in out
+    assert main([str(tmp_path / "missing.json")]) == 2

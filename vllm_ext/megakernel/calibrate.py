@@ -1,0 +1,186 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The cost model's device figures from a GPU check's report.
+
+    python -m vllm_ext.megakernel.calibrate docs/gpu-runs/REPORT.json [--json]
+
+For each timed case (``scripts/device_run.py``'s report), from the programs
+its breakdown ran, re-planned here:
+
+* the instruction overhead: the all-NOP program's time over its longest
+  queue (every SM walks its queue, no waits);
+* the dependency latency, when the report has the waits probe (every
+  instruction a NOP, the waits and signals kept): the latency that makes
+  the model's time for that probe the measured one;
+* what a phase boundary costs in the real step: the step minus the step
+  without waits, over the phases that wait;
+* the model's step with those figures and the report's copy bandwidth,
+  beside the measured step.
+
+The programs are planned by this checkout: run it at the report's commit
+(or one whose planner is unchanged since), as the GPU run's session does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from vllm_ext.megakernel.cost import DEVICES, Device, predict
+from vllm_ext.megakernel.isa import NO_COUNTER, Op
+from vllm_ext.megakernel.planner import Program, plan
+
+CASE = re.compile(r"^(?P<config>.+)-b(?P<batch>\d+)(?:-(?P<variant>[a-z]+))?$")
+# Latencies the solver searches (seconds).
+MAX_LATENCY_S = 50e-6
+
+
+def probe(program: Program, waits: bool) -> Program:
+    """The GPU check's all-NOP programs: every instruction a NOP, with the
+    program's waits and signals or with no waits (``queue_variant``)."""
+
+    def nop(i):
+        i = dataclasses.replace(i, op=Op.NOP)
+        if waits:
+            return i
+        return dataclasses.replace(i, wait_counter=NO_COUNTER, wait_count=0)
+
+    return dataclasses.replace(
+        program, queues=tuple(tuple(nop(i) for i in q) for q in program.queues)
+    )
+
+
+def phases(program: Program) -> int:
+    """Phases that wait: distinct (opcode, layer) among the instructions
+    with a wait (a fused COMBINE's wait is its ATTN's signal: not counted)."""
+    return len(
+        {(i.op, i.layer) for q in program.queues for i in q
+         if i.wait_counter != NO_COUNTER}
+    )  # fmt: skip
+
+
+def solve_latency(program: Program, device: Device, measured_s: float) -> float | None:
+    """The dependency latency at which the model's time for the waits probe
+    of ``program`` is ``measured_s`` (None: not within [0, MAX_LATENCY_S])."""
+    chained = probe(program, waits=True)
+
+    def step(latency: float) -> float:
+        d = dataclasses.replace(device, dependency_latency_s=latency)
+        return predict(chained, d).step_s
+
+    lo, hi = 0.0, MAX_LATENCY_S
+    if not step(lo) <= measured_s <= step(hi):
+        return None
+    for _ in range(30):  # to well under a nanosecond
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if step(mid) < measured_s else (lo, mid)
+    return (lo + hi) / 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    case: str
+    measured_ms: float
+    instruction_overhead_s: float
+    dependency_latency_s: float | None  # from the waits probe, if it ran
+    wait_per_phase_s: float | None  # (step - step without waits) / phases
+    predicted_ms: float  # the model with the fitted figures
+
+
+def fit_case(name: str, timing: dict, device: Device, bandwidth: float | None,
+             program: Program | None = None) -> Fit | None:  # fmt: skip
+    """The figures of one case (None: not timed, or no all-NOP row)."""
+    rows = timing.get("breakdown") or {}
+    if "NOP" not in rows or "megakernel_ms" not in timing:
+        return None
+    if program is None:
+        m = CASE.match(name)
+        if m is None:
+            raise ValueError(f"{name}: not a MODEL-bBATCH[-VARIANT] case")
+        from vllm_ext.megakernel.plan import load_spec
+
+        spec = load_spec(m["config"], torch.bfloat16)
+        options = timing.get("program", {})  # absent before 2026-11-30's 4th run
+        program = plan(spec, int(m["batch"]), device, with_lm_head=True,
+                       fuse_combine=options.get("fuse_combine", False),
+                       qkv_parts=options.get("qkv_parts", 1))  # fmt: skip
+    longest = max(len(q) for q in program.queues)
+    overhead = rows["NOP"]["ms"] * 1e-3 / longest
+    fitted = dataclasses.replace(device, instruction_overhead_s=overhead)
+    if bandwidth:
+        fitted = dataclasses.replace(fitted, hbm_bytes_per_s=bandwidth)
+    latency = None
+    if "NOP, waits" in rows:
+        latency = solve_latency(program, fitted, rows["NOP, waits"]["ms"] * 1e-3)
+    if latency is not None:
+        fitted = dataclasses.replace(fitted, dependency_latency_s=latency)
+    step_ms = timing["megakernel_ms"]
+    per_phase = None
+    if "no waits" in rows:
+        per_phase = (step_ms - rows["no waits"]["ms"]) * 1e-3 / phases(program)
+    return Fit(name, step_ms, overhead, latency, per_phase,
+               predict(program, fitted).step_s * 1e3)  # fmt: skip
+
+
+def calibrate(report: dict, device: Device | None = None) -> list[Fit]:
+    device = device or DEVICES["h200"]
+    if report.get("num_sms") and report["num_sms"] != device.num_sms:
+        device = dataclasses.replace(device, num_sms=report["num_sms"])
+    bandwidth = (report.get("bandwidth") or {}).get("read_bytes_per_s")
+    fits = []
+    for name, case in report["cases"].items():
+        timing = case.get("timing")
+        if isinstance(timing, dict):
+            fit = fit_case(name, timing, device, bandwidth)
+            if fit is not None:
+                fits.append(fit)
+    return fits
+
+
+def markdown(fits: list[Fit]) -> str:
+    def us(x):
+        return "-" if x is None else f"{x * 1e6:.2f}"
+
+    lines = [
+        "| case | measured ms | model ms | us per instruction | dependency us "
+        "| wait per phase us |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for f in fits:
+        lines.append(
+            f"| {f.case} | {f.measured_ms:.3f} | {f.predicted_ms:.3f} "
+            f"| {us(f.instruction_overhead_s)} | {us(f.dependency_latency_s)} "
+            f"| {us(f.wait_per_phase_s)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("report", type=Path, help="device_check.json")
+    parser.add_argument("--device", choices=sorted(DEVICES), default="h200")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        report = json.loads(args.report.read_text())
+    except (OSError, ValueError) as e:
+        print(f"calibrate: cannot read {args.report}: {e}", file=sys.stderr)
+        return 2
+    fits = calibrate(report, DEVICES[args.device])
+    if args.json:
+        print(json.dumps([dataclasses.asdict(f) for f in fits]))
+    else:
+        print(markdown(fits), end="")
+    return 0 if fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
