@@ -22,7 +22,7 @@ from vllm_ext.megakernel.cost import DEVICES
 from vllm_ext.megakernel.kernel.launcher import KernelExecutor
 from vllm_ext.megakernel.kernel.shape import KernelShape
 from vllm_ext.megakernel.planner import plan
-from vllm_ext.testing import BLOCK_SIZE
+from vllm_ext.testing import BLOCK_SIZE, random_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -127,6 +127,8 @@ def test_harness_passes_a_correct_kernel(harness):
     assert all(
         s["greedy_agree"] == f"{s['batch']}/{s['batch']}" for s in result["steps"]
     )
+    # And as vLLM's CUDA graphs run it: replays over fixed input buffers.
+    assert result["graph"]["ok"] and len(result["graph"]["replays"]) == d.GRAPH_REPLAYS
 
 
 @pytest.mark.parametrize(
@@ -158,6 +160,41 @@ def test_harness_names_a_wrong_fused_combine(harness):
     assert errors["COMBINE"]["layer"] == 1
     assert errors["COMBINE"]["max"] > errors["COMBINE"]["tol"]
     assert errors["ATTN"]["max"] <= errors["ATTN"]["tol"]
+
+
+def test_graph_replays_are_judged(harness, monkeypatch):
+    """A replay that runs nothing (a graph captured around a stale or
+    missing launch) leaves NaN; one that reuses the captured step number
+    fails its counter check. (On CPU the "graph" is the step itself.)"""
+    d, case, _ = harness
+    spec, program = d.load_case(case)
+    weights = random_weights(spec, seed=1)
+    blocks = (d.CONTEXT + BLOCK_SIZE - 1) // BLOCK_SIZE
+
+    def replays(capture, n=2):
+        monkeypatch.setattr(d, "capture_step", capture)
+        monkeypatch.setattr(d, "GRAPH_REPLAYS", n)
+        ex, _ = d.make_executor(case, program, weights, blocks)
+        return d.graph_replays(ex, spec, program.batch)
+
+    graph = replays(lambda fn: fn)
+    assert graph["ok"] and len(graph["replays"]) == 2
+    assert {"EMBED", "KV_APPEND", "LM_HEAD"} <= set(graph["replays"][0]["errors"])
+    graph = replays(lambda fn: lambda: None)
+    assert not graph["ok"]
+    assert not any(r["ok"] or r["counters_ok"] for r in graph["replays"])
+
+    def stale_epoch(fn):  # the launch without the step number's bump
+        def replay():
+            ex = fn.__closure__[0].cell_contents  # (lambda: ex.step(src))
+            fn()
+            ex.counters[-1:].sub_(1)
+
+        return replay
+
+    graph = replays(stale_epoch, n=1)  # (the stand-in checks the number too)
+    assert not graph["ok"]
+    assert graph["replays"][0]["ok"] and not graph["replays"][0]["counters_ok"]
 
 
 def test_a_default_case_at_another_batch_runs_the_local_checks(harness, monkeypatch):
