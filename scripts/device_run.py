@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from vllm_ext.megakernel.calibrate import probe  # noqa: E402
 from vllm_ext.megakernel.cost import DEVICES  # noqa: E402
 from vllm_ext.megakernel.interpret import ProgramInterpreter, pad_inputs  # noqa: E402
 from vllm_ext.megakernel.isa import NO_COUNTER, Op  # noqa: E402
@@ -620,18 +621,6 @@ def timing(case_dir: Path) -> dict:
     return result
 
 
-def queue_variant(queue: torch.Tensor, keep=None, waits: bool = True):
-    """The program with every instruction outside ``keep`` made a NOP and,
-    unless ``waits``, no waits: a timing probe (its results are garbage)."""
-    q = queue.clone()
-    if keep is not None:
-        ops = torch.tensor([int(o) for o in keep], device=q.device, dtype=q.dtype)
-        q[..., 0][~torch.isin(q[..., 0], ops)] = int(Op.NOP)
-    if not waits:
-        q[..., 4] = NO_COUNTER
-    return q
-
-
 # Kernel variants device_check.sh may build beside the default (case
 # directory MODEL-bBATCH-VARIANT).
 VARIANTS = ("staged", "mma", "pipe", "tail", "split", "fast")
@@ -676,7 +665,8 @@ def breakdown(ex, program, step, full_ms: float) -> dict:
                 # a NOP'd ATTN runs no merge, so its tail never signals: the
                 # waits probe is the unfused twin's.
                 continue
-            ex.queue = queue_variant(original, keep, waits=waits)
+            table, _ = probe(program, keep, waits).encode()
+            ex.queue = table.to(original.device)
             replay = graphed(step)
             ms = time_ms(replay or step, iters=iters, repeats=5)
             nbytes = sum(by_op.get(int(o), 0) for o in (keep if keep else ()))

@@ -4,7 +4,6 @@ default path: the same greedy tokens, and proof the decode steps went
 through the megakernel runner."""
 
 import gc
-import sys
 import types
 from pathlib import Path
 
@@ -244,7 +243,7 @@ def test_gpu_route_through_vllm_with_a_stand_in_kernel(
     goes to the CPU stand-in of the compiled kernel, which reads and writes
     only through that table. Only the GPU queries, the compiler and the
     library load are replaced. The tokens must be vLLM's default decode's."""
-    sys.path.insert(0, str(Path(__file__).parent / "megakernel"))
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "megakernel"))
     from kernel_standin import KernelStandIn, register_executor
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 

@@ -18,7 +18,9 @@ from kernel_standin import KernelStandIn, register_executor
 from test_interpret import make_spec
 
 from vllm_ext.megakernel.build import save_program
+from vllm_ext.megakernel.calibrate import probe
 from vllm_ext.megakernel.cost import DEVICES
+from vllm_ext.megakernel.isa import NO_COUNTER, Op
 from vllm_ext.megakernel.kernel.launcher import KernelExecutor
 from vllm_ext.megakernel.kernel.shape import KernelShape
 from vllm_ext.megakernel.planner import plan
@@ -169,25 +171,22 @@ def test_graph_replays_are_judged(harness, monkeypatch):
     blocks = (d.CONTEXT + BLOCK_SIZE - 1) // BLOCK_SIZE
 
     def replays(capture, n=2):
-        monkeypatch.setattr(d, "capture_step", capture)
-        monkeypatch.setattr(d, "GRAPH_REPLAYS", n)
+        """graph_replays with ``capture(fn, ex)`` standing in for the CUDA
+        graph of ``fn`` (the step of executor ``ex``)."""
         ex, _ = d.make_executor(case, program, weights, blocks)
+        monkeypatch.setattr(d, "capture_step", lambda fn: capture(fn, ex))
+        monkeypatch.setattr(d, "GRAPH_REPLAYS", n)
         return d.graph_replays(ex, spec, program.batch)
 
-    graph = replays(lambda fn: fn)
+    graph = replays(lambda fn, ex: fn)
     assert graph["ok"] and len(graph["replays"]) == 2
     assert {"EMBED", "KV_APPEND", "LM_HEAD"} <= set(graph["replays"][0]["errors"])
-    graph = replays(lambda fn: lambda: None)
+    graph = replays(lambda fn, ex: lambda: None)
     assert not graph["ok"]
     assert not any(r["ok"] or r["counters_ok"] for r in graph["replays"])
 
-    def stale_epoch(fn):  # the launch without the step number's bump
-        def replay():
-            ex = fn.__closure__[0].cell_contents  # (lambda: ex.step(src))
-            fn()
-            ex.counters[-1:].sub_(1)
-
-        return replay
+    def stale_epoch(fn, ex):  # the launch without the step number's bump
+        return lambda: (fn(), ex.counters[-1:].sub_(1))
 
     graph = replays(stale_epoch, n=1)  # (the stand-in checks the number too)
     assert not graph["ok"]
@@ -238,19 +237,20 @@ def test_local_checks_cover_every_instruction(harness):
     assert all(e["max"] <= e["tol"] for e in errors.values())
 
 
-def test_queue_variant_keeps_only_what_it_is_asked_to():
-    d = _device_run()
+def test_probes_keep_only_what_they_are_asked_to():
     spec = make_spec("llama", torch.bfloat16)
     program = plan(spec, 2, DEVICES["h200"], with_lm_head=True)
     queue, lengths = program.encode()
-    only_qkv = d.queue_variant(queue, (d.Op.QKV,), waits=False)
-    ops = only_qkv[..., 0]
-    assert set(ops.unique().tolist()) == {int(d.Op.NOP), int(d.Op.QKV)}
-    assert (ops == int(d.Op.QKV)).sum() == (queue[..., 0] == int(d.Op.QKV)).sum()
-    assert (only_qkv[..., 4] == d.NO_COUNTER).all()
+    only_qkv, _ = probe(program, (Op.QKV,), waits=False).encode()
+    real = torch.arange(queue.shape[1]) < lengths[:, None]  # (not the padding)
+    ops = only_qkv[..., 0][real]
+    assert set(ops.unique().tolist()) == {int(Op.NOP), int(Op.QKV)}
+    assert (ops == int(Op.QKV)).sum() == (queue[..., 0] == int(Op.QKV)).sum()
+    assert (only_qkv[..., 4][real] == NO_COUNTER).all()
     assert torch.equal(only_qkv[..., 1:4], queue[..., 1:4])
-    assert torch.equal(d.queue_variant(queue), queue)
-    assert (d.queue_variant(queue, ())[..., 0] == int(d.Op.NOP)).all()
+    assert torch.equal(only_qkv[..., 6:], queue[..., 6:])  # signals, tails
+    assert torch.equal(probe(program).encode()[0], queue)
+    assert (probe(program, ()).encode()[0][..., 0] == int(Op.NOP)).all()
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -258,21 +258,16 @@ def test_waits_probe_is_a_valid_program_or_skipped(monkeypatch, fused):
     """The breakdown's all-NOP probe with waits keeps every signal the waits
     count on, so it runs to the end on the GPU; a fused program's NOP'd ATTN
     runs no tail, so that probe is left to its unfused twin."""
-    import dataclasses
-
-    from vllm_ext.megakernel.isa import decode
     from vllm_ext.megakernel.verify import VerificationError, verify
 
     d = _device_run()
     spec = make_spec("llama", torch.bfloat16)
     program = plan(spec, 2, DEVICES["h200"], with_lm_head=True, fuse_combine=fused)
-    queue, lengths = program.encode()
+    queue, _ = program.encode()
     keep, waits = d.BREAKDOWN["NOP, waits"]
-    probe = d.queue_variant(queue, keep, waits=waits)
-    assert (probe[..., 4:] == queue[..., 4:]).all()  # waits, signals, tails
-    nops = dataclasses.replace(
-        program, queues=tuple(tuple(q) for q in decode(probe, lengths))
-    )
+    nops = probe(program, keep, waits)
+    table, _ = nops.encode()
+    assert (table[..., 4:] == queue[..., 4:]).all()  # waits, signals, tails
     if fused:
         with pytest.raises(VerificationError, match="only ATTN may have a tail"):
             verify(nops)
@@ -292,7 +287,7 @@ def test_waits_probe_is_a_valid_program_or_skipped(monkeypatch, fused):
     assert ("NOP, waits" in out) is not fused and ("COMBINE" in out) is not fused
     assert len(probes) == len(out) and ex.queue is queue
     if not fused:
-        assert torch.equal(probes[list(out).index("NOP, waits")], probe)
+        assert torch.equal(probes[list(out).index("NOP, waits")], table)
 
 
 def test_report_table():

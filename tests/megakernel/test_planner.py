@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from vllm_ext import configs
+from vllm_ext.megakernel.calibrate import probe
 from vllm_ext.megakernel.cost import DEVICES, predict
-from vllm_ext.megakernel.isa import NO_COUNTER, Op, decode
+from vllm_ext.megakernel.isa import Op, decode
 from vllm_ext.megakernel.planner import batch_buckets, plan, qkv_parts_to_fill, split
 from vllm_ext.megakernel.verify import verify
 from vllm_ext.model_spec import ModelSpec
@@ -142,20 +143,6 @@ def test_llama_1b_batch1_within_15_percent_of_floor_on_h200():
     assert pred.critical_path_s < pred.step_s
 
 
-def _probe(program, waits: bool):
-    """The GPU check's breakdown probe: every instruction a NOP, with or
-    without the program's waits (scripts/device_run.py)."""
-
-    def nop(i):
-        i = dataclasses.replace(i, op=Op.NOP)
-        return i if waits else dataclasses.replace(i, wait_counter=NO_COUNTER,
-                                                   wait_count=0)  # fmt: skip
-
-    return dataclasses.replace(
-        program, queues=tuple(tuple(nop(i) for i in q) for q in program.queues)
-    )
-
-
 @pytest.mark.parametrize("name, measured_us", [("llama-3.2-1b", 74),
                                                ("llama-3.1-8b", 140)])  # fmt: skip
 def test_instruction_overhead_matches_the_h200s_all_nop_program(name, measured_us):
@@ -163,8 +150,8 @@ def test_instruction_overhead_matches_the_h200s_all_nop_program(name, measured_u
     on the H200 (docs/perf.md, 2026-11-30): within 10%. With the waits kept
     the chain of phase boundaries adds the dependency latency per phase."""
     program = plan(spec_of(name), 1, DEVICES["h200"], with_lm_head=True)
-    walk = predict(_probe(program, waits=False))
+    walk = predict(probe(program, keep=(), waits=False))
     assert walk.floor_s == 0
     assert abs(walk.step_s * 1e6 - measured_us) <= 0.1 * measured_us
-    chained = predict(_probe(program, waits=True))
+    chained = predict(probe(program, keep=()))
     assert chained.step_s > 2 * walk.step_s

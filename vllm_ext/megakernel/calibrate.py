@@ -40,18 +40,21 @@ CASE = re.compile(r"^(?P<config>.+)-b(?P<batch>\d+)(?:-(?P<variant>[a-z]+))?$")
 MAX_LATENCY_S = 50e-6
 
 
-def probe(program: Program, waits: bool) -> Program:
-    """The GPU check's all-NOP programs: every instruction a NOP, with the
-    program's waits and signals or with no waits (``queue_variant``)."""
+def probe(program: Program, keep=None, waits: bool = True) -> Program:
+    """A timing probe of the GPU check's breakdown (its results are
+    garbage): every instruction whose opcode is not in ``keep`` made a NOP
+    (``keep=None``: none), and without the waits unless ``waits``. Signals
+    are kept, so every counter still counts what the waits expect."""
 
-    def nop(i):
-        i = dataclasses.replace(i, op=Op.NOP)
-        if waits:
-            return i
-        return dataclasses.replace(i, wait_counter=NO_COUNTER, wait_count=0)
+    def change(i):
+        if keep is not None and i.op not in keep:
+            i = dataclasses.replace(i, op=Op.NOP)
+        if not waits:
+            i = dataclasses.replace(i, wait_counter=NO_COUNTER, wait_count=0)
+        return i
 
     return dataclasses.replace(
-        program, queues=tuple(tuple(nop(i) for i in q) for q in program.queues)
+        program, queues=tuple(tuple(change(i) for i in q) for q in program.queues)
     )
 
 
@@ -67,7 +70,7 @@ def phases(program: Program) -> int:
 def solve_latency(program: Program, device: Device, measured_s: float) -> float | None:
     """The dependency latency at which the model's time for the waits probe
     of ``program`` is ``measured_s`` (None: not within [0, MAX_LATENCY_S])."""
-    chained = probe(program, waits=True)
+    chained = probe(program, keep=())
 
     def step(latency: float) -> float:
         d = dataclasses.replace(device, dependency_latency_s=latency)
