@@ -25,7 +25,10 @@ BATCHES=${DEVICE_CHECK_BATCHES:-"1 16"}
 # Experimental kernel variants, checked and timed beside the default in the
 # same call: MODEL:BATCH:VARIANT, built into MODEL-bBATCH-VARIANT with the
 # variant's build flags (below). The breakdown tells their parts apart.
-VARIANTS=${DEVICE_CHECK_VARIANTS-"llama-3.2-1b:1:pipe llama-3.1-8b:1:pipe llama-3.2-1b:1:tail llama-3.2-1b:1:split llama-3.1-8b:1:split llama-3.2-1b:16:fast llama-3.1-8b:16:fast llama-3.2-1b:16:mma llama-3.1-8b:16:mma"}
+# The GPU side runs the cases smallest shape first, each default before its
+# variants, and the variants of a shape in the order listed here: what the
+# call's deadline cuts is the end of this list.
+VARIANTS=${DEVICE_CHECK_VARIANTS-"llama-3.2-1b:1:split llama-3.2-1b:1:fast llama-3.2-1b:1:pipe llama-3.2-1b:1:tail llama-3.2-1b:16:mma llama-3.2-1b:16:fast llama-3.1-8b:1:split llama-3.1-8b:1:pipe llama-3.1-8b:16:mma llama-3.1-8b:16:fast"}
 variant_flags() {
     case $1 in
         # weights into shared memory before each wait; the queue at launch
@@ -36,7 +39,7 @@ variant_flags() {
         tail) echo --weight-pipe --stage-queue --fused-combine ;;
         # tail, with QKV tiles of head parts (96 instead of 48 per layer)
         split) echo --weight-pipe --stage-queue --fused-combine --split-qkv ;;
-        # split and the wide attention (batch >= 4)
+        # split and the wide attention
         fast) echo --weight-pipe --wide-attn --stage-queue --fused-combine \
             --split-qkv ;;
         # fast, with the GEMVs on tensor cores reading the pipeline's pages
@@ -64,22 +67,25 @@ for model in $MODELS; do
         build_case "$model" "$batch" "$BUNDLE/$model-b$batch"
     done
 done
+order=""
 for triple in $VARIANTS; do
     IFS=: read -r model batch variant <<<"$triple"
     flags=$(variant_flags "$variant")
     # shellcheck disable=SC2086  # the flags are words
     build_case "$model" "$batch" "$BUNDLE/$model-b$batch-$variant" $flags
+    order="$order $model-b$batch-$variant"
 done
 # FlashInfer's paged decode attention: the attention reference and the
 # per-op baseline's attention on the GPU (DEVICE_CHECK_FLASHINFER=0 skips).
 if [[ ${DEVICE_CHECK_FLASHINFER:-1} == 1 ]]; then
     "$VENV/bin/python" "$ROOT/scripts/baseline/build_flashinfer.py" "$BUNDLE" >/dev/null
 fi
-"$VENV/bin/python" - "$BUNDLE" "$(git -C "$ROOT" rev-parse --short HEAD)" <<'PY'
+"$VENV/bin/python" - "$BUNDLE" "$(git -C "$ROOT" rev-parse --short HEAD)" $order <<'PY'
 import json, sys, pathlib
-bundle, commit = pathlib.Path(sys.argv[1]), sys.argv[2]
+bundle, commit, order = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
 builds = {p.parent.name: json.loads(p.read_text()) for p in bundle.glob("*/build.json")}
-(bundle / "manifest.json").write_text(json.dumps({"commit": commit, "builds": builds}))
+manifest = {"commit": commit, "builds": builds, "variant_order": order}
+(bundle / "manifest.json").write_text(json.dumps(manifest))
 PY
 size=$(du -sb "$BUNDLE" | cut -f1)
 echo "[device_check] bundle $BUNDLE: $((size / 1024)) KiB (limit 60 MiB)"

@@ -15,10 +15,12 @@ process so a fault in one cannot take the others down:
      cases at batch 1 also run the whole step through the program
      interpreter (drift, greedy tokens) and attention against FlashInfer.
   2. timing (CUDA events, median of several runs): the megakernel step,
-     graph-captured where cooperative capture works; a per-op PyTorch step
-     (fused QKV and gate/up GEMMs, SDPA over a contiguous cache, the same
-     epilogue math) captured in one CUDA graph; and the weight-read floor
-     (the step's weight bytes at the read bandwidth of a large copy).
+     graph-captured where cooperative capture works, against what vLLM's
+     default decode runs (scripts/baseline/per_op.py: cuBLAS GEMMs,
+     Inductor-fused elementwise ops, FlashInfer paged attention, the step in
+     one CUDA graph), the same without the elementwise ops (a floor for any
+     per-op decode), and the weight-read floor (the step's weight bytes at
+     the read bandwidth of a large copy); then a breakdown of the step.
 Then: a broken program must trap with its message, not hang; and, when the
 machine has compute-sanitizer, the first case and then each variant under it
 (two steps of a two-layer program: the same compiled kernel). Writes
@@ -37,8 +39,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts" / "baseline"))
 
 import torch  # noqa: E402
+from per_op import per_op_step  # noqa: E402
 
 from vllm_ext.megakernel.calibrate import probe  # noqa: E402
 from vllm_ext.megakernel.cost import DEVICES  # noqa: E402
@@ -471,94 +475,26 @@ def graphed(fn):
         return None
 
 
-def per_op_step(
-    spec: ModelSpec,
-    weights,
-    inputs: DecodeInputs,
-    flashinfer=None,
-    elementwise: bool = True,
-):
-    """What vLLM's default decode does per layer, kernel by kernel: fused QKV
-    and gate/up GEMMs, RMSNorm, RoPE, the K/V append into the paged cache,
-    paged decode attention (FlashInfer's, on the same cache and block table
-    as the megakernel; without it, SDPA over contiguous per-request caches,
-    which favours the baseline), residual adds; fp32 logits. With
-    ``elementwise=False`` the norms, RoPE and SiLU-mul are left out: the
-    GEMMs and attention alone, a floor for any per-op decode (vLLM's own
-    fused elementwise kernels cannot make it faster than that)."""
-    dev, dt = "cuda", torch.bfloat16
-    batch = inputs.batch_size
-    d, nq, nkv = spec.head_dim, spec.num_q_heads, spec.num_kv_heads
-    inter, eps = spec.intermediate_size, spec.rms_norm_eps
-    ids, pos = inputs.input_ids, inputs.positions.long()
-    context = int(inputs.seq_lens.max())
-    cos, sin = weights.cos_sin[pos].chunk(2, -1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
+def flashinfer_attend(flashinfer: FlashInferDecode, spec: ModelSpec, weights,
+                      inputs: DecodeInputs):  # fmt: skip
+    """The per-op step's attention: the new K/V written into the paged cache
+    (index copies; vLLM has one kernel for it), then FlashInfer's paged
+    decode over the same cache and block table as the megakernel."""
+    d = spec.head_dim
+    plan_ = flashinfer.plan(inputs.block_table, inputs.seq_lens, BLOCK_SIZE)
+    out = torch.empty(inputs.batch_size, spec.num_q_heads, d, device="cuda",
+                      dtype=torch.bfloat16)  # fmt: skip
     slots = inputs.slot_mapping.long()
     blk, off = slots // BLOCK_SIZE, slots % BLOCK_SIZE
-    if flashinfer is not None:
-        plan = flashinfer.plan(inputs.block_table, inputs.seq_lens, BLOCK_SIZE)
-        attn_out = torch.empty(batch, nq, d, device=dev, dtype=dt)
-    else:
-        contiguous = [
-            torch.randn(2, batch, nkv, context, d, device=dev, dtype=dt)
-            for _ in range(spec.num_layers)
-        ]
 
-    def norm(x, w):
-        if not elementwise:
-            return x
-        xf = x.float()
-        return (
-            xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()
-        ).to(dt)
-
-    def rope(x):
-        if not elementwise:
-            return x
-        x1, x2 = x.float().chunk(2, -1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).to(dt)
-
-    def attention(layer: int, q, k, v):
-        if flashinfer is None:
-            cache = contiguous[layer]
-            cache[0, :, :, context - 1] = k
-            cache[1, :, :, context - 1] = v
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q[:, :, None], cache[0], cache[1], scale=weights.attn_scale,
-                enable_gqa=True,
-            )  # fmt: skip
-            return o.reshape(batch, -1)
+    def attend(layer: int, q, k, v) -> torch.Tensor:
         cache = inputs.kv_caches[layer]  # [blocks, kv heads, block, K|V]
         cache[blk, :, off, :d] = k
         cache[blk, :, off, d:] = v
-        return flashinfer(q.contiguous(), cache, plan, attn_out,
-                          weights.attn_scale).view(batch, -1)  # fmt: skip
+        o = flashinfer(q.contiguous(), cache, plan_, out, weights.attn_scale)
+        return o.view(inputs.batch_size, -1)
 
-    def step():
-        h = weights.embed[ids]
-        for layer, lw in enumerate(weights.layers):
-            qkv = torch.nn.functional.linear(
-                norm(h, lw.input_norm), lw.qkv, lw.qkv_bias
-            )
-            q, k, v = qkv.view(batch, nq + 2 * nkv, d).split([nq, nkv, nkv], 1)
-            if spec.qk_norm:
-                q, k = norm(q, lw.q_norm), norm(k, lw.k_norm)
-            q, k = rope(q), rope(k)
-            o = attention(layer, q, k, v)
-            h = h + torch.nn.functional.linear(o, lw.o_proj)
-            gu = torch.nn.functional.linear(norm(h, lw.post_norm), lw.gate_up)
-            g, u = gu.split([inter, inter], -1)
-            act = (
-                (torch.nn.functional.silu(g.float()) * u.float()).to(dt)
-                if elementwise
-                else g
-            )
-            h = h + torch.nn.functional.linear(act, lw.down)
-        out = norm(h, weights.final_norm)
-        return torch.nn.functional.linear(out, weights.lm_head).float()
-
-    return step
+    return attend
 
 
 def timing(case_dir: Path) -> dict:
@@ -606,13 +542,31 @@ def timing(case_dir: Path) -> dict:
             result["extras_error"] = repr(e)[:500]
         return result
     flashinfer = FlashInferDecode.load(case_dir.parent)
-    result["per_op_attention"] = "flashinfer" if flashinfer else "sdpa (contiguous)"
-    base = per_op_step(spec, weights, inputs, flashinfer)
-    replay = graphed(base)
-    result["per_op_graph_ms"] = time_ms(replay) if replay else None
-    result["per_op_eager_ms"] = time_ms(base)
+    if flashinfer is None:
+        result["per_op_error"] = "no FlashInfer in the bundle: no per-op baseline"
+        result["breakdown"] = breakdown(ex, program, mk, result["megakernel_ms"])
+        return result
+    result["per_op_attention"] = "flashinfer"
+    attend = flashinfer_attend(flashinfer, spec, weights, inputs)
+    try:
+        # vLLM's default decode: Inductor-compiled pieces around attention,
+        # the step in one CUDA graph (the warm-up before capture compiles).
+        start = time.time()
+        base = per_op_step(spec, weights, inputs, attend, compile_options={})
+        replay = graphed(base)
+        result["per_op_compile_s"] = round(time.time() - start, 1)
+        result["per_op_graph_ms"] = time_ms(replay) if replay else None
+        # The same function as the kernel's step, on the same inputs: its
+        # logits beside the kernel's (drift over the layers, as reported
+        # for the interpreter in the correctness pass).
+        result["per_op_vs_megakernel"] = rel_err(base(), ex.logits[:b])
+    except Exception as e:  # reported; the figures below still come
+        result["per_op_error"] = repr(e)[:500]
     try:  # the extras below must not cost the main figures above
-        bound = per_op_step(spec, weights, inputs, flashinfer, elementwise=False)
+        # The same ops eagerly (the per-op figure of the first GPU runs).
+        replay = graphed(per_op_step(spec, weights, inputs, attend))
+        result["per_op_eager_ops_graph_ms"] = time_ms(replay) if replay else None
+        bound = per_op_step(spec, weights, inputs, attend, elementwise=False)
         replay = graphed(bound)
         result["gemm_attn_graph_ms"] = time_ms(replay) if replay else None
         result["breakdown"] = breakdown(ex, program, mk, result["megakernel_ms"])
@@ -780,10 +734,10 @@ def markdown(report: dict) -> str:
         f"commit {report['manifest'].get('commit')}",
         f"copy bandwidth (2 GiB d2d, read + write): {bw / 1e12:.2f} TB/s" if bw else "",
         "",
-        "| case | correct | megakernel ms | per-op graph ms | GEMM+attn graph ms "
-        "| floor ms | floor / megakernel | per-op / megakernel "
-        "| GEMM+attn / megakernel |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| case | correct | megakernel ms | per-op graph ms | per-op, eager ops ms "
+        "| GEMM+attn graph ms | floor ms | floor / megakernel | per-op / megakernel "
+        "| GEMM+attn / megakernel | per-op logits vs megakernel |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(x):
@@ -795,11 +749,13 @@ def markdown(report: dict) -> str:
     for name, c in report["cases"].items():
         t = c.get("timing", {})
         mk, po = t.get("megakernel_ms"), t.get("per_op_graph_ms")
-        ga = t.get("gemm_attn_graph_ms")
+        ga, pe = t.get("gemm_attn_graph_ms"), t.get("per_op_eager_ops_graph_ms")
         floor = t["weight_bytes"] / bw * 1e3 if bw and "weight_bytes" in t else None
+        err = t.get("per_op_vs_megakernel")
         lines.append(
-            f"| {name} | {c['correctness'].get('ok')} | {f(mk)} | {f(po)} | {f(ga)} "
-            f"| {f(floor)} | {ratio(floor, mk)} | {ratio(po, mk)} | {ratio(ga, mk)} |"
+            f"| {name} | {c['correctness'].get('ok')} | {f(mk)} | {f(po)} | {f(pe)} "
+            f"| {f(ga)} | {f(floor)} | {ratio(floor, mk)} | {ratio(po, mk)} "
+            f"| {ratio(ga, mk)} | {f'{err:.1e}' if err is not None else '-'} |"
         )
     variants = [
         (n, n.rsplit("-", 1)[0])
@@ -868,10 +824,16 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _case_size(case: Path) -> tuple[int, int, bool]:
+def _case_order(case: Path, variant_order: list[str]) -> tuple[int, int, int]:
+    """Smallest shape first, then smallest batch; the default before its
+    variants, and those in the order device_check.sh lists them."""
     meta = torch.load(case / "program.pt")
     size = meta["spec"]["num_layers"] * meta["spec"]["hidden_size"]
-    return size, meta["batch"], is_variant(case)
+    rank = 0
+    if is_variant(case):
+        names = list(variant_order)
+        rank = 1 + (names.index(case.name) if case.name in names else len(names))
+    return size, meta["batch"], rank
 
 
 def main() -> int:
@@ -889,11 +851,12 @@ def main() -> int:
         "torch": torch.__version__, "manifest": manifest, "cases": {},
         "skipped": [],
     }  # fmt: skip
-    # Smallest first: the trap and the sanitizer run on cases[0], and what
-    # the deadline cuts should be the large cases' extra figures.
+    # What the deadline cuts should be the end of this order: the largest
+    # shapes, the last-listed variants, then the sanitizer.
+    order = manifest.get("variant_order", [])
     cases = sorted(
         (p for p in bundle.iterdir() if (p / "program.pt").exists()),
-        key=_case_size,
+        key=lambda case: _case_order(case, order),
     )
 
     def run(what: str, case: Path, limit: int, prefix=None) -> dict:
@@ -911,11 +874,10 @@ def main() -> int:
     def save() -> None:
         (out / "device_check.json").write_text(json.dumps(report, indent=2))
 
-    # Each case is checked, then timed if correct, smallest first (the
-    # default before its variants): what the deadline cuts is the largest
-    # cases, not every case's timing. The trap and the sanitizer run on the
-    # first case right after it; the variants go under the sanitizer with
-    # whatever time is left at the end.
+    # Each case is checked, then timed if correct, in that order. The trap
+    # runs on the first case right after it. The sanitizer comes last, with
+    # whatever time is left (the first call's whole step did not finish
+    # under it): the first case, then the variants.
     sanitizer = shutil.which("compute-sanitizer")
     report["sanitizer"] = {} if sanitizer else "not installed on this machine"
 
@@ -938,9 +900,10 @@ def main() -> int:
             trap = run("trap", case, 90)
             trap["ok"] = "wait timeout" in trap.get("tail", "")
             report["trap"] = trap
-            sanitize(case, 90)
-    for case in cases:
-        if is_variant(case) and report["cases"][case.name]["correctness"].get("ok"):
+    for k, case in enumerate(cases):
+        if k == 0 or (
+            is_variant(case) and report["cases"][case.name]["correctness"].get("ok")
+        ):
             sanitize(case, 90)
     report["ok"] = trap["ok"] and all(
         c["correctness"].get("ok") for c in report["cases"].values()

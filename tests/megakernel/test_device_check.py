@@ -298,7 +298,8 @@ def test_report_table():
         "cases": {"llama-3.2-1b-b1": {
             "correctness": {"ok": True},
             "timing": {"megakernel_ms": 1.0, "per_op_graph_ms": 1.5,
-                       "gemm_attn_graph_ms": 1.2, "weight_bytes": 2_000_000_000,
+                       "per_op_eager_ops_graph_ms": 2.5, "gemm_attn_graph_ms": 1.2,
+                       "per_op_vs_megakernel": 0.031, "weight_bytes": 2_000_000_000,
                        "breakdown": {"QKV": {"ms": 0.1, "weight_bytes": 3e8},
                                      "NOP": {"ms": 0.01, "weight_bytes": None}}},
         }},
@@ -312,8 +313,8 @@ def test_report_table():
     assert "| llama-3.2-1b-b1-mma | False | 1.000 | - | - |" in table
     # floor = 2 GB at 4 TB/s = 0.5 ms: 0.5 of the floor, 1.5x the per-op step.
     assert (
-        "| llama-3.2-1b-b1 | True | 1.000 | 1.500 | 1.200 | 0.500 | 0.500 | 1.500 "
-        "| 1.200 |" in table
+        "| llama-3.2-1b-b1 | True | 1.000 | 1.500 | 2.500 | 1.200 | 0.500 | 0.500 "
+        "| 1.500 | 1.200 | 3.1e-02 |" in table
     )
     assert "| QKV | 0.100 (3.00) |" in table and "| NOP | 0.010 |" in table
     assert "4.00 TB/s" in table and "abc1234" in table
@@ -355,21 +356,24 @@ def test_flashinfer_page_lists():
 
 
 def test_driver_order_and_verdict(tmp_path, monkeypatch):
-    """main() on CPU with its child runs replaced: smallest case first and
-    the default before its variant; the trap and the sanitizer right after
-    the first case, the variants under the sanitizer at the end; the
-    verdict needs every case correct and the trap."""
+    """main() on CPU with its child runs replaced: smallest case first, the
+    default before its variants and those as device_check.sh listed them;
+    the trap right after the first case; the sanitizer last (the first
+    case, then the variants); the verdict needs every case correct and the
+    trap."""
     d = _device_run()
     spec = make_spec("llama", torch.bfloat16)
     bundle = tmp_path / "bundle"
     for name, batch, fuse in (("m-b2", 2, False), ("m-b1-tail", 1, True),
-                              ("m-b1", 1, False)):  # fmt: skip
+                              ("m-b1", 1, False), ("m-b1-pipe", 1, False)):  # fmt: skip
         program = plan(spec, batch, DEVICES["h200"], with_lm_head=True,
                        fuse_combine=fuse)  # fmt: skip
+        shape = KernelShape.from_program(program, BLOCK_SIZE,
+                                         weight_pipe=name.endswith("pipe"))  # fmt: skip
         (bundle / name).mkdir(parents=True)
-        save_program(bundle / name / "program.pt", program,
-                     KernelShape.from_program(program, BLOCK_SIZE))  # fmt: skip
-    (bundle / "manifest.json").write_text(json.dumps({"commit": "abc"}))
+        save_program(bundle / name / "program.pt", program, shape)
+    manifest = {"commit": "abc", "variant_order": ["m-b1-tail", "m-b1-pipe"]}
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
     calls = []
 
     def run_child(what, case, timeout, prefix=None):
@@ -389,14 +393,17 @@ def test_driver_order_and_verdict(tmp_path, monkeypatch):
     assert calls == [
         ("bandwidth", "m-b1", False),
         ("correctness", "m-b1", False), ("timing", "m-b1", False),
-        ("trap", "m-b1", False), ("sanitize", "m-b1", True),
+        ("trap", "m-b1", False),
         ("correctness", "m-b1-tail", False), ("timing", "m-b1-tail", False),
+        ("correctness", "m-b1-pipe", False), ("timing", "m-b1-pipe", False),
         ("correctness", "m-b2", False), ("timing", "m-b2", False),
-        ("sanitize", "m-b1-tail", True),
+        ("sanitize", "m-b1", True), ("sanitize", "m-b1-tail", True),
+        ("sanitize", "m-b1-pipe", True),
     ]  # fmt: skip
     report = json.loads((tmp_path / "out" / "device_check.json").read_text())
-    assert report["ok"] and set(report["sanitizer"]) == {"m-b1", "m-b1-tail"}
-    assert "sanitizer: m-b1 ok; m-b1-tail ok" in (
+    assert report["ok"] and list(report["sanitizer"]) == [
+        "m-b1", "m-b1-tail", "m-b1-pipe"]  # fmt: skip
+    assert "sanitizer: m-b1 ok; m-b1-tail ok; m-b1-pipe ok" in (
         tmp_path / "out" / "device_check.md").read_text()  # fmt: skip
     # A trap run without the kernel's message fails the whole check.
     calls.clear()

@@ -1,0 +1,141 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The per-op decode step that the GPU check times the megakernel against:
+what vLLM's default decode runs on CUDA, kernel by kernel, in PyTorch.
+
+vLLM 0.32 compiles the model piecewise, split at attention: between two
+attentions, Inductor fuses the elementwise work (residual add + RMSNorm,
+QK-norm, RoPE with its cos/sin lookup, SiLU-mul) around the cuBLAS GEMMs of
+the fused QKV, O, fused gate/up and down projections; the KV append and the
+paged decode attention are kernels of their own; and a decode step is
+replayed from one FULL CUDA graph. Here the pieces are the same: ``first``
+(embedding, layer 0 up to attention), ``middle`` (layer i after attention,
+layer i + 1 up to attention: one compiled graph serves every layer, the
+weights are arguments), ``last`` (the last layer after attention, final
+norm, LM head), each ``torch.compile``d with ``fullgraph=True`` (a graph
+break would split a fusion), and ``attend`` between them. The caller
+captures the whole step in one CUDA graph.
+
+The arithmetic is the reference's (``vllm_ext/reference.py``): bf16
+activations between ops, fp32 reductions, so both compute one function and
+``tests/megakernel/test_per_op_baseline.py`` holds this step to the
+reference forward on CPU, compiled and not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from vllm_ext.model_spec import ModelSpec
+from vllm_ext.paged_kv import write_kv
+from vllm_ext.reference import decode_attention
+from vllm_ext.runner import DecodeInputs
+from vllm_ext.weights import DecodeWeights, LayerWeights
+
+# attend(layer, q, k, v): append k, v [B, kv heads, d] to the layer's paged
+# cache, return the attention of q [B, q heads, d] as [B, q heads * d].
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def paged_attend(weights: DecodeWeights, inputs: DecodeInputs) -> Attend:
+    """The reference's KV append and paged decode attention (any device;
+    on the GPU the check passes FlashInfer's instead)."""
+
+    def attend(layer: int, q, k, v) -> torch.Tensor:
+        cache = inputs.kv_caches[layer]
+        write_kv(cache, k, v, inputs.slot_mapping)
+        o = decode_attention(q, cache, inputs.block_table, inputs.seq_lens,
+                             weights.attn_scale)  # fmt: skip
+        return o.to(q.dtype).flatten(1)
+
+    return attend
+
+
+def per_op_step(
+    spec: ModelSpec,
+    weights: DecodeWeights,
+    inputs: DecodeInputs,
+    attend: Attend,
+    elementwise: bool = True,
+    compile_options: dict[str, Any] | None = None,
+) -> Callable[[], torch.Tensor]:
+    """``step() -> fp32 logits [B, vocab]`` over ``inputs`` (read at each
+    call, so their tensors may be rewritten in place between replays).
+
+    ``compile_options``: ``torch.compile`` keyword arguments for the three
+    pieces (``{}`` for Inductor), or None to run them eagerly. With
+    ``elementwise=False`` the norms, QK-norm, RoPE and SiLU-mul are left
+    out: the GEMMs and attention alone, a floor for any per-op decode."""
+    dt, eps, d = spec.dtype, spec.rms_norm_eps, spec.head_dim
+    nq, nkv, inter = spec.num_q_heads, spec.num_kv_heads, spec.intermediate_size
+
+    def norm(x, w):
+        if not elementwise:
+            return x
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+                * w.float()).to(dt)  # fmt: skip
+
+    def rope(x, cos, sin):
+        if not elementwise:
+            return x
+        x1, x2 = x.float().chunk(2, -1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).to(dt)
+
+    def pre_attn(h, residual, positions, cos_sin, input_norm, qkv_w, qkv_b,
+                 q_norm, k_norm):  # fmt: skip
+        residual = h if residual is None else h + residual
+        qkv = F.linear(norm(residual, input_norm), qkv_w, qkv_b)
+        q, k, v = qkv.view(-1, nq + 2 * nkv, d).split([nq, nkv, nkv], 1)
+        if q_norm is not None:
+            q, k = norm(q, q_norm), norm(k, k_norm)
+        cos, sin = cos_sin[positions].chunk(2, -1)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        return rope(q, cos, sin), rope(k, cos, sin), v, residual
+
+    def post_attn(o, residual, o_w, post_norm, gate_up_w, down_w):
+        residual = F.linear(o, o_w) + residual
+        gate, up = F.linear(norm(residual, post_norm), gate_up_w).split(inter, -1)
+        act = (F.silu(gate.float()) * up.float()).to(dt) if elementwise else gate
+        return F.linear(act, down_w), residual
+
+    def first(ids, positions, cos_sin, embed, *pre):
+        return pre_attn(embed[ids], None, positions, cos_sin, *pre)
+
+    def middle(o, residual, positions, cos_sin, *weights):
+        h, residual = post_attn(o, residual, *weights[:4])
+        return pre_attn(h, residual, positions, cos_sin, *weights[4:])
+
+    def last(o, residual, final_norm, lm_head, *post):
+        h, residual = post_attn(o, residual, *post)
+        return F.linear(norm(h + residual, final_norm), lm_head).float()
+
+    if compile_options is not None:
+        options = {"fullgraph": True, "dynamic": False, **compile_options}
+        first, middle, last = (torch.compile(f, **options)
+                               for f in (first, middle, last))  # fmt: skip
+
+    def pre(lw: LayerWeights) -> tuple:
+        return (lw.input_norm, lw.qkv, lw.qkv_bias, lw.q_norm, lw.k_norm)
+
+    def post(lw: LayerWeights) -> tuple:
+        return (lw.o_proj, lw.post_norm, lw.gate_up, lw.down)
+
+    layers = weights.layers
+
+    def step() -> torch.Tensor:
+        ids, pos = inputs.input_ids, inputs.positions.long()
+        q, k, v, residual = first(ids, pos, weights.cos_sin, weights.embed,
+                                  *pre(layers[0]))  # fmt: skip
+        for i in range(len(layers) - 1):
+            o = attend(i, q, k, v)
+            weights_i = (*post(layers[i]), *pre(layers[i + 1]))
+            q, k, v, residual = middle(o, residual, pos, weights.cos_sin, *weights_i)
+        o = attend(len(layers) - 1, q, k, v)
+        return last(o, residual, weights.final_norm, weights.lm_head,
+                    *post(layers[-1]))  # fmt: skip
+
+    return step
