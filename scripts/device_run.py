@@ -691,34 +691,49 @@ def sanitize_step(case_dir: Path) -> dict:
 
 
 def run_child(what: str, case: Path, timeout: int, prefix: list[str] | None = None):
+    """A child process's verdict: its last JSON line (a wrapper such as
+    compute-sanitizer prints its summary after it), with the JSON lines that
+    name a ``part`` under ``parts`` (a ``case`` child reports correctness,
+    then timing). A failing exit status or a timeout makes it not ok; the
+    parts printed before either are kept."""
     cmd = [*(prefix or []), sys.executable, __file__, "--child", what, str(case)]
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        out, rc, why = proc.stdout + proc.stderr, proc.returncode, None
+        stdout = proc.stdout
     except subprocess.TimeoutExpired as e:
-        return {
-            "ok": False,
-            "why": f"timeout after {timeout} s",
-            "tail": str(e.stdout)[-800:],
-        }
-    # The child's verdict is its last JSON line (a wrapper such as
-    # compute-sanitizer prints its summary after it); a failing exit status
-    # overrides it.
-    found = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    result = json.loads(found[-1]) if found else {"ok": False}
-    if proc.returncode != 0:
-        result.update(ok=False, rc=proc.returncode)
+        # (Captured output comes as bytes here, text=True or not.)
+        stdout = (e.stdout or b"").decode(errors="replace")
+        out, rc, why = stdout, None, f"timeout after {timeout} s"
+    found = [json.loads(ln) for ln in stdout.splitlines() if ln.startswith("{")]
+    result = dict(found[-1]) if found else {"ok": False}
+    if rc != 0:
+        result.update(ok=False, **({"rc": rc} if rc is not None else {"why": why}))
     result["seconds"] = round(time.time() - t0, 1)
-    result["tail"] = (proc.stdout + proc.stderr)[-1500:]
+    result["tail"] = out[-1500:]
+    parts = {d.pop("part"): d for d in found if "part" in d}
+    if parts:
+        result["parts"] = parts
     return result
+
+
+def check_case(case: Path, timed: bool) -> None:
+    """One process per case: its correctness, then (if correct) its timing,
+    each printed as soon as it is known."""
+    for part, fn in (("correctness", correctness), ("timing", timing)):
+        start = time.time()
+        result = fn(case)
+        result["seconds"] = round(time.time() - start, 1)
+        print(json.dumps({"part": part, **result}), flush=True)
+        if not (timed and result.get("ok", True)):
+            return
 
 
 def child(what: str, case: Path) -> None:
     torch.cuda.init()
-    if what == "correctness":
-        print(json.dumps(correctness(case)))
-    elif what == "timing":
-        print(json.dumps(timing(case)))
+    if what in ("case", "correctness"):
+        check_case(case, timed=what == "case")
     elif what == "trap":
         print(json.dumps(trap_check(case)))
     elif what == "sanitize":
@@ -867,8 +882,10 @@ def main() -> int:
             report["skipped"].append(f"{what} {case.name}")
             return {"ok": None, "why": "skipped: out of time"}
         result = run_child(what, case, min(limit, left), prefix)
-        print(f"[device_run] {what} {case.name}: ok={result.get('ok')} "
-              f"in {result.get('seconds')} s", flush=True)  # fmt: skip
+        parts = result.get("parts") or {what: result}
+        verdicts = ", ".join(f"{p} ok={r.get('ok', True)}" for p, r in parts.items())
+        print(f"[device_run] {what} {case.name}: {verdicts} in "
+              f"{result.get('seconds')} s", flush=True)  # fmt: skip
         return result
 
     def save() -> None:
@@ -890,12 +907,18 @@ def main() -> int:
     if not quick:
         report["bandwidth"] = run("bandwidth", cases[0], 60)
     for k, case in enumerate(cases):
-        entry = {"correctness": run("correctness", case, 90)}
+        # One process checks and then times the case (one start-up, one
+        # weight draw); without --quick it may run both limits.
+        result = run("correctness" if quick else "case", case, 90 if quick else 180)
+        parts = result.get("parts", {})
+        entry = {"correctness": parts.get("correctness", result)}
+        if "timing" in parts:
+            entry["timing"] = parts["timing"]
+        elif not quick and entry["correctness"].get("ok"):
+            entry["timing"] = {key: result.get(key) for key in ("why", "rc", "tail")}
+            entry["timing"]["ok"] = False
         report["cases"][case.name] = entry
         save()
-        if not quick and entry["correctness"].get("ok"):
-            entry["timing"] = run("timing", case, 90)
-            save()
         if k == 0:
             trap = run("trap", case, 90)
             trap["ok"] = "wait timeout" in trap.get("tail", "")

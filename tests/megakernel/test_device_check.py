@@ -379,7 +379,9 @@ def test_driver_order_and_verdict(tmp_path, monkeypatch):
     def run_child(what, case, timeout, prefix=None):
         calls.append((what, case.name, bool(prefix)))
         tail = "megakernel: wait timeout" if what == "trap" else ""
-        return {"ok": True, "seconds": 0.0, "tail": tail}
+        parts = {"correctness": {"ok": True}, "timing": {"megakernel_ms": 1.0}}
+        return {"ok": True, "seconds": 0.0, "tail": tail,
+                **({"parts": parts} if what == "case" else {})}  # fmt: skip
 
     class Props:
         name, multi_processor_count = "stand-in", 132
@@ -391,16 +393,16 @@ def test_driver_order_and_verdict(tmp_path, monkeypatch):
                                         str(tmp_path / "out")])  # fmt: skip
     assert d.main() == 0
     assert calls == [
-        ("bandwidth", "m-b1", False),
-        ("correctness", "m-b1", False), ("timing", "m-b1", False),
+        ("bandwidth", "m-b1", False), ("case", "m-b1", False),
         ("trap", "m-b1", False),
-        ("correctness", "m-b1-tail", False), ("timing", "m-b1-tail", False),
-        ("correctness", "m-b1-pipe", False), ("timing", "m-b1-pipe", False),
-        ("correctness", "m-b2", False), ("timing", "m-b2", False),
+        ("case", "m-b1-tail", False), ("case", "m-b1-pipe", False),
+        ("case", "m-b2", False),
         ("sanitize", "m-b1", True), ("sanitize", "m-b1-tail", True),
         ("sanitize", "m-b1-pipe", True),
     ]  # fmt: skip
     report = json.loads((tmp_path / "out" / "device_check.json").read_text())
+    assert report["cases"]["m-b2"] == {"correctness": {"ok": True},
+                                       "timing": {"megakernel_ms": 1.0}}  # fmt: skip
     assert report["ok"] and list(report["sanitizer"]) == [
         "m-b1", "m-b1-tail", "m-b1-pipe"]  # fmt: skip
     assert "sanitizer: m-b1 ok; m-b1-tail ok; m-b1-pipe ok" in (
@@ -410,3 +412,30 @@ def test_driver_order_and_verdict(tmp_path, monkeypatch):
     monkeypatch.setattr(d, "run_child", lambda what, case, timeout, prefix=None: {
         "ok": True, "seconds": 0.0, "tail": ""})  # fmt: skip
     assert d.main() == 1
+
+
+def test_a_case_child_keeps_its_verdict_past_a_later_failure(monkeypatch):
+    """A case's child prints its correctness before timing it: a timeout or a
+    crash in the timing costs the timing only, and says why."""
+    d = _device_run()
+    correct = json.dumps({"part": "correctness", "ok": True, "steps": []})
+
+    def timeout(cmd, **kwargs):
+        raise subprocess.TimeoutExpired(cmd, 5, output=f"{correct}\n".encode())
+
+    monkeypatch.setattr(d.subprocess, "run", timeout)
+    result = d.run_child("case", Path("m-b1"), 5)
+    assert result["parts"] == {"correctness": {"ok": True, "steps": []}}
+    assert not result["ok"] and result["why"] == "timeout after 5 s"
+
+    timing = json.dumps({"part": "timing", "megakernel_ms": 1.0})
+    done = subprocess.CompletedProcess([], 0, f"{correct}\n{timing}\n", "")
+    monkeypatch.setattr(d.subprocess, "run", lambda cmd, **kwargs: done)
+    result = d.run_child("case", Path("m-b1"), 5)
+    assert result["parts"]["timing"] == {"megakernel_ms": 1.0}
+
+    crashed = subprocess.CompletedProcess([], 1, f"{correct}\n", "Traceback")
+    monkeypatch.setattr(d.subprocess, "run", lambda cmd, **kwargs: crashed)
+    result = d.run_child("case", Path("m-b1"), 5)
+    assert not result["ok"] and result["rc"] == 1 and "Traceback" in result["tail"]
+    assert list(result["parts"]) == ["correctness"]
