@@ -28,7 +28,7 @@ BATCHES=${DEVICE_CHECK_BATCHES:-"1 16"}
 # The GPU side runs the cases smallest shape first, each default before its
 # variants, and the variants of a shape in the order listed here: what the
 # call's deadline cuts is the end of this list.
-VARIANTS=${DEVICE_CHECK_VARIANTS-"llama-3.2-1b:1:split llama-3.2-1b:1:fast llama-3.2-1b:1:pipe llama-3.2-1b:1:tail llama-3.2-1b:16:mma llama-3.2-1b:16:fast llama-3.1-8b:1:split llama-3.1-8b:1:pipe llama-3.1-8b:16:mma llama-3.1-8b:16:fast"}
+VARIANTS=${DEVICE_CHECK_VARIANTS-"llama-3.2-1b:1:deep llama-3.2-1b:1:fast llama-3.2-1b:1:split llama-3.2-1b:1:pipe llama-3.2-1b:1:tail llama-3.2-1b:16:mma llama-3.2-1b:16:fast llama-3.1-8b:1:deep llama-3.1-8b:1:split llama-3.1-8b:1:pipe llama-3.1-8b:16:mma llama-3.1-8b:16:fast"}
 variant_flags() {
     case $1 in
         # weights into shared memory before each wait; the queue at launch
@@ -39,11 +39,14 @@ variant_flags() {
         tail) echo --weight-pipe --stage-queue --fused-combine ;;
         # tail, with QKV tiles of head parts (96 instead of 48 per layer)
         split) echo --weight-pipe --stage-queue --fused-combine --split-qkv ;;
-        # split and the wide attention
-        fast) echo --weight-pipe --wide-attn --stage-queue --fused-combine \
+        # split, with the ring's next pages hinted into L2 ahead of it
+        deep) echo --weight-pipe --l2-ahead --stage-queue --fused-combine \
             --split-qkv ;;
+        # deep and the wide attention
+        fast) echo --weight-pipe --l2-ahead --wide-attn --stage-queue \
+            --fused-combine --split-qkv ;;
         # fast, with the GEMVs on tensor cores reading the pipeline's pages
-        mma) echo --mma-gemv --weight-pipe --wide-attn --stage-queue \
+        mma) echo --mma-gemv --weight-pipe --l2-ahead --wide-attn --stage-queue \
             --fused-combine --split-qkv ;;
         *) echo "device_check: unknown variant $1" >&2; exit 2 ;;
     esac

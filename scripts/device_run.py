@@ -577,7 +577,7 @@ def timing(case_dir: Path) -> dict:
 
 # Kernel variants device_check.sh may build beside the default (case
 # directory MODEL-bBATCH-VARIANT).
-VARIANTS = ("staged", "mma", "pipe", "tail", "split", "fast")
+VARIANTS = ("staged", "mma", "pipe", "tail", "split", "deep", "fast")
 
 # What the breakdown times: the whole program without its waits (what the
 # dependencies cost), each instruction kind alone on the SMs the plan gives

@@ -43,6 +43,7 @@ def build(*args: str) -> subprocess.CompletedProcess:
             (
                 "--mma-gemv",
                 "--weight-pipe",
+                "--l2-ahead",
                 "--wide-attn",
                 "--stage-queue",
                 "--fused-combine",
@@ -59,7 +60,13 @@ def build(*args: str) -> subprocess.CompletedProcess:
             "qwen3-8b",
             "sm_90a",
             64,
-            ("--weight-pipe", "--wide-attn", "--stage-queue", "--fused-combine"),
+            (
+                "--weight-pipe",
+                "--l2-ahead",
+                "--wide-attn",
+                "--stage-queue",
+                "--fused-combine",
+            ),
         ),
     ],
 )
@@ -79,6 +86,11 @@ def test_build_real_shape(tmp_path, name, arch, batch, variant):
     assert (summary["mma_ops"] > 0) == ("--mma-gemv" in variant)
     assert (summary["async_copies"] > 0) == ("--stage-weights" in variant)
     assert (summary["bulk_copies"] > 0) == ("--weight-pipe" in variant)
+    if "--weight-pipe" in variant:
+        # The L2 cursor hints what the ring copies, through the same code: a
+        # prefetch beside each bulk-copy site.
+        hints = summary["l2_prefetches"] >= summary["bulk_copies"]
+        assert hints == ("--l2-ahead" in variant)
     # Fused COMBINE: no COMBINE instructions (opcode 4); the tail's acq_rel
     # and release atomics beside the one signal of the default kernel.
     fused = "--fused-combine" in variant

@@ -53,16 +53,17 @@ def test_dry_run_builds_a_small_bundle():
     # (mma carries every other variant's flag but the weight stage.)
     assert set(manifest["builds"]) == {"llama-3.2-1b-b1", "llama-3.2-1b-b1-mma"}
     # stage_weights, stage_queue, mma_gemv, weight_pipe, wide_attn,
-    # fused_combine, qkv_parts
-    flags = {"llama-3.2-1b-b1": (0, 0, 0, 0, 0, 0, 1),
-             "llama-3.2-1b-b1-mma": (0, 1, 1, 1, 1, 1, 2)}  # fmt: skip
+    # fused_combine, qkv_parts, l2_ahead
+    flags = {"llama-3.2-1b-b1": (0, 0, 0, 0, 0, 0, 1, 0),
+             "llama-3.2-1b-b1-mma": (0, 1, 1, 1, 1, 1, 2, 1)}  # fmt: skip
     for name, build in manifest["builds"].items():
         assert build["spill_bytes"] == 0 and build["arch"] == "sm_90a"
         meta = torch.load(bundle / name / "program.pt")
         shape = meta["shape"]
         got = (shape["stage_weights"], shape["stage_queue"], shape["mma_gemv"],
                shape["weight_pipe"], shape["wide_attn"],
-               shape["fused_combine"], shape["qkv_parts"])  # fmt: skip
+               shape["fused_combine"], shape["qkv_parts"],
+               shape["l2_ahead"])  # fmt: skip
         assert got == flags[name]
         # A fused program has no COMBINE instructions (opcode 4).
         assert (meta["queues"][..., 0] == 4).any() != shape["fused_combine"]

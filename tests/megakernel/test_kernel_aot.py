@@ -161,6 +161,7 @@ def test_fused_combine_variant_compiles_clean(gpu, tmp_path):
     "changes, match",
     [
         (dict(weight_pipe=True, stage_weights=True), "pick one"),
+        (dict(l2_ahead=True), "needs weight_pipe"),
         # A 20480-wide row (40 KiB) does not fit a page of whole rows.
         (dict(weight_pipe=True, intermediate=20480), "page"),
         (dict(mma_gemv=True, stage_weights=True), "pick one"),

@@ -14,7 +14,13 @@ way it is written there.
   never has a consumer wait on a page not yet issued, never refills a slot
   before its page is released, and waits on each page with the mbarrier
   parity its copy completes.
+- With ``l2_ahead``, the L2 cursor hints every page once, in order, before
+  the ring copies it (all but the ring's first fill), and never more than
+  ``L2_AHEAD_PAGES`` past the ring. (Hints and copies of a page are one
+  code path in the kernel, ``_issue_rows``, so they name the same rows.)
 """
+
+import dataclasses
 
 import pytest
 
@@ -23,6 +29,7 @@ from vllm_ext.megakernel.cost import DEVICES
 from vllm_ext.megakernel.interpret import head_part_dims
 from vllm_ext.megakernel.isa import Op
 from vllm_ext.megakernel.kernel.ops.weight_pipe import (
+    L2_AHEAD_PAGES,
     PAGE_ELEMS,
     geometry,
     head_pages,
@@ -164,13 +171,17 @@ def test_pages_cover_each_instruction_once_and_fit(config, mma, split):
 
 
 class Ring:
-    """One SM's producer (thread 0's cursor and the slots' state)."""
+    """One SM's producer (thread 0's cursors and the slots' state)."""
 
-    def __init__(self, counts: list[int], slots: int) -> None:
-        self.counts, self.slots = counts, slots
+    def __init__(self, counts: list[int], slots: int, l2_ahead: bool = False) -> None:
+        self.counts, self.slots, self.l2_ahead = counts, slots, l2_ahead
         self.cursor = self.cursor_page = self.issued = 0
         self.slot_page: list = [None] * slots  # the page last copied into it
         self.completed = [0] * slots  # mbarrier phases completed per slot
+        self.l2 = [0, 0, 0]  # the L2 cursor: instruction, page, pages hinted
+        self.hints: list[int] = []  # pages hinted, in order
+        self.hinted: set[int] = set()
+        self.copied_unhinted: list[int] = []
 
     def top_up(self, released: int) -> None:
         while self.cursor < len(self.counts) and self.issued - released < self.slots:
@@ -180,12 +191,35 @@ class Ring:
                 last = self.slot_page[slot]
                 assert last is None or last < released
                 assert self.completed[slot] == self.issued // self.slots
+                if self.l2_ahead and self.issued not in self.hinted:
+                    self.copied_unhinted.append(self.issued)
                 self.slot_page[slot] = self.issued
                 self.issued += 1
                 self.cursor_page += 1
             else:
                 self.cursor += 1
                 self.cursor_page = 0
+        if self.l2_ahead:
+            self.hint_ahead()
+
+    def hint_ahead(self) -> None:
+        """As ``_hint_ahead``: from the ring's cursor if behind it, up to
+        ``L2_AHEAD_PAGES`` pages past the ring's."""
+        pc, kp, hinted = self.l2
+        if hinted < self.issued:
+            pc, kp, hinted = self.cursor, self.cursor_page, self.issued
+        while pc < len(self.counts) and hinted - self.issued < L2_AHEAD_PAGES:
+            if kp < self.counts[pc]:
+                assert not self.hints or hinted > self.hints[-1]
+                self.hints.append(hinted)
+                self.hinted.add(hinted)
+                hinted += 1
+                kp += 1
+            else:
+                pc += 1
+                kp = 0
+        self.l2 = [pc, kp, hinted]
+        assert hinted - self.issued <= L2_AHEAD_PAGES
 
     def consume(self, g: int) -> None:
         slot = g % self.slots
@@ -206,7 +240,7 @@ def replay_ring(program, s: KernelShape, slots: int, refill: bool = True) -> Non
             len(producer_pages(s, i.op, i.arg0, i.arg1)) if i.op in geo else 0
             for i in queue
         ]
-        ring, base = Ring(counts, slots), 0
+        ring, base = Ring(counts, slots, s.l2_ahead), 0
         for n in counts:
             ring.top_up(base)  # before (and while) the instruction waits
             for g in range(base, base + n):
@@ -215,13 +249,20 @@ def replay_ring(program, s: KernelShape, slots: int, refill: bool = True) -> Non
                     ring.top_up(g + 1)  # thread 0, after the page's CTA barrier
             base += n
         assert ring.issued == base, "pages issued but never read"
+        if s.l2_ahead:
+            # Every page past the ring's first fill was hinted, once, before
+            # its copy.
+            assert ring.hints == list(range(min(slots, base), base))
+            assert ring.copied_unhinted == list(range(min(slots, base)))
 
 
+@pytest.mark.parametrize("l2_ahead", [False, True], ids=["ring", "l2_ahead"])
 @pytest.mark.parametrize("config, batch, mma, split", CASES)
 def test_ring_schedule_never_waits_on_an_unissued_or_reused_page(
-    config, batch, mma, split
+    config, batch, mma, split, l2_ahead
 ):
     program, s = real_shape(config, batch, mma, split)
+    s = dataclasses.replace(s, l2_ahead=l2_ahead)
     assert ring_slots(s) >= 3
     replay_ring(program, s, ring_slots(s))
 

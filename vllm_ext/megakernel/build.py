@@ -133,6 +133,12 @@ def main(argv: list[str] | None = None) -> int:
         "queue's weights by bulk copies, through waits; alone",
     )
     parser.add_argument(
+        "--l2-ahead",
+        action="store_true",
+        help="experimental: with --weight-pipe, hint the ring's next pages into "
+        "L2 ahead of it",
+    )
+    parser.add_argument(
         "--wide-attn",
         action="store_true",
         help="experimental: attention with 128-bit K/V loads and the batch's "

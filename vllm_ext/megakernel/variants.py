@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from vllm_ext.model_spec import ModelSpec
 
 # KernelShape flags, as the build CLI names them with dashes.
-KERNEL = ("stage_queue", "weight_pipe", "wide_attn", "mma_gemv", "stage_weights")
+KERNEL = ("stage_queue", "weight_pipe", "l2_ahead", "wide_attn", "mma_gemv",
+          "stage_weights")  # fmt: skip
 # Planner options: the fused COMBINE (isa.py, tail) and QKV head parts.
 PROGRAM = ("fused_combine", "split_qkv")
 

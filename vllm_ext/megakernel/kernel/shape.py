@@ -113,6 +113,10 @@ class KernelShape:
     # across instructions (kernel/ops/weight_pipe.py). With mma_gemv, the
     # tensor-core GEMV reads its pages; not with stage_weights.
     weight_pipe: bool = False
+    # Experimental (not yet measured): with weight_pipe, a second cursor
+    # hints the ring's next pages into L2, so the lookahead is the ring plus
+    # that much L2 (kernel/ops/weight_pipe.py, L2_AHEAD_PAGES).
+    l2_ahead: bool = False
     # Experimental (not yet measured): ATTN with 128-bit K/V loads, several
     # tokens per warp load and requests side by side
     # (kernel/ops/attn_wide.py).
@@ -144,6 +148,9 @@ class KernelShape:
                 "weight_pipe and stage_weights both move the GEMVs' weights into "
                 "shared memory: pick one"
             )
+        if self.l2_ahead and not self.weight_pipe:
+            raise ValueError("l2_ahead runs ahead of the weight pipeline's ring: "
+                             "it needs weight_pipe")  # fmt: skip
         if self.weight_pipe and not self.mma_gemv:  # (mma pages split rows)
             page_rows(self.hidden, dual=True)  # GATE_UP (QKV, LM_HEAD: narrower)
             page_rows(self.q_heads * self.head_dim)  # O_PROJ
@@ -178,6 +185,7 @@ class KernelShape:
         mma_gemv: bool = False,
         weight_pipe: bool = False,
         wide_attn: bool = False,
+        l2_ahead: bool = False,
     ) -> KernelShape:
         s = program.spec
         return cls(
@@ -198,6 +206,7 @@ class KernelShape:
             mma_gemv=mma_gemv,
             weight_pipe=weight_pipe,
             wide_attn=wide_attn,
+            l2_ahead=l2_ahead,
             fused_combine=program.fuse_combine,
             qkv_parts=program.qkv_parts,
         )

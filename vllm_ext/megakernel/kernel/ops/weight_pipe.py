@@ -14,6 +14,13 @@ waits between phases instead of starting after them. On the H200
 boundary; a full ring holds 4-6 pages of 32 KiB, 4-6 us of an SM's share
 of HBM bandwidth.
 
+With ``l2_ahead``, a second cursor walks the same pages up to
+``L2_AHEAD_PAGES`` past the ring's and hints each into L2
+(``cp.async.bulk.prefetch.L2``, the same rows the ring's copy will read),
+so the CTA's lookahead is the ring plus that much L2: the shared-memory
+ring alone holds 4-6 pages, where the cost model's lookahead (ring and a
+share of half the L2, which the pipeline's figures assumed) is twice that.
+
 Page ``g`` of the launch (counted over the whole queue) lives in slot
 ``g % slots``; its ``g // slots``-th use completes the slot's mbarrier phase
 of that parity. For the CUDA-core GEMV a page holds whole rows of one
@@ -47,7 +54,7 @@ from vllm_ext.megakernel.kernel.shape import (
     LayerSlot,
     page_rows,
 )
-from vllm_ext.megakernel.kernel.sync import nanosleep, trap
+from vllm_ext.megakernel.kernel.sync import nanosleep, prefetch_l2, trap
 
 PAGE_ELEMS = PAGE_BYTES // 2
 POLL_NS = 32  # between tests of a page's mbarrier (as between counter polls)
@@ -57,8 +64,19 @@ MIN_SLOTS = 3
 MAX_SLOTS = 6
 # The producer's state in shared memory (written by thread 0 only): the
 # instruction and page it issues next, pages issued, and the first page of
-# the instruction being executed.
-CURSOR, CURSOR_PAGE, ISSUED, BASE = range(4)
+# the instruction being executed; with l2_ahead, the L2 cursor's instruction,
+# page and pages hinted.
+CURSOR, CURSOR_PAGE, ISSUED, BASE, L2_CURSOR, L2_CURSOR_PAGE, L2_HINTED = range(7)
+# How far the L2 cursor runs ahead of the ring (l2_ahead): 6 pages of 32 KiB
+# on each of 132 SMs hold 25 MiB, half the H200's L2 (the cost model's
+# share), beside the KV cache and activations that stream through it.
+L2_AHEAD_PAGES = 6
+
+
+def state_words(shape: KernelShape) -> int:
+    """Words of the producer's state (the L2 cursor's only with l2_ahead, so
+    the pipeline without it is the kernel built before it)."""
+    return 8 if shape.l2_ahead else 4
 
 
 @dataclass(frozen=True)
@@ -159,7 +177,8 @@ def red_elems(shape: KernelShape) -> int:
 
 def pipe_bytes(slots: int, shape: KernelShape) -> list[int]:
     """The pipeline's shared buffers: pages, mbarriers, state, scratch."""
-    return [slots * PAGE_BYTES, 8 * slots, 4 * 4, 4 * red_elems(shape)]
+    return [slots * PAGE_BYTES, 8 * slots, 4 * state_words(shape),
+            4 * red_elems(shape)]  # fmt: skip
 
 
 def tile_pages(rows: int, per_page: int) -> int:
@@ -177,7 +196,7 @@ class Pipe:
     slots: int
     pages: cute.Tensor  # [slots, PAGE_ELEMS] bf16
     mbar: cute.Tensor  # [slots] int64
-    state: cute.Tensor  # [4] int32: CURSOR, CURSOR_PAGE, ISSUED, BASE
+    state: cute.Tensor  # [state_words] int32: CURSOR, ..., L2_HINTED
     red: cute.Tensor  # [red_elems(shape)] fp32
     q: Queue  # the CTA's instructions
     length: object
@@ -196,7 +215,7 @@ class Pipe:
                 128,
             ),
             smem.allocate_tensor(Int64, cute.make_layout(slots), 8),
-            smem.allocate_tensor(Int32, cute.make_layout(4), 16),
+            smem.allocate_tensor(Int32, cute.make_layout(state_words(shape)), 16),
             smem.allocate_tensor(Float32, cute.make_layout(red_elems(shape)), 16),
             **kernel_args,
         )
@@ -217,7 +236,7 @@ def pipe_init(p: cutlass.Constexpr):
     for i in cutlass.range_constexpr(p.slots):
         cute.arch.mbarrier_init(p.mbar.iterator + i, 1)
     cute.arch.mbarrier_init_fence()
-    for i in cutlass.range_constexpr(4):
+    for i in cutlass.range_constexpr(state_words(p.shape)):
         p.state[i] = Int32(0)
 
 
@@ -255,62 +274,76 @@ def _copy(p: cutlass.Constexpr, slot, offset, src: Int64, nbytes):
 
 @cute.jit
 def _issue_rows(p: cutlass.Constexpr, slot, t: cutlass.Constexpr, base: Int64, lo,
-                hi, kp, second: Int64):  # fmt: skip
+                hi, kp, second: Int64, hint: cutlass.Constexpr):  # fmt: skip
     """Page ``kp`` of units [lo, hi) of the matrix at ``base`` (and of the
     one at ``second``, when dual) into ``slot``: one copy when pages hold
-    whole rows, else one per row (and matrix)."""
+    whole rows, else one per row (and matrix). ``hint``: the same rows
+    prefetched into L2 instead (no slot, nothing to wait for)."""
     tile: Tile = t
     row_bytes = 2 * tile.k
     if cutlass.const_expr(tile.k_chunk == tile.k):
         first = lo * tile.unit + kp * tile.per_page
         rows = cutlass.min(Int32(tile.per_page), hi * tile.unit - first)
         nbytes = rows * row_bytes
-        total = nbytes * 2 if tile.dual else nbytes
-        cute.arch.mbarrier_arrive_and_expect_tx(p.mbar.iterator + slot, total)
         row = unit_row(tile, first)
-        _copy(p, slot, 0, base + Int64(row) * row_bytes, nbytes)
-        if cutlass.const_expr(tile.dual):
-            _copy(p, slot, tile.per_page * tile.k, second + Int64(row) * row_bytes,
-                  nbytes)  # fmt: skip
+        if cutlass.const_expr(hint):
+            prefetch_l2(base + Int64(row) * row_bytes, nbytes)
+            if cutlass.const_expr(tile.dual):
+                prefetch_l2(second + Int64(row) * row_bytes, nbytes)
+        else:
+            total = nbytes * 2 if tile.dual else nbytes
+            cute.arch.mbarrier_arrive_and_expect_tx(p.mbar.iterator + slot, total)
+            _copy(p, slot, 0, base + Int64(row) * row_bytes, nbytes)
+            if cutlass.const_expr(tile.dual):
+                _copy(p, slot, tile.per_page * tile.k,
+                      second + Int64(row) * row_bytes, nbytes)  # fmt: skip
     else:
         block, kc = kp // tile.k_pages, kp % tile.k_pages
         first = lo * tile.unit + block * tile.per_page
         rows = cutlass.min(Int32(tile.per_page), hi * tile.unit - first)
         k0 = kc * tile.k_chunk
         nbytes = cutlass.min(Int32(tile.k_chunk), tile.k - k0) * 2
-        total = rows * nbytes * (2 if tile.dual else 1)
-        cute.arch.mbarrier_arrive_and_expect_tx(p.mbar.iterator + slot, total)
+        if cutlass.const_expr(not hint):
+            total = rows * nbytes * (2 if tile.dual else 1)
+            cute.arch.mbarrier_arrive_and_expect_tx(p.mbar.iterator + slot, total)
         row = unit_row(tile, first)
         for r in cutlass.range(rows):
             src = Int64(row + r) * row_bytes + Int64(k0) * 2
-            _copy(p, slot, r * tile.k_chunk, base + src, nbytes)
-            if cutlass.const_expr(tile.dual):
-                _copy(p, slot, (tile.per_page + r) * tile.k_chunk, second + src,
-                      nbytes)  # fmt: skip
+            if cutlass.const_expr(hint):
+                prefetch_l2(base + src, nbytes)
+                if cutlass.const_expr(tile.dual):
+                    prefetch_l2(second + src, nbytes)
+            else:
+                _copy(p, slot, r * tile.k_chunk, base + src, nbytes)
+                if cutlass.const_expr(tile.dual):
+                    _copy(p, slot, (tile.per_page + r) * tile.k_chunk, second + src,
+                          nbytes)  # fmt: skip
 
 
 @cute.jit
-def _issue(p: cutlass.Constexpr, op, layer, lo, hi, kp, slot):
-    """Page ``kp`` of instruction (op, layer, lo, hi) into ``slot``."""
+def _issue(p: cutlass.Constexpr, op, layer, lo, hi, kp, slot,
+           hint: cutlass.Constexpr = False):  # fmt: skip
+    """Page ``kp`` of instruction (op, layer, lo, hi) into ``slot`` (or,
+    ``hint``, into L2)."""
     shape: KernelShape = p.shape
     geo = geometry(shape)
     ptrs, none = p.ptrs, Int64(0)
     if op == Op.QKV:
         _issue_rows(p, slot, geo[Op.QKV], ptrs[layer, LayerSlot.QKV], lo, hi, kp,
-                    none)  # fmt: skip
+                    none, hint)  # fmt: skip
     elif op == Op.O_PROJ:
         _issue_rows(p, slot, geo[Op.O_PROJ], ptrs[layer, LayerSlot.O_PROJ], lo, hi,
-                    kp, none)  # fmt: skip
+                    kp, none, hint)  # fmt: skip
     elif op == Op.GATE_UP:
         gate = ptrs[layer, LayerSlot.GATE_UP]
         up = gate + Int64(shape.intermediate * shape.hidden * 2)
-        _issue_rows(p, slot, geo[Op.GATE_UP], gate, lo, hi, kp, up)
+        _issue_rows(p, slot, geo[Op.GATE_UP], gate, lo, hi, kp, up, hint)
     elif op == Op.DOWN:
         _issue_rows(p, slot, geo[Op.DOWN], ptrs[layer, LayerSlot.DOWN], lo, hi, kp,
-                    none)  # fmt: skip
+                    none, hint)  # fmt: skip
     elif op == Op.LM_HEAD:
         _issue_rows(p, slot, geo[Op.LM_HEAD], ptrs[p.glob, GlobalSlot.LM_HEAD], lo,
-                    hi, kp, none)  # fmt: skip
+                    hi, kp, none, hint)  # fmt: skip
 
 
 @cute.jit
@@ -334,6 +367,33 @@ def top_up(p: cutlass.Constexpr, released):
     p.state[CURSOR] = ipc
     p.state[CURSOR_PAGE] = kp
     p.state[ISSUED] = issued
+    if cutlass.const_expr(p.shape.l2_ahead):
+        _hint_ahead(p, ipc, kp, issued, ins)
+
+
+@cute.jit
+def _hint_ahead(p: cutlass.Constexpr, ipc, kp, issued, ins: cute.Tensor):
+    """Thread 0, after the ring's top-up (whose cursor is at page
+    ``issued``, of instruction ``ipc``, page ``kp``): hint pages into L2 in
+    queue order until ``L2_AHEAD_PAGES`` past the ring's are hinted."""
+    lpc, lkp = p.state[L2_CURSOR], p.state[L2_CURSOR_PAGE]
+    hinted = p.state[L2_HINTED]
+    if hinted < issued:
+        # Behind the ring, which copies those pages itself: start at its
+        # next page.
+        lpc, lkp, hinted = ipc, kp, issued
+    while (lpc < p.length) & (hinted - issued < L2_AHEAD_PAGES):
+        fetch(p.q, lpc, ins)
+        if lkp < instr_pages(p.shape, ins[0], ins[2], ins[3]):
+            _issue(p, ins[0], ins[1], ins[2], ins[3], lkp, Int32(0), True)
+            hinted = hinted + 1
+            lkp = lkp + 1
+        else:
+            lpc = lpc + 1
+            lkp = Int32(0)
+    p.state[L2_CURSOR] = lpc
+    p.state[L2_CURSOR_PAGE] = lkp
+    p.state[L2_HINTED] = hinted
 
 
 @cute.jit
