@@ -63,9 +63,9 @@ POLL_NS = 32  # between tests of a page's mbarrier (as between counter polls)
 MIN_SLOTS = 3
 MAX_SLOTS = 6
 # The producer's state in shared memory (written by thread 0 only): the
-# instruction and page it issues next, pages issued, and the first page of
-# the instruction being executed; with l2_ahead, the L2 cursor's instruction,
-# page and pages hinted.
+# ring's cursor (the instruction and page it issues next, pages issued), the
+# first page of the instruction being executed, and with l2_ahead the L2
+# cursor (the same three words for its hints; _walk advances either).
 CURSOR, CURSOR_PAGE, ISSUED, BASE, L2_CURSOR, L2_CURSOR_PAGE, L2_HINTED = range(7)
 # How far the L2 cursor runs ahead of the ring (l2_ahead): 6 pages of 32 KiB
 # on each of 132 SMs hold 25 MiB, half the H200's L2 (the cost model's
@@ -349,51 +349,47 @@ def _issue(p: cutlass.Constexpr, op, layer, lo, hi, kp, slot,
 @cute.jit
 def top_up(p: cutlass.Constexpr, released):
     """Thread 0: issue pages in queue order until ``slots`` pages past the
-    ``released`` ones are in flight or the queue ends. Never blocks."""
-    ipc, kp, issued = p.state[CURSOR], p.state[CURSOR_PAGE], p.state[ISSUED]
+    ``released`` ones are in flight or the queue ends; with ``l2_ahead``,
+    then hint the ``L2_AHEAD_PAGES`` after those into L2. Never blocks."""
     ins = cute.make_rmem_tensor((WORDS,), Int32)
     # Generic-proxy reads of a released slot come before the async-proxy
     # writes that refill it.
     cute.arch.fence_proxy("async.shared", space="cta")
-    while (ipc < p.length) & (issued - released < p.slots):
+    _walk(p, CURSOR, released, p.slots, ins, False)
+    if cutlass.const_expr(p.shape.l2_ahead):
+        # (Written through an alias: a store through p inside the dynamic if
+        # would read as rebinding p, a trace-time object.)
+        state = p.state
+        issued = state[ISSUED]
+        if state[L2_HINTED] < issued:
+            # Behind the ring, which copies those pages itself: go on from
+            # its next page.
+            for i in cutlass.range_constexpr(3):
+                state[L2_CURSOR + i] = state[CURSOR + i]
+        _walk(p, L2_CURSOR, issued, L2_AHEAD_PAGES, ins, True)
+
+
+@cute.jit
+def _walk(p: cutlass.Constexpr, cursor: cutlass.Constexpr, base, limit,
+          ins: cute.Tensor, hint: cutlass.Constexpr):  # fmt: skip
+    """Advance the cursor in state words ``cursor`` .. ``cursor + 2``
+    (instruction, page, pages issued) through the queue's pages, issuing
+    each (a copy into its slot, or with ``hint`` into L2), until ``limit``
+    pages past ``base`` are issued or the queue ends."""
+    ipc, kp = p.state[cursor], p.state[cursor + 1]
+    issued = p.state[cursor + 2]
+    while (ipc < p.length) & (issued - base < limit):
         fetch(p.q, ipc, ins)
         if kp < instr_pages(p.shape, ins[0], ins[2], ins[3]):
-            _issue(p, ins[0], ins[1], ins[2], ins[3], kp, issued % p.slots)
+            _issue(p, ins[0], ins[1], ins[2], ins[3], kp, issued % p.slots, hint)
             issued = issued + 1
             kp = kp + 1
         else:
             ipc = ipc + 1
             kp = Int32(0)
-    p.state[CURSOR] = ipc
-    p.state[CURSOR_PAGE] = kp
-    p.state[ISSUED] = issued
-    if cutlass.const_expr(p.shape.l2_ahead):
-        _hint_ahead(p, ipc, kp, issued, ins)
-
-
-@cute.jit
-def _hint_ahead(p: cutlass.Constexpr, ipc, kp, issued, ins: cute.Tensor):
-    """Thread 0, after the ring's top-up (whose cursor is at page
-    ``issued``, of instruction ``ipc``, page ``kp``): hint pages into L2 in
-    queue order until ``L2_AHEAD_PAGES`` past the ring's are hinted."""
-    lpc, lkp = p.state[L2_CURSOR], p.state[L2_CURSOR_PAGE]
-    hinted = p.state[L2_HINTED]
-    if hinted < issued:
-        # Behind the ring, which copies those pages itself: start at its
-        # next page.
-        lpc, lkp, hinted = ipc, kp, issued
-    while (lpc < p.length) & (hinted - issued < L2_AHEAD_PAGES):
-        fetch(p.q, lpc, ins)
-        if lkp < instr_pages(p.shape, ins[0], ins[2], ins[3]):
-            _issue(p, ins[0], ins[1], ins[2], ins[3], lkp, Int32(0), True)
-            hinted = hinted + 1
-            lkp = lkp + 1
-        else:
-            lpc = lpc + 1
-            lkp = Int32(0)
-    p.state[L2_CURSOR] = lpc
-    p.state[L2_CURSOR_PAGE] = lkp
-    p.state[L2_HINTED] = hinted
+    p.state[cursor] = ipc
+    p.state[cursor + 1] = kp
+    p.state[cursor + 2] = issued
 
 
 @cute.jit
