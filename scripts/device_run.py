@@ -5,8 +5,10 @@ torch + ctypes only (no CuTe DSL, no vLLM on the GPU machine).
 
     python3 scripts/device_run.py BUNDLE_DIR OUT_DIR [--quick]
 
-For every case the bundle holds (model shape x batch bucket), in its own
-process so a fault in one cannot take the others down:
+For every case the bundle holds (model shape x batch bucket, and the
+variants device_check.sh built), smallest shape first, each default before
+its variants, in one process per case so a fault in one cannot take the
+others down:
   1. correctness: three decode steps (counters never reset) on fresh random
      inputs, workspace poisoned with NaN. Every instruction is judged
      against its PyTorch reference on the inputs the kernel gave it (h,
@@ -21,9 +23,10 @@ process so a fault in one cannot take the others down:
      one CUDA graph), the same without the elementwise ops (a floor for any
      per-op decode), and the weight-read floor (the step's weight bytes at
      the read bandwidth of a large copy); then a breakdown of the step.
-Then: a broken program must trap with its message, not hang; and, when the
-machine has compute-sanitizer, the first case and then each variant under it
-(two steps of a two-layer program: the same compiled kernel). Writes
+After the first case, a broken program must trap with its message, not
+hang. Last, with whatever time is left, when the machine has
+compute-sanitizer: the first case and then each variant under it (two steps
+of a two-layer program: the same compiled kernel). Writes
 OUT_DIR/device_check.json and OUT_DIR/device_check.md.
 """
 
