@@ -538,9 +538,10 @@ def timing(case_dir: Path) -> dict:
     result["weight_bytes"] = program.weight_bytes()
     if is_variant(case_dir):
         # The baselines are its default twin's (same shapes, same weights);
-        # the call's time goes to the breakdown.
+        # the call's time goes to the rows of the breakdown the variants move.
         try:
-            result["breakdown"] = breakdown(ex, program, mk, result["megakernel_ms"])
+            result["breakdown"] = breakdown(ex, program, mk, result["megakernel_ms"],
+                                            VARIANT_ROWS)  # fmt: skip
         except Exception as e:  # reported in the JSON
             result["extras_error"] = repr(e)[:500]
         return result
@@ -604,9 +605,16 @@ BREAKDOWN = {
 }
 
 
-def breakdown(ex, program, step, full_ms: float) -> dict:
+# A variant case's rows: what the variants change (the waits: the weight
+# pipeline, the L2 lookahead, the fused COMBINE; QKV: head parts; ATTN: wide
+# attention; GATE_UP and DOWN: the tensor-core GEMV; NOP: the staged queue).
+VARIANT_ROWS = ("no waits", "QKV", "ATTN", "GATE_UP", "DOWN", "NOP", "NOP, waits")
+
+
+def breakdown(ex, program, step, full_ms: float, rows=tuple(BREAKDOWN)) -> dict:
     """{variant: {ms, weight_bytes}}: where the step's time goes, from
-    programs that leave parts out (no hardware counters needed)."""
+    programs that leave parts out (no hardware counters needed); ``rows``:
+    which of BREAKDOWN."""
     original = ex.queue
     by_op: dict[int, int] = {}
     for queue in program.queues:
@@ -617,6 +625,8 @@ def breakdown(ex, program, step, full_ms: float) -> dict:
     out = {}
     try:
         for name, (keep, waits) in BREAKDOWN.items():
+            if name not in rows:
+                continue
             if program.fuse_combine and (name == "COMBINE" or waits):
                 # No COMBINE instructions: the merges run in ATTN's row. And
                 # a NOP'd ATTN runs no merge, so its tail never signals: the

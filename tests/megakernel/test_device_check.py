@@ -289,6 +289,10 @@ def test_waits_probe_is_a_valid_program_or_skipped(monkeypatch, fused):
     assert len(probes) == len(out) and ex.queue is queue
     if not fused:
         assert torch.equal(probes[list(out).index("NOP, waits")], table)
+    # A variant case times the rows the variants move, in the same order.
+    rows = d.breakdown(ex, program, lambda: None, 1.0, d.VARIANT_ROWS)
+    assert list(rows) == [r for r in out if r in d.VARIANT_ROWS]
+    assert set(d.VARIANT_ROWS) <= set(d.BREAKDOWN) and len(rows) < len(out)
 
 
 def test_report_table():
