@@ -524,9 +524,11 @@ def timing(case_dir: Path) -> dict:
         ),
     )
     result = {"batch": b, "context": BENCH_CONTEXT,
-              # What the calibration re-plans (vllm_ext/megakernel/calibrate.py).
+              # What the calibration re-plans, and the kernel it models
+              # (vllm_ext/megakernel/calibrate.py).
               "program": {"fuse_combine": program.fuse_combine,
-                          "qkv_parts": program.qkv_parts}}  # fmt: skip
+                          "qkv_parts": program.qkv_parts},
+              "shape": torch.load(case_dir / "program.pt")["shape"]}  # fmt: skip
 
     def mk():
         ex.step(inputs)

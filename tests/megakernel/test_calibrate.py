@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_ext.megakernel.calibrate import calibrate, fit_case, main, phases, probe
+from vllm_ext.megakernel.calibrate import (
+    calibrate,
+    fit_case,
+    kernel_lookahead_bytes,
+    main,
+    phases,
+    probe,
+)
 from vllm_ext.megakernel.cost import DEVICES, predict
 from vllm_ext.megakernel.plan import load_spec
 from vllm_ext.megakernel.planner import plan
@@ -58,6 +65,45 @@ def test_recovers_the_figures_a_model_report_was_made_with(overhead, latency):
     assert fit.wait_per_phase_s == pytest.approx(
         (whole - walk) * 1e-3 / phases(program)
     )
+
+
+def test_the_model_runs_each_case_with_its_kernels_lookahead():
+    """A report that records the kernel's shape is modelled with that
+    kernel's lookahead: the ring plus the L2 cursor's 6 pages with
+    --l2-ahead, plus the next instruction's prefetch without; the default
+    kernel prefetches only that. More lookahead, a shorter modelled step."""
+    from vllm_ext.megakernel.kernel.ops.weight_pipe import L2_AHEAD_PAGES
+    from vllm_ext.megakernel.kernel.persistent import ring_slots
+    from vllm_ext.megakernel.kernel.shape import PAGE_BYTES, KernelShape
+
+    spec = load_spec("llama-3.2-1b", torch.bfloat16)
+    device = DEVICES["h200"]
+    program = plan(spec, 1, device, with_lm_head=True)
+    shape = KernelShape.from_program(program, 16)
+    kernels = {
+        "default": shape,
+        "pipe": dataclasses.replace(shape, weight_pipe=True, stage_queue=True),
+        "deep": dataclasses.replace(shape, weight_pipe=True, stage_queue=True,
+                                    l2_ahead=True),
+    }  # fmt: skip
+    ring = ring_slots(kernels["pipe"]) * PAGE_BYTES
+    assert ring_slots(kernels["deep"]) * PAGE_BYTES == ring
+    look = {k: kernel_lookahead_bytes(v.as_dict()) for k, v in kernels.items()}
+    assert look["deep"] == ring + L2_AHEAD_PAGES * PAGE_BYTES
+    assert look["default"] < look["pipe"] < look["deep"]
+    assert kernel_lookahead_bytes(None) is None
+    rows = {"NOP": {"ms": 0.074}, "no waits": {"ms": 0.8}}
+    ms = {}
+    for name, kernel in (*kernels.items(), ("unrecorded", None)):
+        timing = {"megakernel_ms": 1.0, "breakdown": rows,
+                  "shape": kernel.as_dict() if kernel else None}  # fmt: skip
+        ms[name] = fit_case("llama-3.2-1b-b1", timing, device, None,
+                            program=program).predicted_ms  # fmt: skip
+    assert ms["default"] > ms["pipe"] > ms["deep"]
+    # Without a recorded kernel: the device's lookahead (the design's).
+    assert ms["unrecorded"] == pytest.approx(predict(program, dataclasses.replace(
+        device, instruction_overhead_s=0.074e-3 / max(map(len, program.queues)))
+    ).step_s * 1e3)  # fmt: skip
 
 
 def test_cli(capsys, tmp_path):

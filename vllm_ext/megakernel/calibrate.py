@@ -13,8 +13,10 @@ its breakdown ran, re-planned here:
   the model's time for that probe the measured one;
 * what a phase boundary costs in the real step: the step minus the step
   without waits, over the phases that wait;
-* the model's step with those figures and the report's copy bandwidth,
-  beside the measured step.
+* the model's step with those figures, the report's copy bandwidth and the
+  case's kernel's own lookahead (``kernel_lookahead_bytes``; the device's,
+  which the weight pipeline was designed against, for reports that do not
+  record the kernel), beside the measured step.
 
 The programs are planned by this checkout: run it at the report's commit
 (or one whose planner is unchanged since), as the GPU run's session does.
@@ -85,6 +87,27 @@ def solve_latency(program: Program, device: Device, measured_s: float) -> float 
     return (lo + hi) / 2
 
 
+def kernel_lookahead_bytes(shape: dict | None) -> int | None:
+    """How far ahead of its execution a kernel built for ``shape`` (a
+    ``KernelShape`` as a dict) streams an SM's weights: its shared-memory
+    ring (or weight stage) plus what it prefetches into L2 beyond that (the
+    L2 cursor's pages, or the next instruction's first rows: about one
+    ``PREFETCH_BYTES``). None for an unknown kernel."""
+    if not shape:
+        return None
+    from vllm_ext.megakernel.kernel.ops.prefetch import PREFETCH_BYTES
+    from vllm_ext.megakernel.kernel.ops.weight_pipe import L2_AHEAD_PAGES
+    from vllm_ext.megakernel.kernel.ops.weight_stage import W_STAGE_BYTES
+    from vllm_ext.megakernel.kernel.persistent import ring_slots
+    from vllm_ext.megakernel.kernel.shape import PAGE_BYTES, KernelShape
+
+    s = KernelShape(**shape)
+    if s.weight_pipe:
+        ahead = L2_AHEAD_PAGES * PAGE_BYTES if s.l2_ahead else PREFETCH_BYTES
+        return ring_slots(s) * PAGE_BYTES + ahead
+    return (W_STAGE_BYTES if s.stage_weights else 0) + PREFETCH_BYTES
+
+
 @dataclasses.dataclass(frozen=True)
 class Fit:
     case: str
@@ -126,8 +149,9 @@ def fit_case(name: str, timing: dict, device: Device, bandwidth: float | None,
     per_phase = None
     if "no waits" in rows:
         per_phase = (step_ms - rows["no waits"]["ms"]) * 1e-3 / phases(program)
+    lookahead = kernel_lookahead_bytes(timing.get("shape"))
     return Fit(name, step_ms, overhead, latency, per_phase,
-               predict(program, fitted).step_s * 1e3)  # fmt: skip
+               predict(program, fitted, lookahead).step_s * 1e3)  # fmt: skip
 
 
 def calibrate(report: dict, device: Device | None = None) -> list[Fit]:

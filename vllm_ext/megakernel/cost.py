@@ -98,11 +98,16 @@ class Prediction:
         return self.floor_s / self.step_s
 
 
-def predict(program, device: Device | None = None) -> Prediction:
-    """Simulate ``program`` (a planner.Program) under the assumptions above."""
+def predict(
+    program, device: Device | None = None, lookahead_bytes: int | None = None
+) -> Prediction:
+    """Simulate ``program`` (a planner.Program) under the assumptions above;
+    ``lookahead_bytes``: a kernel's own lookahead per SM in place of the
+    device's (``calibrate.kernel_lookahead_bytes``)."""
     from vllm_ext.megakernel.isa import NO_COUNTER
 
     device = device or program.device
+    window = device.lookahead_bytes if lookahead_bytes is None else lookahead_bytes
     bw = device.sm_bytes_per_s
     queues = program.queues
     costs = [[program.cost(i) for i in q] for q in queues]
@@ -154,9 +159,7 @@ def predict(program, device: Device | None = None) -> Prediction:
             end = max([end, *signals.get(c, [])]) + device.dependency_latency_s
             end += _tail_s(program, instr, device)
             ended.append((instr.tail, end))
-        _stall_stream(
-            load_done[sm], cum_bytes[sm], pos[sm], end, device.lookahead_bytes, bw
-        )
+        _stall_stream(load_done[sm], cum_bytes[sm], pos[sm], end, window, bw)
         finish[sm] = end
         pos[sm] += 1
         schedule(sm)
