@@ -74,8 +74,7 @@ L2_AHEAD_PAGES = 6
 
 
 def state_words(shape: KernelShape) -> int:
-    """Words of the producer's state (the L2 cursor's only with l2_ahead, so
-    the pipeline without it is the kernel built before it)."""
+    """Words of the producer's state (the L2 cursor's only with l2_ahead)."""
     return 8 if shape.l2_ahead else 4
 
 
