@@ -377,7 +377,9 @@ def test_driver_order_and_verdict(tmp_path, monkeypatch):
                                          weight_pipe=name.endswith("pipe"))  # fmt: skip
         (bundle / name).mkdir(parents=True)
         save_program(bundle / name / "program.pt", program, shape)
-    manifest = {"commit": "abc", "variant_order": ["m-b1-tail", "m-b1-pipe"]}
+    # Listed against the order the cases were made in (which a directory
+    # listing would follow).
+    manifest = {"commit": "abc", "variant_order": ["m-b1-pipe", "m-b1-tail"]}
     (bundle / "manifest.json").write_text(json.dumps(manifest))
     calls = []
 
@@ -400,17 +402,17 @@ def test_driver_order_and_verdict(tmp_path, monkeypatch):
     assert calls == [
         ("bandwidth", "m-b1", False), ("case", "m-b1", False),
         ("trap", "m-b1", False),
-        ("case", "m-b1-tail", False), ("case", "m-b1-pipe", False),
+        ("case", "m-b1-pipe", False), ("case", "m-b1-tail", False),
         ("case", "m-b2", False),
-        ("sanitize", "m-b1", True), ("sanitize", "m-b1-tail", True),
-        ("sanitize", "m-b1-pipe", True),
+        ("sanitize", "m-b1", True), ("sanitize", "m-b1-pipe", True),
+        ("sanitize", "m-b1-tail", True),
     ]  # fmt: skip
     report = json.loads((tmp_path / "out" / "device_check.json").read_text())
     assert report["cases"]["m-b2"] == {"correctness": {"ok": True},
                                        "timing": {"megakernel_ms": 1.0}}  # fmt: skip
     assert report["ok"] and list(report["sanitizer"]) == [
-        "m-b1", "m-b1-tail", "m-b1-pipe"]  # fmt: skip
-    assert "sanitizer: m-b1 ok; m-b1-tail ok; m-b1-pipe ok" in (
+        "m-b1", "m-b1-pipe", "m-b1-tail"]  # fmt: skip
+    assert "sanitizer: m-b1 ok; m-b1-pipe ok; m-b1-tail ok" in (
         tmp_path / "out" / "device_check.md").read_text()  # fmt: skip
     # A trap run without the kernel's message fails the whole check.
     calls.clear()
