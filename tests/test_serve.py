@@ -109,3 +109,5 @@ def test_serve_matches_default_path(server, demo_model, monkeypatch):
     assert "reference executor (VLLM_MEGAKERNEL_INTERPRET=1)" in text
     assert "ProgramExecutor" in text
     assert "First decode step through the megakernel backend" in text
+    # The plugin made VLLM_MEGAKERNEL_* known to vLLM (serve.sh sets one).
+    assert "Unknown vLLM environment variable" not in text

@@ -21,6 +21,7 @@ from vllm_ext import envs
 from vllm_ext.megakernel.kernel.launcher import ARCH_OF_CAPABILITY
 from vllm_ext.megakernel.planner import batch_buckets
 from vllm_ext.model_spec import ModelSpec
+from vllm_ext.plugin import ATTENTION_BACKEND
 from vllm_ext.runner import DecodeExecutor, decode_inputs_from_forward_context
 from vllm_ext.weights import DecodeWeights
 
@@ -187,7 +188,8 @@ def _attention_backend_for_platform(interpret: bool) -> AttentionBackendEnum:
                 f"--decode-backend megakernel needs {SUPPORTED_GPUS}, and this "
                 "machine has none (vLLM platform: cpu). " + INTERPRET_HINT
             )
-        return AttentionBackendEnum.MEGAKERNEL
+        # Registered by the plugin (vllm_ext.plugin) in every process.
+        return AttentionBackendEnum[ATTENTION_BACKEND]
     raise ValueError(
         f"--decode-backend megakernel does not support the "
         f"{current_platform.device_name!r} platform; it needs {SUPPORTED_GPUS}, "

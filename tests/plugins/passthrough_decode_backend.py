@@ -1,0 +1,40 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A second decode backend, registered the way any plugin registers one, to
+show that the registry in vLLM is not the megakernel's alone: it runs each
+decode-only step through the model's own forward pass and counts them."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from vllm.v1.worker.decode_backend import DecodeBackend, register_decode_backend
+
+NAME = "passthrough"
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point (written by the test)."""
+    register_decode_backend(NAME, f"{__name__}.PassthroughDecodeBackend")
+
+
+class PassthroughDecodeBackend(DecodeBackend):
+    @classmethod
+    def verify_and_update_config(cls, vllm_config) -> None:
+        # Refuses something, so a test can tell the start-up check ran.
+        if vllm_config.model_config.dtype != torch.float32:
+            raise ValueError("the passthrough decode backend runs float32 only")
+
+    def __init__(self, vllm_config, model: torch.nn.Module, device) -> None:
+        self.model = model
+        self.stats = SimpleNamespace(steps=0, tokens=0)
+
+    def accepts(self, num_reqs: int, num_tokens: int, max_query_len: int) -> bool:
+        return max_query_len == 1 and num_tokens == num_reqs
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, num_reqs: int
+    ) -> torch.Tensor:
+        self.stats.steps += 1
+        self.stats.tokens += num_reqs
+        return self.model(input_ids=input_ids, positions=positions)
