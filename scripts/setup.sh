@@ -90,9 +90,28 @@ case $status in
     *) "$PY" "$ROOT/scripts/apply_patches.py" apply --installed --python "$PY" ;;
 esac
 
-# -P: do not let the current directory make vllm_ext look installed.
-if ! "$PY" -P -c 'import vllm_ext, pytest, tblib' 2>/dev/null || [[ ! -x $VENV/bin/ruff ]]; then
-    say "installing vllm_ext (editable) with test extras"
+# The AOT kernel build takes CUDA's headers and libcudart_static.a from the
+# nvidia-cuda-{runtime,crt,cccl} wheels, and the FlashInfer baseline nvcc from
+# nvidia-cuda-nvcc and nvidia-nvvm (all pinned in pyproject.toml), which an
+# older venv lacks: look for one file of each.
+cuda_wheels_present() {
+    local cu13
+    cu13=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/nvidia/cu13
+    [[ -f $cu13/lib/libcudart_static.a && -f $cu13/include/crt/host_config.h \
+        && -f $cu13/include/cccl/nv/target && -x $cu13/bin/nvcc \
+        && -x $cu13/nvvm/bin/cicc ]]
+}
+
+# -P: do not let the current directory make vllm_ext look installed. The
+# plugin entry point is how vLLM finds the backend: an older install lacks it.
+installed() {
+    "$PY" -P -c 'import vllm_ext, pytest, tblib
+from importlib.metadata import entry_points
+assert entry_points(group="vllm.general_plugins", name="megakernel")' 2>/dev/null
+}
+if ! installed || [[ ! -x $VENV/bin/ruff ]] \
+    || ! cuda_wheels_present; then
+    say "installing vllm_ext (editable) with test extras and the CUDA 13.0 wheels"
     pip install -e "$ROOT[test]"
 fi
 say "ready: $VENV (vLLM $VLLM_VERSION, $FLAVOUR build, patched)"

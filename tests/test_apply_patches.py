@@ -127,10 +127,10 @@ def test_other_vllm_version_is_refused(package):
 def test_a_patch_that_does_not_fit_leaves_nothing_half_patched(package):
     site, pristine = package
     # Break the context of the last patch only; earlier ones still fit.
-    target = site / "vllm" / "model_executor" / "layers" / "linear.py"
-    target.write_text(
-        target.read_text().replace("remove_weight=True", "remove_weight=1")
-    )
+    target = site / "vllm" / "v1" / "worker" / "cpu_model_runner.py"
+    line = "self._setup_eagle3_aux_hidden_state_outputs()"
+    assert line in target.read_text()
+    target.write_text(target.read_text().replace(line, line + "  # changed"))
     subprocess.run(["cp", "-a", str(site), str(site.parent / "before")], check=True)
     result = run("apply", site)
     assert result.returncode == 1

@@ -156,8 +156,31 @@ def test_default_is_auto_and_hashed():
             {},
             "unknown variant 'fast'",
         ),
+        # Setups the backend would run but not handle: each named.
+        (
+            {"VLLM_MEGAKERNEL_INTERPRET": "1"},
+            {"enable_prompt_embeds": True},
+            "prompt embeddings",
+        ),
+        (
+            {"VLLM_MEGAKERNEL_INTERPRET": "1"},
+            {"kv_transfer_config": {"kv_connector": "ExampleConnector",
+                                    "kv_role": "kv_both"}},
+            r"KV connectors \(--kv-transfer-config\)",
+        ),
+        ({"VLLM_MEGAKERNEL_INTERPRET": "1"}, {"runner": "pooling"}, "'pooling' runner"),
+        (
+            {"VLLM_MEGAKERNEL_INTERPRET": "1", "VLLM_KV_CACHE_LAYOUT": "HND"},
+            {},
+            "VLLM_KV_CACHE_LAYOUT=HND",
+        ),
+        (
+            {"VLLM_MEGAKERNEL_INTERPRET": "1"},
+            {"data_parallel_size": 2},
+            "data parallelism",
+        ),
     ],
-)
+)  # fmt: skip
 def test_startup_errors_are_clear(demo_model, monkeypatch, env, kwargs, message):
     from vllm.engine.arg_utils import EngineArgs
 
@@ -170,6 +193,31 @@ def test_startup_errors_are_clear(demo_model, monkeypatch, env, kwargs, message)
     )
     with pytest.raises(ValueError, match=message):
         args.create_engine_config()
+
+
+@pytest.mark.parametrize(
+    "section, field, value, message",
+    [
+        ("parallel_config", "prefill_context_parallel_size", 2,
+         "prefill context parallelism"),
+        ("model_config", "enable_sleep_mode", True, "sleep mode"),
+    ],
+)  # fmt: skip
+def test_setups_vllm_refuses_on_cpu_are_refused_too(
+    demo_model, monkeypatch, section, field, value, message
+):
+    """vLLM's CPU build refuses these before the backend is asked; on a GPU
+    the backend's own check is what stops them."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_ext.backend import MegakernelDecodeBackend
+
+    monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
+    config = EngineArgs(demo_model("llama"), dtype="float32").create_engine_config()
+    MegakernelDecodeBackend.verify_and_update_config(config)  # accepted as it is
+    setattr(getattr(config, section), field, value)
+    with pytest.raises(ValueError, match=message):
+        MegakernelDecodeBackend.verify_and_update_config(config)
 
 
 def test_unsupported_architecture_is_refused(demo_model, tmp_path, monkeypatch):

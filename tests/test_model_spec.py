@@ -56,3 +56,35 @@ def test_unsupported_is_named(changes, dtype, message):
 def test_sliding_window_wider_than_context_is_fine():
     spec = ModelSpec.from_hf_config(_config(sliding_window=8192), torch.float32, 4096)
     assert spec.architecture == "LlamaForCausalLM"
+
+
+@pytest.mark.parametrize(
+    "window, refused", [(None, False), (512, False), (8192, False), (511, True)]
+)
+def test_one_sliding_window_rule(monkeypatch, window, refused):
+    """The model's config at start-up and each attention layer vLLM builds
+    (the MEGAKERNEL attention backend) are judged by the same rule: a window
+    that covers max_model_len is full attention."""
+    from types import SimpleNamespace
+
+    from vllm_ext import attention
+
+    max_model_len = 512
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=512))
+    monkeypatch.setattr(attention, "get_current_vllm_config", lambda: vllm_config)
+
+    def spec():
+        config = _config(sliding_window=window)
+        ModelSpec.from_hf_config(config, torch.float32, max_model_len)
+
+    def layer():
+        attention.MegakernelAttentionImpl(4, 64, 0.125, 2, sliding_window=window)
+
+    if refused:
+        with pytest.raises(UnsupportedModelError, match="sliding-window"):
+            spec()
+        with pytest.raises(NotImplementedError, match="sliding-window"):
+            layer()
+    else:
+        spec()
+        layer()

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionImpl,
@@ -26,6 +27,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
+from vllm_ext.model_spec import sliding_window_refusal
 from vllm_ext.paged_kv import paged_attention, write_kv
 
 # The layout the megakernel reads (see paged_kv).
@@ -122,9 +124,12 @@ class MegakernelAttentionImpl(AttentionImpl[MegakernelAttentionMetadata]):
         kv_sharing_target_layer_name: str | None = None,
         sinks: torch.Tensor | None = None,
     ) -> None:
+        model_config = get_current_vllm_config().model_config
+        max_len = model_config.max_model_len if model_config is not None else None
+        window = sliding_window_refusal(sliding_window, max_len)
         unsupported = {
             "ALiBi": alibi_slopes is not None,
-            "sliding window": sliding_window is not None,
+            str(window): window is not None,
             "logits soft cap": bool(logits_soft_cap),
             "attention sinks": sinks is not None,
             "KV sharing": kv_sharing_target_layer_name is not None,

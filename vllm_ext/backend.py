@@ -11,22 +11,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import vllm.envs as vllm_envs
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm.v1.attention.backends.utils import record_kv_cache_layout
 from vllm.v1.worker.decode_backend import DecodeBackend
 
 from vllm_ext import envs
+from vllm_ext.attention import KV_CACHE_LAYOUT
 from vllm_ext.megakernel.kernel.launcher import ARCH_OF_CAPABILITY
 from vllm_ext.megakernel.planner import batch_buckets
-from vllm_ext.model_spec import ModelSpec
+from vllm_ext.model_spec import ModelSpec, sliding_window_refusal
 from vllm_ext.plugin import ATTENTION_BACKEND
 from vllm_ext.runner import DecodeExecutor, decode_inputs_from_forward_context
 from vllm_ext.weights import DecodeWeights
 
 # Under "vllm." so records go through vLLM's handlers, level and format.
 logger = init_logger(f"vllm.{__name__}")
+
+# VLLM_KV_CACHE_LAYOUT's names for the layout the kernel reads (NHD is
+# vLLM's legacy alias of LBNHC).
+KV_CACHE_LAYOUT_NAMES = (KV_CACHE_LAYOUT.name, "NHD")
 
 # The GPUs the kernel is built for, in words for the error messages.
 SUPPORTED_GPUS = "an NVIDIA GPU of compute capability {} (H100/H200, B200)".format(
@@ -69,6 +76,9 @@ class MegakernelDecodeBackend(DecodeBackend):
                 f"{chosen.name} was given; drop --attention-backend."
             )
         vllm_config.attention_config.backend = attention
+        # The layout the kernel reads, for every attention backend and every
+        # process (vLLM would otherwise resolve it later, by preference).
+        record_kv_cache_layout(vllm_config.cache_config, KV_CACHE_LAYOUT.name)
         if current_platform.is_cuda() and not interpret:
             _check_gpu_kernel(vllm_config)
         if interpret and current_platform.is_cuda():
@@ -101,9 +111,19 @@ class MegakernelDecodeBackend(DecodeBackend):
     ) -> None:
         self.spec = model_spec(vllm_config)
         self.vllm_config = vllm_config
-        self.layer_names = [
-            layer.self_attn.attn.layer_name for layer in model.model.layers
-        ]
+        attentions = [layer.self_attn.attn for layer in model.model.layers]
+        max_len = vllm_config.model_config.max_model_len
+        for attn in attentions:
+            # The layers as vLLM built them (FlashAttention would run a
+            # window in prefill that the kernel does not): the same rule as
+            # the config's at start-up.
+            refusal = sliding_window_refusal(attn.sliding_window, max_len)
+            if refusal is not None:
+                raise ValueError(
+                    f"--decode-backend megakernel does not support {refusal} "
+                    f"({attn.layer_name})."
+                )
+        self.layer_names = [attn.layer_name for attn in attentions]
         self.buckets = batch_buckets(envs.VLLM_MEGAKERNEL_MAX_BATCH)
         self.executor = self._make_executor(model)
         self.stats = DecodeStats()
@@ -221,19 +241,32 @@ def _check_gpu_kernel(vllm_config: VllmConfig) -> None:
 
 def _check_deployment(vllm_config: VllmConfig) -> None:
     parallel = vllm_config.parallel_config
+    model = vllm_config.model_config
+    layout = vllm_envs.VLLM_KV_CACHE_LAYOUT
     unsupported = {
         "tensor parallelism": parallel.tensor_parallel_size > 1,
         "pipeline parallelism": parallel.pipeline_parallel_size > 1,
         "decode context parallelism": parallel.decode_context_parallel_size > 1,
+        "prefill context parallelism": parallel.prefill_context_parallel_size > 1,
         "data parallelism": parallel.data_parallel_size > 1,
         "LoRA adapters": vllm_config.lora_config is not None,
         "speculative decoding": vllm_config.speculative_config is not None,
+        # Their per-layer save and load hooks live in the attention layers,
+        # which decode steps through the kernel do not call.
+        "KV connectors (--kv-transfer-config)": (
+            vllm_config.kv_transfer_config is not None
+        ),
+        "prompt embeddings (--enable-prompt-embeds)": model.enable_prompt_embeds,
+        f"the {model.runner_type!r} runner": model.runner_type != "generate",
+        # Level 2 would drop the kernel's program and address table.
+        "sleep mode (--enable-sleep-mode)": model.enable_sleep_mode,
+        f"VLLM_KV_CACHE_LAYOUT={layout} (the kernel reads {KV_CACHE_LAYOUT.name})": (
+            layout is not None and layout not in KV_CACHE_LAYOUT_NAMES
+        ),
         f"KV cache dtype {vllm_config.cache_config.cache_dtype!r}": (
             vllm_config.cache_config.cache_dtype != "auto"
         ),
-        f"quantization {vllm_config.model_config.quantization!r}": (
-            vllm_config.model_config.quantization is not None
-        ),
+        f"quantization {model.quantization!r}": model.quantization is not None,
     }
     named = [name for name, present in unsupported.items() if present]
     if named:

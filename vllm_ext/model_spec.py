@@ -92,13 +92,10 @@ class ModelSpec:
         qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
         if arch in ("LlamaForCausalLM", "MistralForCausalLM"):
             need(not getattr(hf_config, "attention_bias", False), "attention bias")
-        window = getattr(hf_config, "sliding_window", None)
-        if getattr(hf_config, "use_sliding_window", True) and window is not None:
-            need(
-                max_model_len is not None and window >= max_model_len,
-                f"sliding-window attention (window {window} < max model len "
-                f"{max_model_len})",
-            )
+        if getattr(hf_config, "use_sliding_window", True):
+            window = getattr(hf_config, "sliding_window", None)
+            refusal = sliding_window_refusal(window, max_model_len)
+            need(refusal is None, refusal or "")
         need(getattr(hf_config, "quantization_config", None) is None, "quantization")
         rope = _rope_parameters(hf_config)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -122,6 +119,16 @@ class ModelSpec:
             qk_norm=qk_norm,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         )
+
+
+def sliding_window_refusal(window: int | None, max_model_len: int | None) -> str | None:
+    """The one sliding-window rule, for the model's config here and for each
+    attention layer vLLM builds (``attention.py``): a window that covers the
+    whole context is full attention, which the kernel runs; a narrower one is
+    refused, named."""
+    if window is None or (max_model_len is not None and window >= max_model_len):
+        return None
+    return f"sliding-window attention (window {window} < max model len {max_model_len})"
 
 
 def _rope_parameters(hf_config: Any) -> dict[str, Any]:

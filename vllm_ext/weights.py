@@ -2,9 +2,10 @@
 """The weights one decode step reads, taken from vLLM's loaded model.
 
 No copies on a GPU: the tensors are vLLM's own parameters (fused QKV and
-gate/up as vLLM stores them). On a CPU, vLLM's linear layers keep their
-original weights when a decode backend is selected (see the patch series),
-because its oneDNN prepacking otherwise empties them.
+gate/up as vLLM stores them). On a CPU, vLLM prepacks each linear layer's
+weight for its GEMM library and empties ``weight``; the reference executor
+then reads the weights back through that packed GEMM, once, at start-up (a
+second copy of the linear weights: reference mode's memory cost).
 """
 
 from __future__ import annotations
@@ -44,16 +45,17 @@ class DecodeWeights:
         layers = []
         for i, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
+            h, q, inter = spec.hidden_size, spec.q_size, spec.intermediate_size
             weights = LayerWeights(
                 input_norm=layer.input_layernorm.weight,
-                qkv=attn.qkv_proj.weight,
+                qkv=linear_weight(attn.qkv_proj, (q + 2 * spec.kv_size, h)),
                 qkv_bias=attn.qkv_proj.bias if spec.qkv_bias else None,
                 q_norm=attn.q_norm.weight if spec.qk_norm else None,
                 k_norm=attn.k_norm.weight if spec.qk_norm else None,
-                o_proj=attn.o_proj.weight,
+                o_proj=linear_weight(attn.o_proj, (h, q)),
                 post_norm=layer.post_attention_layernorm.weight,
-                gate_up=mlp.gate_up_proj.weight,
-                down=mlp.down_proj.weight,
+                gate_up=linear_weight(mlp.gate_up_proj, (2 * inter, h)),
+                down=linear_weight(mlp.down_proj, (h, inter)),
             )
             _check_layer(i, weights, spec)
             layers.append(weights)
@@ -73,6 +75,30 @@ class DecodeWeights:
         )
 
 
+# Rows of the identity pushed through a packed GEMM at a time (bounds the
+# scratch memory of reading a weight back to chunk * (K + N) elements).
+_READBACK_CHUNK = 1024
+
+
+def linear_weight(layer: torch.nn.Module, shape: tuple[int, int]) -> torch.Tensor:
+    """A linear layer's ``[N, K]`` weight. Where vLLM's CPU path emptied it
+    after prepacking (``layer.cpu_linear`` computes ``x @ W.T`` from the
+    packed copy), it is read back by multiplying the identity: each output
+    element is one weight times 1 plus zeros, so the copy is exact in any
+    dtype."""
+    weight = layer.weight
+    if weight.numel() or not hasattr(layer, "cpu_linear"):
+        return weight
+    n, k = shape
+    rows = []
+    for start in range(0, k, _READBACK_CHUNK):
+        stop = min(start + _READBACK_CHUNK, k)
+        eye = torch.zeros(stop - start, k, dtype=weight.dtype)
+        eye[:, start:stop].fill_diagonal_(1)
+        rows.append(layer.cpu_linear(eye, weight, None).to(weight.dtype))
+    return torch.cat(rows).t().contiguous()
+
+
 def _check_layer(index: int, w: LayerWeights, spec: ModelSpec) -> None:
     """Fail loudly if vLLM handed us weights of an unexpected shape (e.g. a
     CPU layer whose weight was emptied by prepacking)."""
@@ -87,6 +113,5 @@ def _check_layer(index: int, w: LayerWeights, spec: ModelSpec) -> None:
         if tuple(tensor.shape) != shape:
             raise ValueError(
                 f"megakernel: layer {index} {name} weight has shape "
-                f"{tuple(tensor.shape)}, expected {shape}; is the vLLM patch "
-                "series applied (CPU linear layers must keep their weights)?"
+                f"{tuple(tensor.shape)}, expected {shape}"
             )

@@ -3,7 +3,8 @@
 """Build FlashInfer's paged decode attention for the GPU check, here (no
 GPU): ``flashinfer_decode.cu`` against the headers of flashinfer-python
 0.7.0.post1 (what vLLM 0.32.0 pins) and the CCCL they need, with nvcc from
-the CUDA 13 toolkit, into ``OUT/libflashinfer_decode_sm_90a.so``.
+the nvidia-cuda-nvcc wheel (pyproject.toml's test extra; else $CUDA_HOME or a
+system CUDA 13 toolkit), into ``OUT/libflashinfer_decode_sm_90a.so``.
 
     python scripts/baseline/build_flashinfer.py OUT
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from vllm_ext.megakernel.kernel.aot import cuda_home  # noqa: E402
+from vllm_ext.megakernel.kernel.aot import nvcc  # noqa: E402
 
 WHEELS = {"flashinfer-python": "0.7.0.post1", "nvidia-cuda-cccl": "13.3.5.0.6"}
 # What each wheel contributes: headers only.
@@ -63,11 +64,15 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     flashinfer, cccl = fetch()
     library = out / "libflashinfer_decode_sm_90a.so"
+    compiler = nvcc()
+    # nvcc.profile links from lib64; the wheels have lib (libcudart_static.a,
+    # libcudadevrt.a).
+    lib = compiler.parents[1] / "lib"
     subprocess.run(
-        [str(cuda_home() / "bin" / "nvcc"), "-std=c++17", "-O3", "-DNDEBUG",
+        [str(compiler), "-std=c++17", "-O3", "-DNDEBUG",
          "-use_fast_math", "--expt-relaxed-constexpr", "-DFLASHINFER_ENABLE_BF16",
          "-arch=sm_90a", "-Xcompiler", "-fPIC,-fvisibility=hidden", "-shared",
-         "-cudart", "static", f"-I{cccl}", f"-I{flashinfer}",
+         "-cudart", "static", f"-L{lib}", f"-I{cccl}", f"-I{flashinfer}",
          str(Path(__file__).with_name("flashinfer_decode.cu")), "-o", str(library)],
         check=True,
     )  # fmt: skip

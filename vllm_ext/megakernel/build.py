@@ -15,12 +15,17 @@ With ``--json`` the last line is one JSON object. Exit 2 on bad input.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
+import logging
 import os
 import shutil
+import stat
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -35,6 +40,9 @@ from vllm_ext.megakernel.variants import Variants
 from vllm_ext.megakernel.verify import verify
 
 KERNEL_DIR = Path(aot.__file__).resolve().parent
+# Under "vllm." as vLLM's init_logger names the backend's: vLLM's handlers
+# show it, without importing vLLM on a build machine.
+logger = logging.getLogger(f"vllm.{__name__}")
 
 
 def source_hash() -> str:
@@ -59,24 +67,181 @@ def default_cache_dir() -> Path:
     )
 
 
+class LibraryCacheError(RuntimeError):
+    """A cached library that must not be loaded and cannot be rebuilt."""
+
+
+MANIFEST = "manifest.json"
+# Folders and libraries the cache creates: never writable by group or others,
+# whatever the umask (whoever can write a library we dlopen runs code in the
+# server).
+DIR_MODE = 0o755
+LIBRARY_MODE = 0o755
+_FOREIGN_WRITE = stat.S_IWGRP | stat.S_IWOTH
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def library_record(library: Path) -> dict:
+    """What a manifest records of its library, to check it before a load."""
+    return {
+        "library_file": library.name,
+        "library_size": library.stat().st_size,
+        "library_sha256": file_sha256(library),
+    }
+
+
+def check_private(path: Path) -> None:
+    """Refuse ``path`` unless only this user (or root) can change it."""
+    st = path.stat()
+    if st.st_uid not in (os.geteuid(), 0):
+        raise LibraryCacheError(
+            f"megakernel cache: {path} is owned by uid {st.st_uid}, not by this "
+            f"process's uid {os.geteuid()}, so its owner could run code in this "
+            f"process; use a cache folder of your own (VLLM_MEGAKERNEL_CACHE_DIR) "
+            f"or `chown {os.geteuid()} {path}`"
+        )
+    if st.st_mode & _FOREIGN_WRITE:
+        who = " and ".join(
+            w for w, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH))
+            if st.st_mode & bit
+        )  # fmt: skip
+        raise LibraryCacheError(
+            f"megakernel cache: {path} is writable by {who} (mode "
+            f"{stat.S_IMODE(st.st_mode):o}), so they could run code in this "
+            f"process; run `chmod go-w {path}`"
+        )
+
+
+def _make_dirs(path: Path) -> None:
+    """``mkdir -p`` with DIR_MODE for each folder made, not the umask's."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=DIR_MODE)  # the umask can only take bits away
+        except FileExistsError:  # a concurrent start made it
+            continue
+        os.chmod(d, DIR_MODE)
+
+
+def _untrusted(entry: Path, library: Path) -> str | None:
+    """Why the cache entry's library does not match its manifest, or None.
+    (Integrity, not security: whoever could rewrite the library could
+    rewrite the manifest too; check_private keeps them out.)"""
+    try:
+        if not stat.S_ISREG(library.lstat().st_mode):
+            return f"{library.name} is not a regular file"
+        size = library.stat().st_size
+        manifest = json.loads((entry / MANIFEST).read_text())
+    except FileNotFoundError as e:
+        return f"no {Path(e.filename).name}"
+    except (OSError, ValueError) as e:
+        return f"{MANIFEST} is unreadable ({e})"
+    if not isinstance(manifest, dict) or "library_sha256" not in manifest:
+        return f"{MANIFEST} records no checksum of the library"
+    if manifest.get("library_file") != library.name:
+        return f"{MANIFEST} is for {manifest.get('library_file')!r}"
+    if size != manifest.get("library_size"):
+        return (
+            f"{library.name} has {size} bytes, {MANIFEST} says "
+            f"{manifest.get('library_size')} (truncated or partly copied)"
+        )
+    try:
+        digest = file_sha256(library)
+    except OSError as e:
+        return f"{library.name} is unreadable ({e})"
+    if digest != manifest["library_sha256"]:
+        return f"the sha256 of {library.name} is not the one in {MANIFEST}"
+    return None
+
+
+def _publish(tmp: Path, out: Path, library: Path) -> None:
+    """Rename the finished build ``tmp`` to ``out``: atomic, so no reader
+    ever sees half an entry. A stale ``out`` is moved aside first; a good
+    one that another process published meanwhile is kept."""
+    for _ in range(3):
+        try:
+            os.replace(tmp, out)
+            return
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        if _untrusted(out, library) is None:  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        aside = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".stale"))
+        with contextlib.suppress(FileNotFoundError):  # another process did
+            os.replace(out, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    raise LibraryCacheError(f"megakernel cache: could not replace {out}")
+
+
 def library_for(
     shape: KernelShape, arch: str, cache_dir: Path | None = None, log=None
 ) -> Path:
     """The built library for ``shape`` on ``arch``: from the cache when
-    present, else compiled now (about 10 s; needs CuTe DSL, not a GPU)."""
-    out = (cache_dir or default_cache_dir()) / cache_key(shape, arch)
+    present and intact (its sha256 is the manifest's), else compiled now
+    (about 10 s; needs CuTe DSL, not a GPU). Refuses a cache that others
+    can write to."""
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    _make_dirs(root)
+    check_private(root)
+    out = root / cache_key(shape, arch)
     library = out / f"lib{aot.PREFIX}_{arch}.so"
-    if library.exists():
-        return library
+    why = None
+    if out.exists():
+        check_private(out)
+        if library.exists():
+            check_private(library)
+        why = _untrusted(out, library)
+        if why is None:
+            return library
+        logger.warning(
+            "megakernel cache entry %s is not trusted (%s): rebuilding it", out, why
+        )
     if log is not None:
         log(f"compiling the megakernel for {arch}, batch {shape.batch} into {out}")
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    result = aot.build(arch, tmp, shape)
-    (tmp / "manifest.json").write_text(json.dumps(dataclasses.asdict(result)))
+    # Private until complete (mkdtemp: 0o700); a unique name per build, as
+    # buckets build in threads of one process.
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=out.name + ".tmp"))
     try:
-        os.replace(tmp, out)  # atomic: no reader ever sees half a build
-    except OSError:  # another process finished the same build first
+        result = dataclasses.asdict(aot.build(arch, tmp, shape))
+        built = tmp / library.name
+        os.chmod(built, LIBRARY_MODE)  # gcc's mode follows the umask
+        result.update(library=str(library), **library_record(built))
+        manifest = tmp / MANIFEST
+        manifest.write_text(json.dumps(result, indent=2))
+        os.chmod(manifest, 0o644)
+        os.chmod(tmp, DIR_MODE)
+    except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if why is None:
+            raise
+        raise LibraryCacheError(
+            f"megakernel cache: {library} cannot be used ({why}) and rebuilding "
+            f"it failed: {e}. Delete {out} and start again where the build "
+            "can run (nvidia-cutlass-dsl[cu13], the CUDA 13 headers and "
+            "libcudart_static.a, gcc), or copy in a complete entry (library "
+            "and manifest.json) built elsewhere."
+        ) from e
+    _publish(tmp, out, library)
+    check_private(out)
+    check_private(library)
+    why = _untrusted(out, library)
+    if why is not None:
+        raise LibraryCacheError(
+            f"megakernel cache: {library} does not match its manifest just after "
+            f"the build ({why}); delete {out} and try again"
+        )
     return library
 
 
@@ -186,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         batch=args.batch,
         num_instructions=program.num_instructions,
         program=str(out / "program.pt"),
+        **library_record(Path(result["library"])),
     )
     (out / "manifest.json").write_text(json.dumps(result, indent=2))
     print_summary(result, args.json)

@@ -61,26 +61,104 @@ class BuildResult:
     compile_s: float
 
 
-def cuda_home() -> Path:
-    for candidate in (
-        os.environ.get("CUDA_HOME"),
-        "/usr/local/cuda-13.0",
-        "/usr/local/cuda",
-    ):
-        if candidate and (Path(candidate) / "lib" / "libcudart_static.a").exists():
-            return Path(candidate)
-        if candidate and (Path(candidate) / "lib64" / "libcudart_static.a").exists():
-            return Path(candidate)
+# Where the AOT build's CUDA 13 headers and libcudart_static.a come from, in
+# order: the pip wheels (pyproject.toml pins them), $CUDA_HOME, then these.
+SYSTEM_CUDA = ("/usr/local/cuda-13.0", "/usr/local/cuda")
+# 13.0: the driver generation the kernel targets (exact pins: pyproject.toml).
+CUDA_WHEELS = ("nvidia-cuda-runtime", "nvidia-cuda-crt", "nvidia-cuda-cccl")
+# One header of each piece glue.c needs: runtime, crt (host_config.h, which
+# cuda_runtime.h includes) and cccl (nv/target).
+_HEADERS = ("cuda_runtime.h", "crt/host_config.h", "nv/target")
+
+
+@dataclass(frozen=True)
+class CudaPieces:
+    origin: str  # "wheels", "CUDA_HOME" or the system directory
+    include_dirs: tuple[Path, ...]  # gcc -I, in order
+    cudart_static: Path
+
+
+def _wheel_roots() -> list[Path]:
+    """``nvidia/cu13`` in each place the ``nvidia`` namespace package (the
+    nvidia-cuda-* wheels) is installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    locations = dict.fromkeys(spec.submodule_search_locations)  # may repeat
+    return [Path(loc) / "cu13" for loc in locations]
+
+
+def _pieces(origin: str, roots: list[Path]) -> CudaPieces | str:
+    """The pieces under ``roots`` (the wheels may sit in several), or what is
+    missing there."""
+    includes = tuple(d for root in roots
+                     for d in (root / "include", root / "include" / "cccl")
+                     if d.is_dir())  # fmt: skip
+    missing = [h for h in _HEADERS if not any((d / h).is_file() for d in includes)]
+    libs = [root / sub / "libcudart_static.a"
+            for root in roots for sub in ("lib", "lib64")]  # fmt: skip
+    lib = next((f for f in libs if f.is_file()), None)
+    if lib is None:
+        missing.append("libcudart_static.a")
+    if missing:
+        where = ", ".join(map(str, roots)) or "not installed"
+        where = "" if where == origin else f" ({where})"
+        return f"{origin}{where}: no {', '.join(missing)}"
+    return CudaPieces(origin, includes, lib)
+
+
+def cuda_pieces() -> CudaPieces:
+    """The CUDA 13 headers and static runtime the glue is built with: the pip
+    wheels first, so that a build needs no system toolkit."""
+    tried = []
+    candidates = [("wheels", _wheel_roots())]
+    if os.environ.get("CUDA_HOME"):
+        candidates.append(("CUDA_HOME", [Path(os.environ["CUDA_HOME"])]))
+    candidates += [(d, [Path(d)]) for d in SYSTEM_CUDA]
+    for origin, roots in candidates:
+        found = _pieces(origin, roots)
+        if isinstance(found, CudaPieces):
+            return found
+        tried.append(found)
     raise FileNotFoundError(
-        "CUDA 13 toolkit with libcudart_static.a not found; set CUDA_HOME"
+        "CUDA 13 headers and libcudart_static.a not found; install them with "
+        f"`pip install {' '.join(w + '==13.0.*' for w in CUDA_WHEELS)}` "
+        "(scripts/setup.sh installs the versions pyproject.toml pins) or set "
+        "CUDA_HOME to a CUDA 13 toolkit. Tried: " + "; ".join(tried)
     )
 
 
-def _cudart_static(cuda: Path) -> Path:
-    for sub in ("lib", "lib64"):
-        if (cuda / sub / "libcudart_static.a").exists():
-            return cuda / sub / "libcudart_static.a"
-    raise FileNotFoundError(f"no libcudart_static.a under {cuda}")
+def cuda_home() -> Path:
+    """A system CUDA 13 toolkit with nvcc, for tools beyond the kernel build
+    (scripts/baseline); the kernel build itself uses ``cuda_pieces()``."""
+    for candidate in (os.environ.get("CUDA_HOME"), *SYSTEM_CUDA):
+        if candidate and (Path(candidate) / "bin" / "nvcc").exists():
+            return Path(candidate)
+    raise FileNotFoundError("CUDA 13 toolkit with bin/nvcc not found; set CUDA_HOME")
+
+
+def nvcc() -> Path:
+    """nvcc for tools beyond the kernel build (scripts/baseline): the
+    nvidia-cuda-nvcc and nvidia-nvvm wheels first (pyproject.toml's test
+    extra pins them), then $CUDA_HOME, then the system toolkits. nvcc.profile
+    finds cicc (nvvm/bin) and the headers from bin/..: one root has all."""
+    roots = [*_wheel_roots()]
+    if os.environ.get("CUDA_HOME"):
+        roots.append(Path(os.environ["CUDA_HOME"]))
+    roots += [Path(d) for d in SYSTEM_CUDA]
+    for root in roots:
+        if (root / "bin" / "nvcc").is_file() and (
+            root / "nvvm" / "bin" / "cicc"
+        ).is_file():
+            return root / "bin" / "nvcc"
+    raise FileNotFoundError(
+        "nvcc (with nvvm/bin/cicc) not found; install it with `pip install "
+        "nvidia-cuda-nvcc==13.0.* nvidia-nvvm==13.0.*` (scripts/setup.sh installs "
+        "the versions pyproject.toml pins) or set CUDA_HOME to a CUDA 13 toolkit. "
+        "Tried: " + ", ".join(map(str, roots))
+    )
 
 
 def _dsl_runtime() -> Path:
@@ -109,7 +187,10 @@ def sass_tool(name: str) -> str:
         path = path / "backends" / "nvidia" / "bin" / name
         if path.exists():
             return str(path)
-    raise FileNotFoundError(f"{name} not found (pip install nvidia-cuda-cuobjdump)")
+    raise FileNotFoundError(
+        f"{name} not found: put a CUDA toolkit's bin on PATH, or pip install "
+        "triton (its NVIDIA backend ships one)"
+    )
 
 
 def build(arch: str, out: str | Path, shape: KernelShape) -> BuildResult:
@@ -132,18 +213,19 @@ def build(arch: str, out: str | Path, shape: KernelShape) -> BuildResult:
         )
     compile_s = float(proc.stdout.strip().splitlines()[-1])
 
-    cuda = cuda_home()
+    cuda = cuda_pieces()
     library = out / f"lib{PREFIX}_{arch}.so"
     glue_o = out / "glue.o"
     subprocess.run(
-        ["gcc", "-O2", "-fPIC", "-fvisibility=hidden", f"-I{cuda / 'include'}",
+        ["gcc", "-O2", "-fPIC", "-fvisibility=hidden",
+         *(f"-I{d}" for d in cuda.include_dirs),
          f'-DMEGAKERNEL_HEADER="{out / (PREFIX + ".h")}"', "-c", str(HERE / "glue.c"),
          "-o", str(glue_o)],
         check=True,
     )  # fmt: skip
     subprocess.run(
         ["gcc", "-shared", "-o", str(library), str(glue_o), str(out / f"{PREFIX}.o"),
-         str(_dsl_runtime()), str(_cudart_static(cuda)), "-ldl", "-lpthread", "-lrt",
+         str(_dsl_runtime()), str(cuda.cudart_static), "-ldl", "-lpthread", "-lrt",
          "-Wl,--exclude-libs,ALL", "-Wl,-z,defs"],
         check=True,
     )  # fmt: skip

@@ -89,10 +89,10 @@ class GpuExecutor:
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 raise MegakernelError(
                     f"building the megakernel for {arch} (batch {shape.batch}) "
-                    f"failed: {e}. A build needs nvidia-cutlass-dsl[cu13], a CUDA "
-                    "13 toolkit (headers, libcudart_static.a; CUDA_HOME) and gcc; "
-                    "or point VLLM_MEGAKERNEL_CACHE_DIR at libraries built "
-                    "elsewhere."
+                    f"failed: {e}. A build needs this package's dependencies "
+                    "(nvidia-cutlass-dsl[cu13] and the nvidia-cuda-runtime, "
+                    "-crt and -cccl 13.0 wheels) and gcc; or point "
+                    "VLLM_MEGAKERNEL_CACHE_DIR at libraries built elsewhere."
                 ) from e
 
         # Builds are separate compiler processes: run the missing ones at once.
