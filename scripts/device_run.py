@@ -555,6 +555,9 @@ def timing(case_dir: Path) -> dict:
         result["breakdown"] = breakdown(ex, program, mk, result["megakernel_ms"])
         return result
     result["per_op_attention"] = "flashinfer"
+    # What per_op_graph_ms timed, for vllm_ext.megakernel.measured: compiled
+    # pieces, but FlashInfer's decode without split-KV (weaker than vLLM's).
+    result["per_op_baseline"] = "vllm-default-flashinfer-decode"
     attend = flashinfer_attend(flashinfer, spec, weights, inputs)
     try:
         # vLLM's default decode: Inductor-compiled pieces around attention,

@@ -32,20 +32,16 @@ PROMPTS = [
 ]
 MAX_TOKENS = [40, 17, 33, 5, 24, 48, 12, 30, 3]
 NUM_LOGPROBS = 5
+# Not a multiple of 128 tokens: vLLM's block table is wider than its blocks.
+ODD_MAX_LEN = 300
 
 
 def _generate(model: str, dtype: str, **engine_kwargs):
     from vllm import LLM, SamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
 
-    llm = LLM(
-        model,
-        dtype=dtype,
-        enforce_eager=True,
-        max_model_len=512,
-        seed=0,
-        **engine_kwargs,
-    )
+    engine_kwargs.setdefault("max_model_len", 512)
+    llm = LLM(model, dtype=dtype, enforce_eager=True, seed=0, **engine_kwargs)
     params = [
         SamplingParams(
             max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=NUM_LOGPROBS
@@ -273,7 +269,11 @@ def test_batches_above_the_largest_bucket_share_the_cache(demo_model, monkeypatc
     monkeypatch.setenv("VLLM_MEGAKERNEL_MAX_BATCH", "5")  # buckets 1, 2, 4
     model = demo_model("llama")
     default = _default(model, "float32")
-    mega, (steps, tokens, _) = _generate(model, "float32", decode_backend="megakernel")
+    # A max_model_len whose blocks vLLM pads its block table past (to 128
+    # tokens): the longest sequence here is under 100 tokens.
+    mega, (steps, tokens, _) = _generate(
+        model, "float32", decode_backend="megakernel", max_model_len=ODD_MAX_LEN
+    )
     assert [ids for ids, _ in mega] == [ids for ids, _ in default]
     # Decode step s runs every request asking for more than s tokens.
     live = [sum(1 for n in MAX_TOKENS if n > s) for s in range(1, max(MAX_TOKENS))]
@@ -335,7 +335,9 @@ def test_gpu_route_through_vllm_with_a_stand_in_kernel(
 
     model = demo_model("llama")
     default = _default(model, "bfloat16")
-    mega, (steps, tokens, _) = _generate(model, "bfloat16", decode_backend="megakernel")
+    mega, (steps, tokens, _) = _generate(
+        model, "bfloat16", decode_backend="megakernel", max_model_len=ODD_MAX_LEN
+    )
     assert sorted(built) == [(1, "sm_90a"), (2, "sm_90a"), (4, "sm_90a")]
     assert [e.shape.batch for e in executors] == [1, 2, 4]
     # Batches of more than 4 requests ran vLLM's path; every other step, one

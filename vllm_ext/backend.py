@@ -8,6 +8,7 @@ lives in the model runner and takes every decode-only step it ``accepts``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -124,8 +125,23 @@ class MegakernelDecodeBackend(DecodeBackend):
                     f"({attn.layer_name})."
                 )
         self.layer_names = [attn.layer_name for attn in attentions]
-        self.buckets = batch_buckets(envs.VLLM_MEGAKERNEL_MAX_BATCH)
-        self.executor = self._make_executor(model)
+        max_batch, why = decode_batches(self.spec, device)
+        if max_batch:
+            logger.info(
+                "The megakernel takes decode batches of up to %d requests (%s); "
+                "larger ones run through vLLM's default decode.",
+                max_batch,
+                why,
+            )
+        else:
+            logger.warning(
+                "The megakernel takes no decode batch: %s. Decode runs through "
+                "vLLM's default path; VLLM_MEGAKERNEL_MAX_BATCH=N sends batches "
+                "of up to N requests through the kernel regardless.",
+                why,
+            )
+        self.buckets = batch_buckets(max_batch) if max_batch else ()
+        self.executor = self._make_executor(model) if self.buckets else None
         self.stats = DecodeStats()
 
     def _make_executor(self, model: torch.nn.Module) -> DecodeExecutor:
@@ -164,10 +180,12 @@ class MegakernelDecodeBackend(DecodeBackend):
     def accepts(self, num_reqs: int, num_tokens: int, max_query_len: int) -> bool:
         if max_query_len != 1 or num_tokens != num_reqs or num_reqs < 1:
             return False
+        if not self.buckets:
+            return False
         if num_reqs > self.buckets[-1]:
             logger.info_once(
-                "Decode steps of more than %d requests (VLLM_MEGAKERNEL_MAX_BATCH) "
-                "run through vLLM's default path.",
+                "Decode steps of more than %d requests run through vLLM's "
+                "default path.",
                 self.buckets[-1],
             )
             return False
@@ -194,6 +212,21 @@ class MegakernelDecodeBackend(DecodeBackend):
         out = hidden.new_zeros(input_ids.shape[0], hidden.shape[1])
         out[:num_reqs] = hidden
         return out
+
+
+def decode_batches(spec: ModelSpec, device: torch.device) -> tuple[int, str]:
+    """The largest decode batch the backend takes, and why. The compiled
+    kernel takes only the batches a GPU check measured it faster on, against
+    vLLM's own decode (``megakernel/measured.py``), unless the user says
+    otherwise; reference mode is for testing and is not gated."""
+    if envs.VLLM_MEGAKERNEL_INTERPRET:
+        return envs.VLLM_MEGAKERNEL_MAX_BATCH, "reference mode, not gated"
+    if os.environ.get("VLLM_MEGAKERNEL_MAX_BATCH"):
+        return envs.VLLM_MEGAKERNEL_MAX_BATCH, "VLLM_MEGAKERNEL_MAX_BATCH"
+    from vllm_ext.megakernel import build, measured
+
+    gpu = torch.cuda.get_device_name(device)
+    return measured.max_batch(gpu, spec, build.source_hash())
 
 
 def _attention_backend_for_platform(interpret: bool) -> AttentionBackendEnum:

@@ -58,6 +58,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_MEGAKERNEL_INTERPRET": lambda: _bool("VLLM_MEGAKERNEL_INTERPRET"),
     # Largest decode batch (number of requests) the megakernel runs; larger
     # decode steps take vLLM's normal path. Rounded down to a power of two.
+    # On a GPU, unset means: the batches measured faster (megakernel/measured.py).
     "VLLM_MEGAKERNEL_MAX_BATCH": lambda: _int(
         "VLLM_MEGAKERNEL_MAX_BATCH", 64, minimum=1
     ),

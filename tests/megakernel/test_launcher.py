@@ -86,13 +86,24 @@ def test_refusals():
     flat = tuple(c.contiguous() for c in inputs.kv_caches)  # not LBNHC
     with pytest.raises(MegakernelError, match="LBNHC"):
         ex.step(dataclasses.replace(inputs, kv_caches=flat))
-    wide = torch.zeros(2, 64, dtype=torch.int32)
-    with pytest.raises(MegakernelError, match="block table of 64"):
-        ex.step(dataclasses.replace(inputs, block_table=wide))
     fp32 = random_weights(make_spec("llama", torch.float32), seed=1)
     program = plan(make_spec("llama", torch.float32), 2, DEVICE)
     with pytest.raises(MegakernelError, match="bf16 weights"):
         KernelExecutor(program, fp32, None, block_size=BLOCK_SIZE, max_blocks=4)
+
+
+def test_a_block_table_padded_past_max_model_len_is_read_up_to_it():
+    """vLLM pads its block tables to 128-token multiples, past the blocks of
+    max_model_len that the executor holds; those columns are never needed."""
+    spec, weights, ex, standin = executor("llama", bucket=2)
+    inputs = random_decode_inputs(spec, 2, seed=1)
+    register_executor(standin, ex, inputs.kv_caches)
+    expected = ex.step(inputs).clone()
+    n, width = inputs.block_table.shape
+    wide = torch.full((n, ex.block_table.shape[1] + 8), 2**30, dtype=torch.int32)
+    wide[:, :width] = inputs.block_table
+    got = ex.step(dataclasses.replace(inputs, block_table=wide))
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("variants", ["", "fused_combine,split_qkv"],

@@ -234,12 +234,10 @@ class KernelExecutor:
         bound = [] if self.kv_caches is None else self.kv_caches
         if [c.data_ptr() for c in bound] != [c.data_ptr() for c in inputs.kv_caches]:
             self._bind_kv(inputs.kv_caches)
-        width = inputs.block_table.shape[1]
-        if width > self.block_table.shape[1]:
-            raise MegakernelError(
-                f"block table of {width} blocks per request exceeds the "
-                f"{self.block_table.shape[1]} this executor was made for"
-            )
+        # vLLM's runners pad their block tables past max_model_len's blocks
+        # (to a 128-token alignment, each runner its own way); those columns
+        # are never read, as no sequence is longer than max_model_len.
+        width = min(inputs.block_table.shape[1], self.block_table.shape[1])
         # Padded rows (n..b) read token 0 at position 0, attend to nothing
         # and write no cache slot, as a CUDA graph's padding does.
         for dst, src, pad in (
@@ -250,7 +248,7 @@ class KernelExecutor:
         ):
             dst[:n].copy_(src[:n])
             dst[n:].fill_(pad)
-        self.block_table[:n, :width].copy_(inputs.block_table[:n])
+        self.block_table[:n, :width].copy_(inputs.block_table[:n, :width])
         self.block_table[n:].zero_()  # never read (length 0), but valid ids
         self.counters[-1:].add_(1)
         stream = 0  # a CPU stand-in launch in tests takes no stream
