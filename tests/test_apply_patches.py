@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.utils import base_commit
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "apply_patches.py"
 PATCHES = ROOT / "patches"
@@ -34,19 +36,11 @@ def source_tree():
     return vllm_source.source_tree(ROOT / ".cache" / "vllm-src")
 
 
-def _base_commit(tree: Path) -> str:
-    out = subprocess.run(
-        ["git", "rev-list", "--max-parents=0", "HEAD"],
-        cwd=tree, capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    return out.stdout.split()[0]
-
-
 @pytest.fixture
 def package(tmp_path, source_tree):
     """A stand-in for an installed vllm 0.32.0: the pristine files the series
     touches (that exist before it), plus _version.py."""
-    base = _base_commit(source_tree)
+    base = base_commit(source_tree)
     root = tmp_path / "site"
     for rel in _touched_files():
         shown = subprocess.run(
@@ -142,7 +136,7 @@ def test_series_applies_to_the_source_tree_with_git_am(tmp_path, source_tree):
     tree = tmp_path / "tree"
     subprocess.run(["git", "clone", "-q", str(source_tree), str(tree)], check=True)
     subprocess.run(
-        ["git", "checkout", "-q", _base_commit(source_tree)], cwd=tree, check=True
+        ["git", "checkout", "-q", base_commit(source_tree)], cwd=tree, check=True
     )
     cmd = [sys.executable, str(SCRIPT)]
     applied = subprocess.run(
@@ -150,7 +144,7 @@ def test_series_applies_to_the_source_tree_with_git_am(tmp_path, source_tree):
     )
     assert applied.returncode == 0, applied.stderr
     log = subprocess.run(
-        ["git", "log", "--format=%s%n%b", f"{_base_commit(source_tree)}..HEAD"],
+        ["git", "log", "--format=%s%n%b", f"{base_commit(source_tree)}..HEAD"],
         cwd=tree, capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     n = len((PATCHES / "series").read_text().split())
@@ -166,4 +160,4 @@ def test_series_applies_to_the_source_tree_with_git_am(tmp_path, source_tree):
     head = subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True, text=True
     )
-    assert head.stdout.strip() == _base_commit(source_tree)
+    assert head.stdout.strip() == base_commit(source_tree)

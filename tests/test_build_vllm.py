@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.utils import base_commit
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "build_vllm.sh"
 
@@ -29,14 +31,6 @@ def _script_module(name: str):
         return importlib.import_module(name)
     finally:
         sys.path.pop(0)
-
-
-def _base(tree: Path) -> str:
-    out = subprocess.run(
-        ["git", "rev-list", "--max-parents=0", "HEAD"],
-        cwd=tree, capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    return out.stdout.split()[0]
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +79,7 @@ def test_version_is_the_release(metadata, flavour):
     apply_patches = _script_module("apply_patches")
     # Built from the series tree: one commit a patch on top of the base.
     count = subprocess.run(
-        ["git", "rev-list", "--count", "--no-merges", "HEAD", "^" + _base(tree)],
+        ["git", "rev-list", "--count", "--no-merges", "HEAD", "^" + base_commit(tree)],
         cwd=tree, capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert int(count.stdout) == len(apply_patches.series())

@@ -1,6 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Helpers shared by the tests: caches in vLLM's layout, random paging."""
 
+import subprocess
+from pathlib import Path
+
 import torch
 
 # vLLM's default decode of the end-to-end prompts, by (model, dtype): one
@@ -70,3 +73,12 @@ def check_logprobs_close(outputs_0, outputs_1, name_0: str, name_1: str) -> None
                 f"{name_0}'s top logprobs {lp_0[step]}"
             )
             break
+
+
+def base_commit(tree: Path) -> str:
+    """The vLLM source tree's base commit (the pristine sdist)."""
+    out = subprocess.run(
+        ["git", "rev-list", "--max-parents=0", "HEAD"],
+        cwd=tree, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return out.stdout.split()[0]
