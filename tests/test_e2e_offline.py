@@ -298,12 +298,11 @@ def test_gpu_route_through_vllm_with_a_stand_in_kernel(
     from vllm_ext.megakernel import build
     from vllm_ext.megakernel.cost import DEVICES
     from vllm_ext.megakernel.kernel import executor as gpu
-    from vllm_ext.plugin import ATTENTION_BACKEND
 
     monkeypatch.delenv("VLLM_MEGAKERNEL_INTERPRET", raising=False)
     monkeypatch.setenv("VLLM_MEGAKERNEL_MAX_BATCH", "4")  # buckets 1, 2, 4
     # The layout every platform shares (paged_kv.py): the CPU backend writes it.
-    megakernel_layout = AttentionBackendEnum[ATTENTION_BACKEND]
+    megakernel_layout = AttentionBackendEnum.CUSTOM  # vllm_ext.plugin
     monkeypatch.setattr(backend, "_attention_backend_for_platform",
                         lambda interpret: megakernel_layout)  # fmt: skip
     monkeypatch.setattr(gpu, "arch_for_device", lambda device: "sm_90a")

@@ -4,7 +4,10 @@ that names no backend; ``vllm_ext`` fills it from its ``vllm.general_plugins``
 entry point, and so can any other package."""
 
 import os
+import pickle
 import re
+import subprocess
+import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -33,8 +36,19 @@ def test_entry_point_registers_the_backends():
     register()  # vLLM may load plugins more than once in a process
     assert "megakernel" in registered_decode_backends()
     assert get_decode_backend_cls("megakernel") is MegakernelDecodeBackend
-    attention = AttentionBackendEnum["MEGAKERNEL"]
+    attention = AttentionBackendEnum.CUSTOM
     assert attention.get_class() is MegakernelAttentionBackend
+    # The selection reaches engine processes in a pickled config, before
+    # their plugins load: it must unpickle where no plugin is loaded.
+    unpickle = (
+        "import pickle, sys; import vllm.v1.attention.backends.registry; "
+        "print(pickle.loads(sys.stdin.buffer.read()).name)"
+    )
+    child = subprocess.run(
+        [sys.executable, "-c", unpickle], input=pickle.dumps(attention),
+        capture_output=True, env={**os.environ, "VLLM_PLUGINS": ""},
+    )  # fmt: skip
+    assert child.stdout.decode().strip() == "CUSTOM", child.stderr.decode()[-2000:]
 
 
 def test_no_hunk_under_vllm_names_the_plugin():

@@ -110,4 +110,5 @@ def test_serve_matches_default_path(server, demo_model, monkeypatch):
     assert "ProgramExecutor" in text
     assert "First decode step through the megakernel backend" in text
     # The plugin made VLLM_MEGAKERNEL_* known to vLLM (serve.sh sets one).
-    assert "Unknown vLLM environment variable" not in text
+    assert "VLLM_MEGAKERNEL_INTERPRET=1" in text
+    assert "Unknown vLLM environment variable detected: VLLM_MEGAKERNEL" not in text

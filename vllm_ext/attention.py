@@ -43,7 +43,9 @@ class MegakernelAttentionBackend(AttentionBackend):
 
     @staticmethod
     def get_name() -> str:
-        return "MEGAKERNEL"
+        # vLLM looks a layer's backend up by this name in AttentionBackendEnum,
+        # where the plugin registers this class as CUSTOM (vllm_ext.plugin).
+        return "CUSTOM"
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:

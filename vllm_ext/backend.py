@@ -25,7 +25,6 @@ from vllm_ext.attention import KV_CACHE_LAYOUT
 from vllm_ext.megakernel.kernel.launcher import ARCH_OF_CAPABILITY
 from vllm_ext.megakernel.planner import batch_buckets
 from vllm_ext.model_spec import ModelSpec, sliding_window_refusal
-from vllm_ext.plugin import ATTENTION_BACKEND
 from vllm_ext.runner import DecodeExecutor, decode_inputs_from_forward_context
 from vllm_ext.weights import DecodeWeights
 
@@ -72,9 +71,10 @@ class MegakernelDecodeBackend(DecodeBackend):
         chosen = vllm_config.attention_config.backend
         if chosen is not None and chosen != attention:
             raise ValueError(
-                f"--decode-backend megakernel reads the KV cache in the "
-                f"{attention.name} layout, but --attention-backend "
-                f"{chosen.name} was given; drop --attention-backend."
+                f"--decode-backend megakernel reads the KV cache as the "
+                f"{attention.get_class().__name__} attention backend writes "
+                f"it, but --attention-backend {chosen.name} was given; drop "
+                "--attention-backend."
             )
         vllm_config.attention_config.backend = attention
         # The layout the kernel reads, for every attention backend and every
@@ -241,8 +241,9 @@ def _attention_backend_for_platform(interpret: bool) -> AttentionBackendEnum:
                 f"--decode-backend megakernel needs {SUPPORTED_GPUS}, and this "
                 "machine has none (vLLM platform: cpu). " + INTERPRET_HINT
             )
-        # Registered by the plugin (vllm_ext.plugin) in every process.
-        return AttentionBackendEnum[ATTENTION_BACKEND]
+        # MegakernelAttentionBackend: the plugin registers it as CUSTOM in
+        # every process (vllm_ext.plugin).
+        return AttentionBackendEnum.CUSTOM
     raise ValueError(
         f"--decode-backend megakernel does not support the "
         f"{current_platform.device_name!r} platform; it needs {SUPPORTED_GPUS}, "

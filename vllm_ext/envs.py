@@ -85,6 +85,16 @@ environment_variables: dict[str, Callable[[], Any]] = {
 }
 
 
+# Read by this project's scripts and tests, not by the backend; named here so
+# that vLLM, which warns about VLLM_* variables it does not know, knows them.
+SCRIPT_VARIABLES = (
+    "VLLM_MEGAKERNEL_VENV",  # scripts/setup.sh: the virtual environment
+    "VLLM_MEGAKERNEL_VLLM",  # scripts/setup.sh: auto, cpu or cuda vLLM
+    "VLLM_MEGAKERNEL_SRC",  # scripts/build_vllm.sh: the vLLM source tree
+    "VLLM_MEGAKERNEL_MODEL_CACHE",  # tests: where demo models are built
+)
+
+
 def _variants(name: str):
     from vllm_ext.megakernel.variants import Variants
 

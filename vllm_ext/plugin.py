@@ -14,8 +14,10 @@ import os
 DECODE_BACKEND = "megakernel"
 DECODE_BACKEND_CLASS = "vllm_ext.backend.MegakernelDecodeBackend"
 # The attention backend that writes the megakernel's cache layout where no
-# in-tree one does (CPU reference mode).
-ATTENTION_BACKEND = "MEGAKERNEL"
+# in-tree one does (CPU reference mode), registered as vLLM's CUSTOM entry:
+# the selection travels to the engine and worker processes inside a pickled
+# config, which they read before they load plugins, and only a member that
+# exists without the plugin (CUSTOM, not a new name) unpickles there.
 ATTENTION_BACKEND_CLASS = "vllm_ext.attention.MegakernelAttentionBackend"
 
 
@@ -28,8 +30,14 @@ def register() -> None:
     from vllm.v1.worker.decode_backend import register_decode_backend
 
     register_decode_backend(DECODE_BACKEND, DECODE_BACKEND_CLASS)
-    if ATTENTION_BACKEND not in AttentionBackendEnum.__members__:
-        register_backend(ATTENTION_BACKEND, ATTENTION_BACKEND_CLASS)
+    custom = AttentionBackendEnum.CUSTOM
+    if custom.is_overridden() and custom.get_path() != ATTENTION_BACKEND_CLASS:
+        raise RuntimeError(
+            f"vllm-megakernel registers its attention backend as "
+            f"AttentionBackendEnum.CUSTOM, which another plugin took "
+            f"({custom.get_path()}); uninstall one of them."
+        )
+    register_backend(custom, ATTENTION_BACKEND_CLASS)
     _register_environment_variables()
 
 
@@ -42,7 +50,7 @@ def _register_environment_variables() -> None:
 
     from vllm_ext import envs
 
-    for name in envs.environment_variables:
+    for name in (*envs.environment_variables, *envs.SCRIPT_VARIABLES):
         vllm.envs.environment_variables.setdefault(
             name, lambda name=name: os.environ.get(name)
         )
