@@ -170,11 +170,6 @@ def test_default_is_auto_and_hashed():
             {},
             "VLLM_KV_CACHE_LAYOUT=HND",
         ),
-        (
-            {"VLLM_MEGAKERNEL_INTERPRET": "1"},
-            {"data_parallel_size": 2},
-            "data parallelism",
-        ),
     ],
 )  # fmt: skip
 def test_startup_errors_are_clear(demo_model, monkeypatch, env, kwargs, message):

@@ -38,19 +38,29 @@ def _post(url: str, body: dict) -> dict:
 
 
 # Two architectures: the served path (API server, engine, backend) is the
-# same for all; every architecture runs offline in test_e2e_offline.py.
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+# same for all; every architecture runs offline in test_e2e_offline.py. And
+# data parallelism: two engine cores, each with its own runner and backend,
+# the requests spread over them (vLLM's CPU build runs DP=2 on one NUMA
+# node with VLLM_CPU_SIM_MULTI_NUMA=1).
+DATA_PARALLEL = ["--data-parallel-size", "2"]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "llama-dp2"])
 def server(request, tmp_path_factory, demo_model):
-    arch = request.param
+    arch = request.param.removesuffix("-dp2")
     port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
     env = {k: v for k, v in os.environ.items() if k != "VLLM_MEGAKERNEL_INTERPRET"}
     # serve.sh must turn reference mode on by itself on this GPU-less machine.
     env["VLLM_MEGAKERNEL_VENV"] = str(Path(sys.executable).parent.parent)
+    extra = []
+    if request.param.endswith("-dp2"):
+        extra = DATA_PARALLEL
+        env.update(VLLM_CPU_SIM_MULTI_NUMA="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
     cmd = [
         str(ROOT / "scripts" / "serve.sh"), demo_model(arch),
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-        "--enforce-eager", "--max-model-len", "512",
+        "--enforce-eager", "--max-model-len", "512", *extra,
     ]  # fmt: skip
     with open(log, "w") as out:
         proc = subprocess.Popen(
@@ -71,7 +81,7 @@ def server(request, tmp_path_factory, demo_model):
                 if time.monotonic() > deadline:
                     pytest.fail(f"server not ready:\n{log.read_text()[-4000:]}")
                 time.sleep(1)
-        yield arch, base, log
+        yield request.param, base, log
     finally:
         os.killpg(proc.pid, 15)
         try:
@@ -81,7 +91,8 @@ def server(request, tmp_path_factory, demo_model):
 
 
 def test_serve_matches_default_path(server, demo_model, monkeypatch):
-    arch, base, log = server
+    setup, base, log = server
+    arch = setup.removesuffix("-dp2")
     served = json.loads(urllib.request.urlopen(base + "/v1/models").read())
     name = served["data"][0]["id"]
 
@@ -108,7 +119,9 @@ def test_serve_matches_default_path(server, demo_model, monkeypatch):
     text = log.read_text()
     assert "reference executor (VLLM_MEGAKERNEL_INTERPRET=1)" in text
     assert "ProgramExecutor" in text
-    assert "First decode step through the megakernel backend" in text
+    # One backend per engine core, each of which decoded.
+    engines = 2 if setup.endswith("-dp2") else 1
+    assert text.count("First decode step through the megakernel backend") == engines
     # The plugin made VLLM_MEGAKERNEL_* known to vLLM (serve.sh sets one).
     assert "VLLM_MEGAKERNEL_INTERPRET=1" in text
     assert "Unknown vLLM environment variable detected: VLLM_MEGAKERNEL" not in text

@@ -282,7 +282,6 @@ def _check_deployment(vllm_config: VllmConfig) -> None:
         "pipeline parallelism": parallel.pipeline_parallel_size > 1,
         "decode context parallelism": parallel.decode_context_parallel_size > 1,
         "prefill context parallelism": parallel.prefill_context_parallel_size > 1,
-        "data parallelism": parallel.data_parallel_size > 1,
         "LoRA adapters": vllm_config.lora_config is not None,
         "speculative decoding": vllm_config.speculative_config is not None,
         # Their per-layer save and load hooks live in the attention layers,
