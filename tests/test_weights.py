@@ -53,3 +53,18 @@ def test_linear_weights_read_back_exactly(demo_model, monkeypatch, dtype):
         del llm
         gc.collect()
         cleanup_dist_env_and_memory()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_read_back_crosses_chunks(dtype):
+    """Weights wider than one identity chunk (the real models' are) are read
+    back whole: each chunk's rows land in their own columns."""
+    from vllm_ext import weights as w
+
+    n, k = 96, 2 * w._READBACK_CHUNK + 37
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).to(dtype)
+    # As vLLM leaves a prepacked CPU layer: an empty weight, a packed GEMM.
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype), False)
+    layer.cpu_linear = lambda x, _, bias: torch.nn.functional.linear(x, weight)
+    assert torch.equal(w.linear_weight(layer, (n, k)), weight)

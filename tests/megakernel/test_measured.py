@@ -97,7 +97,6 @@ def test_the_recorded_gpu_runs_open_nothing(tmp_path):
     """Their per-op baselines were weaker than vLLM's decode."""
     for report in sorted((ROOT / "docs" / "gpu-runs").glob("*.json")):
         assert measured.record(report, tmp_path / "table.json") == []
-    assert json.loads(measured.TABLE.read_text()) == []  # the shipped table
 
 
 def _backend_log(monkeypatch, env: dict) -> tuple[object, list[str]]:

@@ -130,15 +130,6 @@ def cuda_pieces() -> CudaPieces:
     )
 
 
-def cuda_home() -> Path:
-    """A system CUDA 13 toolkit with nvcc, for tools beyond the kernel build
-    (scripts/baseline); the kernel build itself uses ``cuda_pieces()``."""
-    for candidate in (os.environ.get("CUDA_HOME"), *SYSTEM_CUDA):
-        if candidate and (Path(candidate) / "bin" / "nvcc").exists():
-            return Path(candidate)
-    raise FileNotFoundError("CUDA 13 toolkit with bin/nvcc not found; set CUDA_HOME")
-
-
 def nvcc() -> Path:
     """nvcc for tools beyond the kernel build (scripts/baseline): the
     nvidia-cuda-nvcc and nvidia-nvvm wheels first (pyproject.toml's test
