@@ -3,11 +3,13 @@
 default path: the same greedy tokens, and proof the decode steps went
 through the megakernel runner."""
 
+import dataclasses
 import gc
 import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.utils import DEFAULT_RUNS, check_logprobs_close
 
@@ -230,7 +232,9 @@ def test_unsupported_architecture_is_refused(demo_model, tmp_path, monkeypatch):
 
 def test_decode_backend_runs_only_decode_steps(demo_model, monkeypatch):
     """Prefill and mixed steps keep vLLM's path: with one prompt, the
-    megakernel sees exactly max_tokens - 1 single-request steps."""
+    megakernel sees exactly max_tokens - 1 single-request steps. And the
+    runner's ``DecodeBatch`` is all a step needs: replayed outside any
+    forward context, a recorded step gives the same hidden states."""
     monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
     from vllm import LLM, SamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
@@ -245,11 +249,39 @@ def test_decode_backend_runs_only_decode_steps(demo_model, monkeypatch):
     try:
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
         backend = runner.decode_backend
+        steps = []
+        forward = backend.forward
+
+        def recording_forward(batch):
+            hidden = forward(batch)
+            # The runner's buffers are reused by the next step: keep copies.
+            copy = dataclasses.replace(
+                batch,
+                **{
+                    f.name: getattr(batch, f.name).clone()
+                    for f in dataclasses.fields(batch)
+                    if isinstance(getattr(batch, f.name), torch.Tensor)
+                },
+            )
+            steps.append((copy, hidden.clone()))
+            return hidden
+
+        monkeypatch.setattr(backend, "forward", recording_forward)
         params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
         llm.generate(["The path"], params, use_tqdm=False)
         assert (backend.stats.steps, backend.stats.tokens) == (19, 19)
         # Reference mode ran the program planned for batch bucket 1 only.
         assert set(backend.executor.interpreters) == {1}
+
+        # A middle step again, with no forward context set: it rewrites its
+        # own token's K/V (the same values) and reads the cache only up to
+        # its seq_lens, so its hidden states are unchanged.
+        from vllm.forward_context import is_forward_context_available
+
+        batch, hidden = steps[len(steps) // 2]
+        assert batch.num_reqs == 1 and int(batch.seq_lens[0]) > 9
+        assert not is_forward_context_available()
+        torch.testing.assert_close(forward(batch), hidden, rtol=0, atol=0)
     finally:
         del llm
         gc.collect()

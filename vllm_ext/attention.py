@@ -70,8 +70,8 @@ class MegakernelAttentionBackend(AttentionBackend):
 
 @dataclass
 class MegakernelAttentionMetadata:
-    # Field names follow FlashAttentionMetadata, so the decode runner reads
-    # either backend's metadata the same way.
+    # What the reference attention reads in prefill and mixed steps (the
+    # decode backend gets its own inputs from the runner).
     num_actual_tokens: int
     max_query_len: int
     query_start_loc: torch.Tensor

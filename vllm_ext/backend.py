@@ -18,14 +18,14 @@ from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.attention.backends.utils import record_kv_cache_layout
-from vllm.v1.worker.decode_backend import DecodeBackend
+from vllm.v1.worker.decode_backend import DecodeBackend, DecodeBatch
 
 from vllm_ext import envs
 from vllm_ext.attention import KV_CACHE_LAYOUT
 from vllm_ext.megakernel.kernel.launcher import ARCH_OF_CAPABILITY
 from vllm_ext.megakernel.planner import batch_buckets
 from vllm_ext.model_spec import ModelSpec, sliding_window_refusal
-from vllm_ext.runner import DecodeExecutor, decode_inputs_from_forward_context
+from vllm_ext.runner import DecodeExecutor, decode_inputs
 from vllm_ext.weights import DecodeWeights
 
 # Under "vllm." so records go through vLLM's handlers, level and format.
@@ -124,7 +124,7 @@ class MegakernelDecodeBackend(DecodeBackend):
                     f"--decode-backend megakernel does not support {refusal} "
                     f"({attn.layer_name})."
                 )
-        self.layer_names = [attn.layer_name for attn in attentions]
+        self.attentions = attentions
         max_batch, why = decode_batches(self.spec, device)
         if max_batch:
             logger.info(
@@ -191,26 +191,26 @@ class MegakernelDecodeBackend(DecodeBackend):
             return False
         return True
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, num_reqs: int
-    ) -> torch.Tensor:
-        inputs = decode_inputs_from_forward_context(
-            input_ids, positions, num_reqs, self.layer_names
-        )
+    def forward(self, batch: DecodeBatch) -> torch.Tensor:
+        # The caches vLLM bound to the layers (read per step: they are
+        # allocated after the backend is made).
+        kv_caches = tuple(attn.kv_cache for attn in self.attentions)
+        inputs = decode_inputs(batch, kv_caches)
         hidden = self.executor.step(inputs)
         if self.stats.steps == 0:
             logger.info(
                 "First decode step through the megakernel backend "
                 "(%s executor, batch %d).",
                 type(self.executor).__name__,
-                num_reqs,
+                batch.num_reqs,
             )
         self.stats.steps += 1
-        self.stats.tokens += num_reqs
-        if hidden.shape[0] == input_ids.shape[0]:
+        self.stats.tokens += batch.num_reqs
+        num_tokens = batch.input_ids.shape[0]
+        if hidden.shape[0] == num_tokens:
             return hidden
-        out = hidden.new_zeros(input_ids.shape[0], hidden.shape[1])
-        out[:num_reqs] = hidden
+        out = hidden.new_zeros(num_tokens, hidden.shape[1])
+        out[: batch.num_reqs] = hidden
         return out
 
 

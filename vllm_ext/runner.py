@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from vllm.v1.worker.decode_backend import DecodeBatch
 
 
 @dataclass(frozen=True)
@@ -38,34 +39,17 @@ class DecodeExecutor(Protocol):
         ...
 
 
-def decode_inputs_from_forward_context(
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    num_reqs: int,
-    layer_names: list[str],
+def decode_inputs(
+    batch: DecodeBatch, kv_caches: tuple[torch.Tensor, ...]
 ) -> DecodeInputs:
-    """Collect the step's inputs from vLLM's forward context.
-
-    All decoder layers share one KV cache group, so the first layer's
-    attention metadata (block table, seq lens, slot mapping) holds for all.
-    """
-    from vllm.forward_context import get_forward_context
-
-    ctx = get_forward_context()
-    metadata = ctx.attn_metadata
-    if isinstance(metadata, list):  # micro-batched; never for decode here
-        raise RuntimeError("megakernel: micro-batched decode is not supported")
-    meta = metadata[layer_names[0]]
-    kv_caches = tuple(ctx.no_compile_layers[name].kv_cache for name in layer_names)
-    # Model Runner V2 passes slot mappings per layer beside the metadata.
-    slot_mapping = (ctx.slot_mapping or {}).get(layer_names[0])
-    if slot_mapping is None:
-        slot_mapping = meta.slot_mapping
+    """The executor's inputs for the batch's real requests (padding rows
+    dropped), from what the model runner passed and the layers' caches."""
+    n = batch.num_reqs
     return DecodeInputs(
-        input_ids=input_ids[:num_reqs],
-        positions=positions[:num_reqs],
-        block_table=meta.block_table[:num_reqs],
-        seq_lens=meta.seq_lens[:num_reqs],
-        slot_mapping=slot_mapping[:num_reqs],
+        input_ids=batch.input_ids[:n],
+        positions=batch.positions[:n],
+        block_table=batch.block_table[:n],
+        seq_lens=batch.seq_lens[:n],
+        slot_mapping=batch.slot_mapping[:n],
         kv_caches=kv_caches,
     )

@@ -8,7 +8,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-from vllm.v1.worker.decode_backend import DecodeBackend, register_decode_backend
+from vllm.v1.worker.decode_backend import (
+    DecodeBackend,
+    DecodeBatch,
+    register_decode_backend,
+)
 
 NAME = "passthrough"
 
@@ -32,9 +36,9 @@ class PassthroughDecodeBackend(DecodeBackend):
     def accepts(self, num_reqs: int, num_tokens: int, max_query_len: int) -> bool:
         return max_query_len == 1 and num_tokens == num_reqs
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, num_reqs: int
-    ) -> torch.Tensor:
+    def forward(self, batch: DecodeBatch) -> torch.Tensor:
+        # The model's attention reads the step's metadata from the forward
+        # context, which the runner sets around this call too.
         self.stats.steps += 1
-        self.stats.tokens += num_reqs
-        return self.model(input_ids=input_ids, positions=positions)
+        self.stats.tokens += batch.num_reqs
+        return self.model(input_ids=batch.input_ids, positions=batch.positions)
