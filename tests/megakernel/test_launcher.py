@@ -64,6 +64,29 @@ def test_steps_match_the_plain_forward(arch):
     assert int(ex.counters[-1]) == 3 and standin.launches == 3
 
 
+def test_a_refused_launch_leaves_the_next_step_working():
+    """A launch the driver refuses (nothing ran) takes its step number back:
+    the next step waits on the right counts and matches the reference."""
+    spec, weights, ex, standin = executor("llama", bucket=2)
+    inputs = random_decode_inputs(spec, 2, seed=31)
+    register_executor(standin, ex, inputs.kv_caches)
+    launch = ex.launch
+
+    def refused(*args) -> None:
+        raise MegakernelError("megakernel launch: too many resources requested")
+
+    ex.launch = refused
+    with pytest.raises(MegakernelError, match="too many resources"):
+        ex.step(clone(inputs))
+    assert int(ex.counters[-1]) == 0 and standin.launches == 0
+    ex.launch = launch
+    ref_inputs = clone(inputs)
+    got = ex.step(inputs)
+    want = ReferenceExecutor(spec, weights).step(ref_inputs)
+    torch.testing.assert_close(got, want, rtol=0, atol=TOL[torch.bfloat16])
+    assert int(ex.counters[-1]) == 1 and standin.launches == 1
+
+
 def test_table_points_at_the_weights_and_workspace():
     spec, weights, ex, _ = executor("qwen2", bucket=2, with_lm_head=False)
     table, layers = ex.ptrs_host, spec.num_layers

@@ -250,15 +250,23 @@ class KernelExecutor:
             dst[n:].fill_(pad)
         self.block_table[:n, :width].copy_(inputs.block_table[:n, :width])
         self.block_table[n:].zero_()  # never read (length 0), but valid ids
-        self.counters[-1:].add_(1)
         stream = 0  # a CPU stand-in launch in tests takes no stream
         if self.device.type == "cuda":
             stream = torch.cuda.current_stream(self.device).cuda_stream
-        self.launch(
-            self.queue, self.lengths, self.counters, self.ptrs,
-            self.block_table.stride(0), self.kv_block_stride,
-            self.weights.attn_scale, self.max_spins, stream,
-        )  # fmt: skip
+        # The kernel's waits count in steps: bump the step number for this
+        # launch, and take it back if the launch was refused (nothing ran),
+        # or every later step of this bucket would wait one step too long
+        # and trap.
+        self.counters[-1:].add_(1)
+        try:
+            self.launch(
+                self.queue, self.lengths, self.counters, self.ptrs,
+                self.block_table.stride(0), self.kv_block_stride,
+                self.weights.attn_scale, self.max_spins, stream,
+            )  # fmt: skip
+        except Exception:
+            self.counters[-1:].sub_(1)
+            raise
         return self.ws["out"][:n]
 
     @property
