@@ -33,7 +33,7 @@ import torch
 from vllm_ext.megakernel import isa
 from vllm_ext.megakernel.cost import DEFAULT_DEVICE, DEVICES
 from vllm_ext.megakernel.kernel import aot
-from vllm_ext.megakernel.kernel.shape import KernelShape
+from vllm_ext.megakernel.kernel.shape import PLANTED_BUGS, KernelShape
 from vllm_ext.megakernel.plan import print_summary, spec_or_exit
 from vllm_ext.megakernel.planner import plan
 from vllm_ext.megakernel.variants import Variants
@@ -321,6 +321,14 @@ def main(argv: list[str] | None = None) -> int:
         help="experimental: QKV tiles are parts of heads (RoPE pairs), as many "
         "parts as keep one tile per SM; not with --stage-weights",
     )
+    parser.add_argument(
+        "--plant-bug",
+        choices=PLANTED_BUGS,
+        help="for the GPU check only: build a deliberately wrong kernel that "
+        "the check must reject (kv-slot: the KV append writes the wrong slot; "
+        "oob-store: a store one element past the end of the final-norm output). "
+        "Never serve it",
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -340,6 +348,11 @@ def main(argv: list[str] | None = None) -> int:
         shape = KernelShape.from_program(
             program, args.block_size, **variants.kernel_flags()
         )
+        if args.plant_bug:
+            # Not a variant (Variants cannot name it): only this flag sets it.
+            shape = dataclasses.replace(shape, planted_bug=args.plant_bug)
+            print(f"build: planting bug {args.plant_bug!r}: a deliberately wrong "
+                  "kernel, for the GPU check only", file=sys.stderr)  # fmt: skip
     except ValueError as e:
         print(f"build: {e}", file=sys.stderr)
         return 2

@@ -60,6 +60,12 @@ class GlobalSlot(IntEnum):
 
 
 NUM_SLOTS = 18
+# Deliberately wrong kernels, for the GPU check only (KernelShape.planted_bug):
+# it must reject each. "kv-slot": the KV append writes the new token's K and
+# V to the neighbouring token of its block (slot ^ 1), a silent stray write
+# inside the cache. "oob-store": FINAL_NORM writes the last row of ``out`` one
+# element too long, a store just past the buffer's end.
+PLANTED_BUGS = ("kv-slot", "oob-store")
 # Requests accumulated per pass over a weight row (see ops/gemv.py).
 BATCH_GROUP = 8
 # A page of the weight pipeline (ops/weight_pipe.py).
@@ -129,8 +135,16 @@ class KernelShape:
     # many RoPE-pair parts (isa.py), so the phase spreads over more SMs. Set
     # from the program, which it must match.
     qkv_parts: int = 1
+    # Test only, never served: "" or one of PLANTED_BUGS, a deliberately
+    # wrong kernel the GPU check must reject. Only the build CLI's
+    # --plant-bug sets it (not from_program, not VLLM_MEGAKERNEL_VARIANTS).
+    planted_bug: str = ""
 
     def __post_init__(self) -> None:
+        if self.planted_bug and self.planted_bug not in PLANTED_BUGS:
+            raise ValueError(
+                f"planted_bug {self.planted_bug!r}: one of {', '.join(PLANTED_BUGS)}"
+            )
         for name in ("hidden", "intermediate", "head_dim"):
             if getattr(self, name) % 8:
                 raise ValueError(f"{name} must be a multiple of 8 (128-bit loads)")

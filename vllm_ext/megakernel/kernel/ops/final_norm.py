@@ -29,3 +29,9 @@ def final_norm(s: cutlass.Constexpr, ptrs: cute.Tensor, glob, lo, hi, rstd):
         i, col = idx // width, lo + idx % width
         y = x[i, col].to(Float32) * rstd[i] * w[col].to(Float32)
         out[i, col] = y.to(BFloat16)
+        if cutlass.const_expr(shape.planted_bug == "oob-store"):
+            # Planted for the GPU check: the last row is written one element
+            # too long, so one bf16 lands just past the end of ``out``; every
+            # in-bounds value stays right (only a guard or memcheck sees it).
+            if i == b - 1 and col == h - 1:
+                out[i, col + 1] = y.to(BFloat16)

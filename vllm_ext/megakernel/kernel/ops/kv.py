@@ -28,6 +28,11 @@ def kv_entry(
 
 def kv_slot_entry(shape: KernelShape, cache: Int64, slot, kv_head, block_stride):
     """The entry of flat slot ``slot`` (``block * block_size + offset``,
-    what vLLM's slot mapping holds)."""
+    what vLLM's slot mapping holds). Only the KV append addresses by slot."""
     bs = shape.block_size
+    if shape.planted_bug == "kv-slot":  # (trace time: a test-only build)
+        # Planted for the GPU check: the neighbouring token of the same block
+        # (block_size is even), so the stray write always lands inside the
+        # cache and only the KV checks can see it.
+        slot = slot ^ 1
     return kv_entry(shape, cache, slot // bs, slot % bs, kv_head, block_stride)
