@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""Build FlashInfer's paged decode attention for the GPU check, here (no
-GPU): ``flashinfer_decode.cu`` against the headers of flashinfer-python
-0.7.0.post1 (what vLLM 0.32.0 pins) and the CCCL they need, with nvcc from
-the nvidia-cuda-nvcc wheel (pyproject.toml's test extra; else $CUDA_HOME or a
-system CUDA 13 toolkit), into ``OUT/libflashinfer_decode_sm_90a.so``.
+"""Build the per-op baseline's attention kernels for the GPU check, here (no
+GPU): ``flashinfer_decode.cu`` (FlashInfer's split-KV paged decode, its
+merge and its host planner; the KV-append kernel) against the headers of
+flashinfer-python 0.7.0.post1 (what vLLM 0.32.0 pins) and the CCCL they
+need, with nvcc from the nvidia-cuda-nvcc wheel (pyproject.toml's test
+extra; else $CUDA_HOME or a system CUDA 13 toolkit), into
+``OUT/libflashinfer_decode_sm_90a.so`` (loaded by ``flashinfer_baseline.py``).
 
     python scripts/baseline/build_flashinfer.py OUT
 """
@@ -45,12 +47,9 @@ def fetch() -> tuple[Path, Path]:
         wheel = next(
             (CACHE / "wheels").glob(f"{name.replace('-', '_')}-{version}-*.whl")
         )
-        prefix = ("flashinfer/data/include/",) if name == "flashinfer-python" else (
-            "nvidia/cu13/include/cccl/",
-        )  # fmt: skip
         with zipfile.ZipFile(wheel) as z:
             z.extractall(
-                CACHE / name, [n for n in z.namelist() if n.startswith(prefix)]
+                CACHE / name, [n for n in z.namelist() if n.startswith(PREFIXES[name])]
             )
         stamp.touch()
     return (

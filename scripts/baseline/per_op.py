@@ -2,12 +2,31 @@
 """The per-op decode step that the GPU check times the megakernel against:
 what vLLM's default decode runs on CUDA, kernel by kernel, in PyTorch.
 
+vLLM 0.32's default decode on an H200, and the stand-in for each part (each
+no slower than what it stands for):
+
+- the GEMMs (fused QKV, O, fused gate/up, down, LM head): cuBLAS through
+  ``F.linear``, here too: the same library and calls.
+- the elementwise work between them (residual add + RMSNorm, QK-norm, RoPE
+  with its cos/sin lookup, SiLU-mul): Inductor-fused kernels of the model
+  compiled piecewise, split at attention. Here: the same pieces compiled by
+  ``torch.compile`` with Inductor (below).
+- the cache write: ``reshape_and_cache_flash``, one kernel per layer. Here:
+  ``kv_append`` (``flashinfer_baseline.py``), one kernel per layer doing the
+  same copies.
+- decode attention: FlashAttention 3 with split-KV scheduling (each long KV
+  cut so the batch's CTAs fill the SMs, the splits then merged). Here:
+  FlashInfer's paged decode with split-KV, chunked as FlashInfer's planner
+  chunks it to fill the SMs, merged by its merge-states kernel
+  (``flashinfer_baseline.py``).
+- the step replayed from one FULL CUDA graph: here too (the caller
+  captures it).
+
 vLLM 0.32 compiles the model piecewise, split at attention: between two
-attentions, Inductor fuses the elementwise work (residual add + RMSNorm,
-QK-norm, RoPE with its cos/sin lookup, SiLU-mul) around the cuBLAS GEMMs of
-the fused QKV, O, fused gate/up and down projections; the KV append and the
-paged decode attention are kernels of their own; and a decode step is
-replayed from one FULL CUDA graph. Here the pieces are the same: ``first``
+attentions, Inductor fuses the elementwise work around the cuBLAS GEMMs;
+the KV append and the paged decode attention are kernels of their own; and
+a decode step is replayed from one FULL CUDA graph. Here the pieces are the
+same: ``first``
 (embedding, layer 0 up to attention), ``middle`` (layer i after attention,
 layer i + 1 up to attention: one compiled graph serves every layer, the
 weights are arguments), ``last`` (the last layer after attention, final
@@ -42,7 +61,8 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 def paged_attend(weights: DecodeWeights, inputs: DecodeInputs) -> Attend:
     """The reference's KV append and paged decode attention (any device;
-    on the GPU the check passes FlashInfer's instead)."""
+    on the GPU the check passes ``flashinfer_baseline.flashinfer_attend``
+    instead: one append kernel, split-KV paged decode)."""
 
     def attend(layer: int, q, k, v) -> torch.Tensor:
         cache = inputs.kv_caches[layer]
