@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # The one-call GPU check. Here (no GPU needed): build the megakernel for the
-# H200 (sm_90a) for a 1B-class and an 8B-class shape at batch 1 and 16
-# into .device/ (git-ignored), with the programs and a manifest. On the GPU
-# machine (Python, torch with CUDA; no CuTe DSL, no vLLM):
+# H200 (sm_90a) for a 1B-class and an 8B-class Llama shape at batch 1 and
+# 16, Qwen2 (QKV bias) and Qwen3 (QK-norm) shapes at batch 1, the variants
+# and kernels with planted bugs that the check must reject (below), into
+# .device/ (git-ignored), with the programs, a manifest and FlashInfer's
+# decode for the baseline. On the GPU machine (Python, torch with CUDA; no
+# CuTe DSL, no vLLM):
 #
 #   python3 scripts/device_run.py .device "$OUT"
 #
-# checks every case against the program interpreter (and its attention
-# against FlashInfer's), times it against a CUDA-graph per-op step
-# (FlashInfer attention) and the weight-read floor, checks the trap, and
-# writes $OUT/device_check.{json,md}. Record its figures in docs/perf.md.
+# checks every case instruction by instruction (stray writes included; the
+# batch-1 defaults also against the interpreter, FlashInfer and in CUDA-graph
+# replays), rejects the planted bugs, runs memcheck and racecheck, times each
+# correct case against vLLM's default decode stood in for by a CUDA-graph
+# per-op step (split-KV FlashInfer decode) and the weight-read floor, checks
+# the trap, and writes $OUT/device_check.{json,md} with a verdict. Record
+# its figures in docs/perf.md and the report in docs/gpu-runs/.
 #
 #   scripts/device_check.sh [--dry-run]   # --dry-run: build and report size only
 set -euo pipefail
@@ -22,6 +28,9 @@ MODELS=${DEVICE_CHECK_MODELS:-"llama-3.2-1b llama-3.1-8b"}
 # Batch 4 ran twice (2026-11-30, 8bf5367 and 42d7577): 1 and 16 keep the
 # call's time for the variants.
 BATCHES=${DEVICE_CHECK_BATCHES:-"1 16"}
+# Further shapes, MODEL:BATCH: the device code only they run (QKV bias,
+# QK-norm). Empty: none.
+COVERAGE=${DEVICE_CHECK_COVERAGE-"qwen2.5-0.5b:1 qwen3-0.6b:1"}
 # Experimental kernel variants, checked and timed beside the default in the
 # same call: MODEL:BATCH:VARIANT, built into MODEL-bBATCH-VARIANT with the
 # variant's build flags (below). The breakdown tells their parts apart.
@@ -51,6 +60,11 @@ variant_flags() {
         *) echo "device_check: unknown variant $1" >&2; exit 2 ;;
     esac
 }
+# Planted bugs (build.py --plant-bug): deliberately wrong kernels of the
+# smallest shape, built into MODEL-b1-plant-BUG, which the GPU check must
+# reject in the same call (manifest "planted": {case: bug}). Empty: none.
+PLANTED=${DEVICE_CHECK_PLANTED-"kv-slot oob-store"}
+PLANTED_MODEL=llama-3.2-1b
 rm -rf "$BUNDLE"
 mkdir -p "$BUNDLE"
 cd "$ROOT"
@@ -70,6 +84,10 @@ for model in $MODELS; do
         build_case "$model" "$batch" "$BUNDLE/$model-b$batch"
     done
 done
+for pair in $COVERAGE; do
+    IFS=: read -r model batch <<<"$pair"
+    build_case "$model" "$batch" "$BUNDLE/$model-b$batch"
+done
 order=""
 for triple in $VARIANTS; do
     IFS=: read -r model batch variant <<<"$triple"
@@ -78,16 +96,26 @@ for triple in $VARIANTS; do
     build_case "$model" "$batch" "$BUNDLE/$model-b$batch-$variant" $flags
     order="$order $model-b$batch-$variant"
 done
+planted=""
+for bug in $PLANTED; do
+    build_case "$PLANTED_MODEL" 1 "$BUNDLE/$PLANTED_MODEL-b1-plant-$bug" \
+        --plant-bug "$bug"
+    planted="$planted $PLANTED_MODEL-b1-plant-$bug=$bug"
+done
 # FlashInfer's paged decode attention: the attention reference and the
 # per-op baseline's attention on the GPU (DEVICE_CHECK_FLASHINFER=0 skips).
 if [[ ${DEVICE_CHECK_FLASHINFER:-1} == 1 ]]; then
     "$VENV/bin/python" "$ROOT/scripts/baseline/build_flashinfer.py" "$BUNDLE" >/dev/null
 fi
-"$VENV/bin/python" - "$BUNDLE" "$(git -C "$ROOT" rev-parse --short HEAD)" $order <<'PY'
-import json, sys, pathlib
+# shellcheck disable=SC2086  # the cases are words
+PLANTED_CASES=$planted "$VENV/bin/python" - "$BUNDLE" \
+    "$(git -C "$ROOT" rev-parse --short HEAD)" $order <<'PY'
+import json, os, sys, pathlib
 bundle, commit, order = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
 builds = {p.parent.name: json.loads(p.read_text()) for p in bundle.glob("*/build.json")}
-manifest = {"commit": commit, "builds": builds, "variant_order": order}
+planted = dict(c.split("=", 1) for c in os.environ["PLANTED_CASES"].split())
+manifest = {"commit": commit, "builds": builds, "variant_order": order,
+            "planted": planted}
 (bundle / "manifest.json").write_text(json.dumps(manifest))
 PY
 size=$(du -sb "$BUNDLE" | cut -f1)

@@ -8,7 +8,6 @@ import importlib.util
 import json
 import os
 import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -41,7 +40,8 @@ def _device_run():
 def test_dry_run_builds_a_small_bundle():
     env = {**os.environ, "DEVICE_CHECK_MODELS": "llama-3.2-1b",
            "DEVICE_CHECK_BATCHES": "1", "DEVICE_CHECK_FLASHINFER": "0",
-           "DEVICE_CHECK_VARIANTS": "llama-3.2-1b:1:mma"}  # fmt: skip
+           "DEVICE_CHECK_VARIANTS": "llama-3.2-1b:1:mma",
+           "DEVICE_CHECK_PLANTED": "kv-slot", "DEVICE_CHECK_COVERAGE": ""}  # fmt: skip
     proc = subprocess.run(
         [str(ROOT / "scripts" / "device_check.sh"), "--dry-run"],
         capture_output=True, text=True, timeout=600, env=env,
@@ -51,11 +51,15 @@ def test_dry_run_builds_a_small_bundle():
     bundle = ROOT / ".device"
     manifest = json.loads((bundle / "manifest.json").read_text())
     # (mma carries every other variant's flag but the weight stage.)
-    assert set(manifest["builds"]) == {"llama-3.2-1b-b1", "llama-3.2-1b-b1-mma"}
+    planted = {"llama-3.2-1b-b1-plant-kv-slot": "kv-slot"}
+    assert manifest["planted"] == planted
+    assert set(manifest["builds"]) == {"llama-3.2-1b-b1", "llama-3.2-1b-b1-mma",
+                                       *planted}  # fmt: skip
     # stage_weights, stage_queue, mma_gemv, weight_pipe, wide_attn,
     # fused_combine, qkv_parts, l2_ahead
     flags = {"llama-3.2-1b-b1": (0, 0, 0, 0, 0, 0, 1, 0),
-             "llama-3.2-1b-b1-mma": (0, 1, 1, 1, 1, 1, 2, 1)}  # fmt: skip
+             "llama-3.2-1b-b1-mma": (0, 1, 1, 1, 1, 1, 2, 1),
+             "llama-3.2-1b-b1-plant-kv-slot": (0, 0, 0, 0, 0, 0, 1, 0)}  # fmt: skip
     for name, build in manifest["builds"].items():
         assert build["spill_bytes"] == 0 and build["arch"] == "sm_90a"
         meta = torch.load(bundle / name / "program.pt")
@@ -65,6 +69,8 @@ def test_dry_run_builds_a_small_bundle():
                shape["fused_combine"], shape["qkv_parts"],
                shape["l2_ahead"])  # fmt: skip
         assert got == flags[name]
+        # A planted bug is the default kernel but for the bug it names.
+        assert shape["planted_bug"] == planted.get(name, "")
         # A fused program has no COMBINE instructions (opcode 4).
         assert (meta["queues"][..., 0] == 4).any() != shape["fused_combine"]
         assert (build["async_copies"] > 0) == shape["stage_weights"]
@@ -99,9 +105,23 @@ def harness(request, tmp_path, monkeypatch):
 
         def launch(*args):
             register_executor(standin, ex, ex.kv_caches)
+            kind = corrupt.get("kind", "buffer")
+            if kind == "history":
+                # A stray write over each request's first token, before the
+                # step's attention reads it: the kernel and a reference
+                # reading the kernel's cache would agree.
+                for cache in ex.kv_caches:
+                    for r, slot in enumerate(ex.slot_mapping.tolist()):
+                        if slot >= 0 and int(ex.seq_lens[r]) > 1:
+                            cache[int(ex.block_table[r, 0]), :, 0] += 1.0
             standin(*args)
-            if corrupt:
+            if kind == "buffer" and corrupt:
                 ex.ws[corrupt["name"]][corrupt["layer"]] += 1.0
+            elif kind == "past_end":
+                # One element stored just past the buffer's end.
+                t = ex.ws[corrupt["name"]]
+                flat = t.new_empty(0).set_(t.untyped_storage())
+                flat[t.storage_offset() + t.numel()] = 1.0
 
         ex = KernelExecutor(program, weights, launch, block_size=BLOCK_SIZE,
                             max_blocks=max_blocks)  # fmt: skip
@@ -149,6 +169,48 @@ def test_harness_names_the_wrong_instruction(harness, buffer, op):
         assert errors["QKV"]["max"] <= errors["QKV"]["tol"]
 
 
+def test_a_write_to_a_history_slot_fails(harness):
+    """A stray write over an earlier token's entry: the kernel's attention
+    and a reference reading the kernel's cache would agree (both read the
+    corrupted entry); the cache copy taken before the step shows the stray
+    write, and attention judged against it fails."""
+    d, case, corrupt = harness
+    corrupt.update(kind="history")
+    result = d.correctness(case)
+    assert not result["ok"]
+    errors = result["steps"][0]["errors"]
+    assert errors["KV_STRAY"]["max"] > 0 and not d.passes(errors["KV_STRAY"])
+    assert not d.passes(errors["ATTN"])
+    assert d.passes(errors["KV_APPEND"]) and d.passes(errors["QKV"])
+    assert d.passes(errors["GUARD"]) and d.passes(errors["INPUTS"])
+
+
+@pytest.mark.parametrize("buffer", ["out", "h", "part_lse"])
+def test_a_store_past_a_buffers_end_fails(harness, buffer):
+    d, case, corrupt = harness
+    corrupt.update(kind="past_end", name=buffer)
+    result = d.correctness(case)
+    assert not result["ok"]
+    errors = result["steps"][0]["errors"]
+    assert errors["GUARD"]["buffers"] == [buffer] and errors["GUARD"]["max"] > 0
+    assert d.passes(errors["KV_STRAY"]) and d.passes(errors["LM_HEAD"])
+
+
+def test_element_wise_errors_count_where_the_max_hides_them(harness):
+    """A small element off by far more than its own rounding, still within
+    the max-based bound: FINAL_NORM fails element-wise."""
+    d, _, _ = harness
+    want = torch.tensor([8.0, 0.01, -3.0, 0.02]).to(torch.bfloat16)
+    got = want.clone()
+    got[1] = 0.2  # 2.4% of the largest value: within 2^-5 of it
+    check = {"max": d.rel_err(got, want), "tol": d.TOLERANCE["bf16"],
+             "elem": d.elem_err(got, want, d.DEFAULT_ELEMENT_FLOOR)}  # fmt: skip
+    assert check["max"] <= check["tol"] and not d.passes(check)
+    # One rounding step of each element passes.
+    close = (want.double() * (1 + 2**-8)).to(torch.bfloat16)
+    assert d.elem_err(close, want, d.DEFAULT_ELEMENT_FLOOR) <= check["tol"]
+
+
 @pytest.mark.parametrize("harness", [{"fuse_combine": True}], ids=["fused"],
                          indirect=True)  # fmt: skip
 def test_harness_names_a_wrong_fused_combine(harness):
@@ -175,9 +237,10 @@ def test_graph_replays_are_judged(harness, monkeypatch):
         """graph_replays with ``capture(fn, ex)`` standing in for the CUDA
         graph of ``fn`` (the step of executor ``ex``)."""
         ex, _ = d.make_executor(case, program, weights, blocks)
+        guards = d.guard_workspace(ex)
         monkeypatch.setattr(d, "capture_step", lambda fn: capture(fn, ex))
         monkeypatch.setattr(d, "GRAPH_REPLAYS", n)
-        return d.graph_replays(ex, spec, program.batch)
+        return d.graph_replays(ex, spec, program.batch, guards)
 
     graph = replays(lambda fn, ex: fn)
     assert graph["ok"] and len(graph["replays"]) == 2
@@ -308,7 +371,13 @@ def test_report_table():
                        "breakdown": {"QKV": {"ms": 0.1, "weight_bytes": 3e8},
                                      "NOP": {"ms": 0.01, "weight_bytes": None}}},
         }},
-        "trap": {"ok": True}, "sanitizer": "not installed on this machine",
+        "trap": {"ok": True}, "verdict": "incomplete",
+        "why": ["racecheck not run (compute-sanitizer not installed)"],
+        "planted": {"m-plant-kv-slot": {"bug": "kv-slot", "rejected": True,
+                                        "failing": ["KV_APPEND", "KV_STRAY"]}},
+        "sanitizer": {"memcheck": {"status": "passed", "case": "llama-3.2-1b-b1"},
+                      "racecheck": {"status": "not run",
+                                    "why": "compute-sanitizer not installed"}},
     }  # fmt: skip
     staged = {"correctness": {"ok": True}, "timing": {"megakernel_ms": 0.8}}
     report["cases"]["llama-3.2-1b-b1-staged"] = staged
@@ -323,102 +392,134 @@ def test_report_table():
     )
     assert "| QKV | 0.100 (3.00) |" in table and "| NOP | 0.010 |" in table
     assert "4.00 TB/s" in table and "abc1234" in table
+    assert table.startswith("verdict: incomplete (racecheck not run")
+    assert "planted bugs: m-plant-kv-slot (kv-slot): rejected by KV_APPEND" in table
+    assert (
+        "sanitizer: memcheck passed on llama-3.2-1b-b1; racecheck not run "
+        "(compute-sanitizer not installed)" in table
+    )
 
 
-def test_flashinfer_baseline_builds(tmp_path):
-    """FlashInfer's paged decode, built here for the GPU check: one C entry
-    point, and nothing but libc/libstdc++ needed at run time."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "baseline" / "build_flashinfer.py"),
-         str(tmp_path)],
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    library = tmp_path / "libflashinfer_decode_sm_90a.so"
-    symbols = subprocess.run(
-        ["nm", "-D", "--defined-only", str(library)],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    assert "flashinfer_paged_decode" in symbols
-    dynamic = subprocess.run(["readelf", "-d", str(library)], capture_output=True,
-                             text=True, check=True).stdout  # fmt: skip
-    needed = {line.split("[")[1].rstrip("]") for line in dynamic.splitlines()
-              if "(NEEDED)" in line}  # fmt: skip
-    assert needed <= {"libc.so.6", "libstdc++.so.6", "libgcc_s.so.1",
-                      "libm.so.6", "ld-linux-x86-64.so.2"}  # fmt: skip
-
-
-def test_flashinfer_page_lists():
-    d = _device_run()
-    table = torch.tensor([[7, 3, 9], [4, 0, 0]], dtype=torch.int32)
-    plan = d.FlashInferDecode.plan(table, torch.tensor([33, 16], dtype=torch.int32), 16)
-    # 33 tokens: 3 pages, the last holding 1; 16 tokens: 1 full page.
-    assert plan["indices"].tolist() == [7, 3, 9, 4]
-    assert plan["indptr"].tolist() == [0, 3, 4]
-    assert plan["last"].tolist() == [1, 16]
-
-
-def test_driver_order_and_verdict(tmp_path, monkeypatch):
-    """main() on CPU with its child runs replaced: smallest case first, the
-    default before its variants and those as device_check.sh listed them;
-    the trap right after the first case; the sanitizer last (the first
-    case, then the variants); the verdict needs every case correct and the
-    trap."""
-    d = _device_run()
+def _bundle(tmp_path: Path) -> Path:
+    """Cases as device_check.sh builds them (made in another order than the
+    driver must run them), with one planted bug."""
     spec = make_spec("llama", torch.bfloat16)
     bundle = tmp_path / "bundle"
     for name, batch, fuse in (("m-b2", 2, False), ("m-b1-tail", 1, True),
-                              ("m-b1", 1, False), ("m-b1-pipe", 1, False)):  # fmt: skip
+                              ("m-b1", 1, False), ("m-b1-pipe", 1, False),
+                              ("m-b1-plant-kv-slot", 1, False)):  # fmt: skip
         program = plan(spec, batch, DEVICES["h200"], with_lm_head=True,
                        fuse_combine=fuse)  # fmt: skip
         shape = KernelShape.from_program(program, BLOCK_SIZE,
                                          weight_pipe=name.endswith("pipe"))  # fmt: skip
         (bundle / name).mkdir(parents=True)
         save_program(bundle / name / "program.pt", program, shape)
-    # Listed against the order the cases were made in (which a directory
-    # listing would follow).
+    meta = torch.load(bundle / "m-b1-plant-kv-slot" / "program.pt")
+    meta["shape"]["planted_bug"] = "kv-slot"
+    torch.save(meta, bundle / "m-b1-plant-kv-slot" / "program.pt")
     manifest = {"commit": "abc", "variant_order": ["m-b1-pipe", "m-b1-tail"]}
     (bundle / "manifest.json").write_text(json.dumps(manifest))
+    return bundle
+
+
+class _Props:
+    name, multi_processor_count = "stand-in", 132
+
+
+def _driver(d, tmp_path, monkeypatch, outcomes: dict):
+    """main() on CPU, each child run answered from ``outcomes`` (by what it
+    runs, and for the sanitizer by its tool): correct and clean unless told."""
     calls = []
 
     def run_child(what, case, timeout, prefix=None):
-        calls.append((what, case.name, bool(prefix)))
-        tail = "megakernel: wait timeout" if what == "trap" else ""
+        tool = prefix[prefix.index("--tool") + 1] if prefix else None
+        calls.append((what, case.name, tool))
+        if what == "trap":
+            tail = outcomes.get("trap", "megakernel: wait timeout")
+            return {"ok": False, "rc": 1, "seconds": 0.0, "tail": tail}
+        if what == "sanitize":
+            default = {"ok": True, "tail": "========= ERROR SUMMARY: 0 errors"}
+            return {"seconds": 0.0, **outcomes.get(tool, default)}
+        if what == "correctness":  # the planted bug
+            return {"seconds": 0.0, **outcomes.get("planted", {
+                "ok": False, "steps": [{"errors": {
+                    "KV_STRAY": {"max": 12, "tol": 0},
+                    "QKV": {"max": 0.0, "tol": 0.03}}}]})}  # fmt: skip
         parts = {"correctness": {"ok": True}, "timing": {"megakernel_ms": 1.0}}
-        return {"ok": True, "seconds": 0.0, "tail": tail,
+        return {"ok": True, "seconds": 0.0, "tail": "",
                 **({"parts": parts} if what == "case" else {})}  # fmt: skip
 
-    class Props:
-        name, multi_processor_count = "stand-in", 132
-
     monkeypatch.setattr(d, "run_child", run_child)
-    monkeypatch.setattr(d.shutil, "which", lambda name: "/bin/compute-sanitizer")
-    monkeypatch.setattr(d.torch.cuda, "get_device_properties", lambda i: Props)
-    monkeypatch.setattr(d.sys, "argv", ["device_run.py", str(bundle),
+    monkeypatch.setattr(d.torch.cuda, "get_device_properties", lambda i: _Props)
+    monkeypatch.setattr(d.sys, "argv", ["device_run.py", str(_bundle(tmp_path)),
                                         str(tmp_path / "out")])  # fmt: skip
-    assert d.main() == 0
-    assert calls == [
-        ("bandwidth", "m-b1", False), ("case", "m-b1", False),
-        ("trap", "m-b1", False),
-        ("case", "m-b1-pipe", False), ("case", "m-b1-tail", False),
-        ("case", "m-b2", False),
-        ("sanitize", "m-b1", True), ("sanitize", "m-b1-pipe", True),
-        ("sanitize", "m-b1-tail", True),
-    ]  # fmt: skip
+    rc = d.main()
     report = json.loads((tmp_path / "out" / "device_check.json").read_text())
+    return rc, report, calls
+
+
+def test_driver_order_and_verdict(tmp_path, monkeypatch):
+    """main() on CPU with its child runs replaced: first what every figure
+    rests on (the first case, the trap, the planted bug, memcheck and
+    racecheck on the first case's kernel), then the other cases smallest
+    first, the default before its variants and those as device_check.sh
+    listed them (not as they were made). A passed verdict needs all of it."""
+    d = _device_run()
+    monkeypatch.setattr(d.shutil, "which", lambda name: "/bin/compute-sanitizer")
+    rc, report, calls = _driver(d, tmp_path, monkeypatch, {})
+    assert calls == [
+        ("bandwidth", "m-b1", None), ("case", "m-b1", None), ("trap", "m-b1", None),
+        ("correctness", "m-b1-plant-kv-slot", None),
+        ("sanitize", "m-b1", "memcheck"), ("sanitize", "m-b1", "racecheck"),
+        ("case", "m-b1-pipe", None), ("case", "m-b1-tail", None),
+        ("case", "m-b2", None),
+    ]  # fmt: skip
+    assert rc == 0 and report["verdict"] == "passed" and report["ok"]
     assert report["cases"]["m-b2"] == {"correctness": {"ok": True},
                                        "timing": {"megakernel_ms": 1.0}}  # fmt: skip
-    assert report["ok"] and list(report["sanitizer"]) == [
-        "m-b1", "m-b1-pipe", "m-b1-tail"]  # fmt: skip
-    assert "sanitizer: m-b1 ok; m-b1-pipe ok; m-b1-tail ok" in (
+    assert "m-b1-plant-kv-slot" not in report["cases"]
+    assert report["planted"]["m-b1-plant-kv-slot"]["failing"] == ["KV_STRAY"]
+    assert {r["status"] for r in report["sanitizer"].values()} == {"passed"}
+    assert "planted bugs: m-b1-plant-kv-slot (kv-slot): rejected by KV_STRAY" in (
         tmp_path / "out" / "device_check.md").read_text()  # fmt: skip
-    # A trap run without the kernel's message fails the whole check.
-    calls.clear()
-    monkeypatch.setattr(d, "run_child", lambda what, case, timeout, prefix=None: {
-        "ok": True, "seconds": 0.0, "tail": ""})  # fmt: skip
-    assert d.main() == 1
+
+
+@pytest.mark.parametrize(
+    "outcomes, verdict, why",
+    [
+        # The trap run without the kernel's message.
+        ({"trap": ""}, "failed", "the trap check"),
+        # A planted bug that the check passes: the check itself is broken.
+        ({"planted": {"ok": True, "steps": []}}, "failed",
+         "planted bug m-b1-plant-kv-slot passed the check"),
+        # memcheck found an error (exit status 3, its summary).
+        ({"memcheck": {"ok": False, "rc": 3,
+                       "tail": "Invalid __global__ write\nERROR SUMMARY: 1 error"}},
+         "failed", "memcheck found errors"),
+        # The sanitizer cannot run on this machine (gVisor): not a pass.
+        ({"racecheck": {"ok": False, "rc": 1, "tail": "Device not supported"}},
+         "incomplete", "racecheck not run (the sanitizer cannot run here)"),
+        ({"memcheck": {"ok": False, "why": "timeout after 120 s"}},
+         "incomplete", "memcheck not run (timeout after 120 s)"),
+    ],
+    ids=["trap", "planted-passes", "memcheck-error", "unsupported", "timeout"],
+)  # fmt: skip
+def test_verdict_fails_or_is_incomplete(tmp_path, monkeypatch, outcomes, verdict,
+                                        why):  # fmt: skip
+    d = _device_run()
+    monkeypatch.setattr(d.shutil, "which", lambda name: "/bin/compute-sanitizer")
+    rc, report, _ = _driver(d, tmp_path, monkeypatch, outcomes)
+    assert rc == 1 and not report["ok"]
+    assert report["verdict"] == verdict and why in report["why"]
+
+
+def test_no_sanitizer_is_no_pass(tmp_path, monkeypatch):
+    d = _device_run()
+    monkeypatch.setattr(d.shutil, "which", lambda name: None)
+    rc, report, calls = _driver(d, tmp_path, monkeypatch, {})
+    assert rc == 1 and report["verdict"] == "incomplete"
+    assert "memcheck not run (compute-sanitizer not installed)" in report["why"]
+    assert not any(what == "sanitize" for what, _, _ in calls)
 
 
 def test_a_case_child_keeps_its_verdict_past_a_later_failure(monkeypatch):

@@ -44,7 +44,8 @@ def _report() -> dict:
         "llama-3.1-8b-b4": _case(4, 0.1, 9.0, per_op_baseline="eager-ops"),
     }
     builds = {name: {"source_hash": SOURCES} for name in cases}
-    return {"gpu": GPU, "cases": cases, "manifest": {"builds": builds}}
+    return {"gpu": GPU, "cases": cases, "manifest": {"builds": builds},
+            "verdict": "passed"}  # fmt: skip
 
 
 @pytest.fixture
@@ -91,6 +92,15 @@ def test_a_newer_report_replaces_the_older_figures(tmp_path, table):
     path.write_text(json.dumps(report))
     measured.record(path, table)
     assert measured.max_batch(GPU, _spec("llama-3.2-1b"), SOURCES, table)[0] == 8
+
+
+def test_a_failed_check_vouches_for_nothing(tmp_path):
+    """A check that passed a planted bug or found sanitizer errors: none of
+    its figures count, however fast."""
+    report = {**_report(), "verdict": "failed"}
+    path = tmp_path / "failed.json"
+    path.write_text(json.dumps(report))
+    assert measured.record(path, tmp_path / "table.json") == []
 
 
 def test_the_recorded_gpu_runs_open_nothing(tmp_path):

@@ -31,9 +31,9 @@ TABLE = Path(__file__).with_name("measured_buckets.json")
 # The per-op baseline a report must time the kernel against for its figures
 # to count: vLLM's default decode as the GPU check builds it (Inductor-
 # compiled pieces around attention) with split-KV paged attention, as vLLM's
-# FlashAttention decode splits it. Reports timed against weaker baselines
-# (eager elementwise ops; FlashInfer's decode without split-KV, which is what
-# the check runs today) open nothing.
+# FlashAttention decode splits it (scripts/baseline/flashinfer_baseline.py).
+# Reports timed against weaker baselines (eager elementwise ops; FlashInfer's
+# decode without split-KV, as in the runs of 2026-11-30) open nothing.
 FAIR_BASELINE = "vllm-default-split-kv"
 
 
@@ -69,13 +69,17 @@ def load(table: Path | None = None) -> list[Measurement]:
 def measurements_from_report(report: dict, name: str) -> list[Measurement]:
     """The default kernel's cases of a GPU check report (``MODEL-bN``; the
     variants are other kernels) that passed their correctness check and were
-    timed against the fair baseline."""
+    timed against the fair baseline. A report whose check failed (a
+    planted bug passed, a sanitizer found errors, a case was wrong), or that
+    has no verdict, vouches for no figure."""
     import torch
 
     from vllm_ext.configs import NAMES
     from vllm_ext.megakernel.plan import load_spec
 
-    found = []
+    found: list[Measurement] = []
+    if report.get("verdict") not in ("passed", "incomplete"):
+        return found
     for case, entry in report.get("cases", {}).items():
         match = re.fullmatch(r"(.+)-b(\d+)", case)
         timing = entry.get("timing") or {}
