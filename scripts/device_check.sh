@@ -108,14 +108,16 @@ if [[ ${DEVICE_CHECK_FLASHINFER:-1} == 1 ]]; then
     "$VENV/bin/python" "$ROOT/scripts/baseline/build_flashinfer.py" "$BUNDLE" >/dev/null
 fi
 # shellcheck disable=SC2086  # the cases are words
-PLANTED_CASES=$planted "$VENV/bin/python" - "$BUNDLE" \
+# "first": the case the GPU side runs first, with the trap and sanitizers on
+# its kernel: the planted bugs' correct twin.
+PLANTED_CASES=$planted FIRST=$PLANTED_MODEL-b1 "$VENV/bin/python" - "$BUNDLE" \
     "$(git -C "$ROOT" rev-parse --short HEAD)" $order <<'PY'
 import json, os, sys, pathlib
 bundle, commit, order = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
 builds = {p.parent.name: json.loads(p.read_text()) for p in bundle.glob("*/build.json")}
 planted = dict(c.split("=", 1) for c in os.environ["PLANTED_CASES"].split())
 manifest = {"commit": commit, "builds": builds, "variant_order": order,
-            "planted": planted}
+            "planted": planted, "first": os.environ["FIRST"]}
 (bundle / "manifest.json").write_text(json.dumps(manifest))
 PY
 size=$(du -sb "$BUNDLE" | cut -f1)

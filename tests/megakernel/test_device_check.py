@@ -417,7 +417,13 @@ def _bundle(tmp_path: Path) -> Path:
     meta = torch.load(bundle / "m-b1-plant-kv-slot" / "program.pt")
     meta["shape"]["planted_bug"] = "kv-slot"
     torch.save(meta, bundle / "m-b1-plant-kv-slot" / "program.pt")
-    manifest = {"commit": "abc", "variant_order": ["m-b1-pipe", "m-b1-tail"]}
+    # A smaller shape than the planted bugs' twin, which still goes first.
+    meta = torch.load(bundle / "m-b1" / "program.pt")
+    meta["spec"]["num_layers"] = 1
+    (bundle / "s-b1").mkdir()
+    torch.save(meta, bundle / "s-b1" / "program.pt")
+    manifest = {"commit": "abc", "variant_order": ["m-b1-pipe", "m-b1-tail"],
+                "first": "m-b1"}  # fmt: skip
     (bundle / "manifest.json").write_text(json.dumps(manifest))
     return bundle
 
@@ -460,9 +466,9 @@ def _driver(d, tmp_path, monkeypatch, outcomes: dict):
 
 def test_driver_order_and_verdict(tmp_path, monkeypatch):
     """main() on CPU with its child runs replaced: first what every figure
-    rests on (the first case, the trap, the planted bug, memcheck and
-    racecheck on the first case's kernel), then the other cases smallest
-    first, the default before its variants and those as device_check.sh
+    rests on (the planted bug's correct twin, the trap, the planted bug,
+    memcheck and racecheck on the twin's kernel), then the other cases
+    smallest first, the default before its variants and those as device_check.sh
     listed them (not as they were made). A passed verdict needs all of it."""
     d = _device_run()
     monkeypatch.setattr(d.shutil, "which", lambda name: "/bin/compute-sanitizer")
@@ -471,8 +477,8 @@ def test_driver_order_and_verdict(tmp_path, monkeypatch):
         ("bandwidth", "m-b1", None), ("case", "m-b1", None), ("trap", "m-b1", None),
         ("correctness", "m-b1-plant-kv-slot", None),
         ("sanitize", "m-b1", "memcheck"), ("sanitize", "m-b1", "racecheck"),
-        ("case", "m-b1-pipe", None), ("case", "m-b1-tail", None),
-        ("case", "m-b2", None),
+        ("case", "s-b1", None), ("case", "m-b1-pipe", None),
+        ("case", "m-b1-tail", None), ("case", "m-b2", None),
     ]  # fmt: skip
     assert rc == 0 and report["verdict"] == "passed" and report["ok"]
     assert report["cases"]["m-b2"] == {"correctness": {"ok": True},
