@@ -6,7 +6,7 @@ import torch
 from transformers import AutoConfig
 
 from vllm_ext import configs
-from vllm_ext.model_spec import ModelSpec, UnsupportedModelError
+from vllm_ext.model_spec import ModelSpec, UnsupportedModelError, program_refusal
 
 
 @pytest.mark.parametrize(
@@ -51,6 +51,61 @@ def _config(**changes):
 def test_unsupported_is_named(changes, dtype, message):
     with pytest.raises(UnsupportedModelError, match=message):
         ModelSpec.from_hf_config(_config(**changes), dtype, 4096)
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("qwen3-30b-a3b", dict(num_experts=128, top_k=8, expert_intermediate=768,
+                               renormalize=True, sparse_layers=(True,) * 48)),
+        ("mixtral-8x7b", dict(num_experts=8, top_k=2, expert_intermediate=14336,
+                              renormalize=True, sparse_layers=(True,) * 32)),
+    ],
+)  # fmt: skip
+def test_real_moe_configs(name, expected):
+    spec = ModelSpec.from_hf_config(configs.hf_config(name), torch.bfloat16, 4096)
+    for field, value in expected.items():
+        assert getattr(spec.moe, field) == value, field
+    assert (spec.moe.scoring, spec.moe.grouped, spec.moe.correction_bias) == (
+        "softmax", False, False)  # fmt: skip
+    assert program_refusal(spec) == "mixture-of-experts layers"
+
+
+def _moe_config(**changes):
+    data = {**configs.load("qwen3-30b-a3b"), "num_hidden_layers": 6, **changes}
+    return AutoConfig.for_model(data.pop("model_type"), **data)
+
+
+def test_sparse_layers_are_vllms():
+    """vLLM's rule (qwen3_moe.py): a layer is sparse unless it is in
+    mlp_only_layers, and only every decoder_sparse_step-th one."""
+    config = _moe_config(mlp_only_layers=[0, 3], decoder_sparse_step=2)
+    spec = ModelSpec.from_hf_config(config, torch.float32, 4096)
+    assert spec.moe.sparse_layers == (False, True, False, False, False, True)
+    config = _moe_config(norm_topk_prob=False, mlp_only_layers=[0, 1, 2, 3, 4, 5])
+    spec = ModelSpec.from_hf_config(config, torch.float32, 4096)
+    assert not spec.moe.renormalize and program_refusal(spec) is None
+
+
+def test_a_gated_shared_expert_is_refused():
+    with pytest.raises(UnsupportedModelError, match="a gated shared expert"):
+        ModelSpec.from_hf_config(
+            _moe_config(shared_expert_intermediate_size=512), torch.float32, 4096
+        )
+
+
+def test_the_backend_refuses_what_the_program_cannot_run():
+    from types import SimpleNamespace
+
+    from vllm_ext.backend import model_spec
+
+    hf_config = configs.hf_config("mixtral-8x7b")
+    model_config = SimpleNamespace(
+        hf_text_config=hf_config, dtype=torch.bfloat16, max_model_len=4096
+    )
+    message = "MixtralForCausalLM: mixture-of-experts layers are not yet supported"
+    with pytest.raises(UnsupportedModelError, match=message):
+        model_spec(SimpleNamespace(model_config=model_config))
 
 
 def test_sliding_window_wider_than_context_is_fine():

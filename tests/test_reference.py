@@ -12,10 +12,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.utils import make_kv_cache, random_block_tables, slots_of
+from vllm_ext import moe as moe_module
 from vllm_ext.model_spec import ModelSpec
+from vllm_ext.moe import route
 from vllm_ext.reference import ReferenceExecutor
 from vllm_ext.runner import DecodeInputs
-from vllm_ext.weights import DecodeWeights, LayerWeights
+from vllm_ext.weights import DecodeWeights, LayerWeights, MoeWeights
 
 BLOCK_SIZE = 16
 
@@ -33,6 +35,14 @@ def weights_from_hf(model, spec: ModelSpec, dtype, max_pos: int) -> DecodeWeight
         bias = None
         if spec.qkv_bias:
             bias = w(torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]))
+        moe = gate_up = down = None
+        if hasattr(m, "experts"):  # a sparse layer: HF keeps vLLM's w13/w2 layout
+            moe = MoeWeights(router=w(m.gate.weight), correction_bias=None,
+                             w13=w(m.experts.gate_up_proj),
+                             w2=w(m.experts.down_proj))  # fmt: skip
+        else:
+            gate_up = w(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+            down = w(m.down_proj.weight)
         layers.append(
             LayerWeights(
                 input_norm=w(layer.input_layernorm.weight),
@@ -42,8 +52,9 @@ def weights_from_hf(model, spec: ModelSpec, dtype, max_pos: int) -> DecodeWeight
                 k_norm=w(a.k_norm.weight) if spec.qk_norm else None,
                 o_proj=w(a.o_proj.weight),
                 post_norm=w(layer.post_attention_layernorm.weight),
-                gate_up=w(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
-                down=w(m.down_proj.weight),
+                gate_up=gate_up,
+                down=down,
+                moe=moe,
             )
         )
     rotary = inner.rotary_emb
@@ -62,11 +73,18 @@ def weights_from_hf(model, spec: ModelSpec, dtype, max_pos: int) -> DecodeWeight
 # fp32: 1e-4 covers fp32 sums over the hidden size. bf16: the executor rounds
 # activations to bf16 (8 mantissa bits) at each of ~10 hand-offs per layer;
 # the reference gets the same bf16 weights, so the gap is that rounding.
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+# (qwen3_moe: a dense layer, then 8 experts top 2; mixtral: 4 experts top 2
+# in both layers.)
+@pytest.mark.parametrize(
+    "arch", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"]
+)
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 0.15)])
-def test_decode_matches_hf_float64(demo_model, arch, dtype, atol):
+def test_decode_matches_hf_float64(demo_model, monkeypatch, arch, dtype, atol):
     gen = torch.Generator().manual_seed(2)
-    hf = AutoModelForCausalLM.from_pretrained(demo_model(arch))
+    # (The experts' eager loop: the default grouped GEMM has no float64.)
+    hf = AutoModelForCausalLM.from_pretrained(
+        demo_model(arch), experts_implementation="eager"
+    )
     spec = ModelSpec.from_hf_config(hf.config, dtype, 512)
     weights = weights_from_hf(hf, spec, dtype, 512)
     hf = hf.to(dtype).double()  # the same (rounded) weights, float64 math
@@ -80,6 +98,17 @@ def test_decode_matches_hf_float64(demo_model, arch, dtype, atol):
         for _ in range(spec.num_layers)
     )
     got = [torch.empty(n, spec.hidden_size, dtype=torch.float64) for n in seq_lens]
+    # The experts the executor chose: (sequence, position) -> per sparse layer.
+    routed: dict[tuple[int, int], list[list[int]]] = {}
+    live: list[int] = []
+
+    def recording_route(logits, moe, bias=None):
+        weights, ids = route(logits, moe, bias)
+        for row, i in enumerate(live):
+            routed.setdefault((i, t), []).append(ids[row].tolist())
+        return weights, ids
+
+    monkeypatch.setattr(moe_module, "route", recording_route)
     for t in range(max(seq_lens)):
         live = [i for i, n in enumerate(seq_lens) if t < n]
         inputs = DecodeInputs(
@@ -95,7 +124,45 @@ def test_decode_matches_hf_float64(demo_model, arch, dtype, atol):
         for row, i in enumerate(live):
             got[i][t] = hidden[row].double()
 
+    compared = 0
     with torch.no_grad():
         for i, ids in enumerate(tokens):
-            expected = hf.model(ids[None]).last_hidden_state[0]
-            torch.testing.assert_close(got[i], expected, rtol=0, atol=atol)
+            out = hf.model(ids[None], output_router_logits=spec.moe is not None)
+            n = _same_routing(spec, out, routed, i) if spec.moe else seq_lens[i]
+            compared += n
+            expected = out.last_hidden_state[0]
+            torch.testing.assert_close(got[i][:n], expected[:n], rtol=0, atol=atol)
+    assert compared >= 0.5 * sum(seq_lens)
+
+
+# A routing difference between the precisions must be a near tie in float64:
+# the top_k-th and next logits within this (bf16 rounds each activation the
+# router reads; a few tenths of a logit over a 256-wide dot product).
+NEAR_TIE = 0.25
+
+
+def _same_routing(spec: ModelSpec, hf_out, routed: dict, seq: int) -> int:
+    """How many leading tokens of sequence ``seq`` both sides routed to the
+    same experts in every sparse layer. After a difference (in bf16: a near
+    tie, checked) the two compute different functions: that token and every
+    later one, whose attention reads its K/V, are not compared."""
+    k = spec.moe.top_k
+    tokens = hf_out.last_hidden_state.shape[1]
+    for layer, logits in enumerate(hf_out.router_logits):
+        logits = logits.reshape(tokens, -1)
+        _, want = route(logits, spec.moe)
+        for t in range(tokens):
+            if set(routed[seq, t][layer]) != set(want[t].tolist()):
+                top = logits[t].topk(k + 1).values
+                assert top[k - 1] - top[k] < NEAR_TIE, (seq, t, layer)
+                tokens = t
+                break
+    return tokens
+    k = spec.moe.top_k
+    for logits in hf_out.router_logits:
+        probs = torch.softmax(logits.reshape(tokens, -1).double(), dim=-1)
+        top = probs.topk(k + 1, dim=-1).values
+        near = (top[:, k - 1] - top[:, k] < NEAR_TIE).nonzero()
+        if len(near):
+            tokens = min(tokens, int(near[0]))
+    return tokens

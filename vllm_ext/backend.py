@@ -24,7 +24,12 @@ from vllm_ext import envs
 from vllm_ext.attention import KV_CACHE_LAYOUT
 from vllm_ext.megakernel.kernel.launcher import ARCH_OF_CAPABILITY
 from vllm_ext.megakernel.planner import batch_buckets
-from vllm_ext.model_spec import ModelSpec, sliding_window_refusal
+from vllm_ext.model_spec import (
+    ModelSpec,
+    UnsupportedModelError,
+    program_refusal,
+    sliding_window_refusal,
+)
 from vllm_ext.runner import DecodeExecutor, decode_inputs
 from vllm_ext.weights import DecodeWeights
 
@@ -56,9 +61,16 @@ class DecodeStats:
 
 def model_spec(vllm_config: VllmConfig) -> ModelSpec:
     model_config = vllm_config.model_config
-    return ModelSpec.from_hf_config(
+    spec = ModelSpec.from_hf_config(
         model_config.hf_text_config, model_config.dtype, model_config.max_model_len
     )
+    refusal = program_refusal(spec)
+    if refusal is not None:
+        raise UnsupportedModelError(
+            f"{spec.architecture}: {refusal} are not yet supported by the "
+            "megakernel decode backend"
+        )
+    return spec
 
 
 class MegakernelDecodeBackend(DecodeBackend):

@@ -90,6 +90,38 @@ DEMO_ARCHS: dict[str, DemoArch] = {
                 tie_word_embeddings=True,
             ),
         ),
+        DemoArch(
+            "qwen3_moe",
+            "Qwen3MoeConfig",
+            "mixture of experts (8 experts, top 2, renormalised) after a dense "
+            "first layer (mlp_only_layers), QK norm, GQA (4 q / 2 kv heads)",
+            dict(
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=64,
+                num_experts=8,
+                num_experts_per_tok=2,
+                moe_intermediate_size=128,
+                norm_topk_prob=True,
+                decoder_sparse_step=1,
+                mlp_only_layers=[0],
+            ),
+        ),
+        DemoArch(
+            "mixtral",
+            "MixtralConfig",
+            "mixture of experts in every layer (4 experts, top 2), GQA "
+            "(4 q / 2 kv heads), head dim 64",
+            dict(
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=64,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                intermediate_size=256,
+                sliding_window=None,
+            ),
+        ),
     )
 }
 

@@ -19,7 +19,39 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "MistralForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
+    # Mixture-of-experts MLPs (MoeSpec): the reference forward runs them;
+    # the instruction program does not yet (program_refusal).
+    "Qwen3MoeForCausalLM": (False, True),
+    "MixtralForCausalLM": (False, False),
 }
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """The mixture-of-experts MLP of a model's sparse layers and its routing
+    rule, as vLLM runs it (``FusedMoE`` with its router)."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate: int  # each expert's gate/up width
+    # Per layer: whether its MLP is the mixture (else the dense MLP of
+    # ``ModelSpec.intermediate_size``).
+    sparse_layers: tuple[bool, ...]
+    renormalize: bool = True  # the selected weights rescaled to sum to 1
+    scoring: str = "softmax"  # or "sigmoid"
+    # Grouped top-k (DeepSeek-V3 / Kimi-K2): the experts in num_groups
+    # groups, the best topk_groups groups kept, then top_k within them.
+    grouped: bool = False
+    num_groups: int = 1
+    topk_groups: int = 1
+    # A per-expert bias added to the scores for selection only.
+    correction_bias: bool = False
+    routed_scaling: float = 1.0
+    # Shared experts beside the routed ones (one MLP of this width; 0: none).
+    shared_intermediate: int = 0
+
+
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -43,6 +75,7 @@ class ModelSpec:
     qkv_bias: bool
     qk_norm: bool
     tie_word_embeddings: bool
+    moe: MoeSpec | None = None
 
     @property
     def q_size(self) -> int:
@@ -104,6 +137,7 @@ class ModelSpec:
             float(rope.get("partial_rotary_factor", 1.0)) == 1.0,
             "partial rotary embedding",
         )
+        moe = _moe_spec(arch, hf_config, need) if arch in MOE_ARCHITECTURES else None
         return cls(
             architecture=arch,
             dtype=dtype,
@@ -118,7 +152,46 @@ class ModelSpec:
             qkv_bias=qkv_bias,
             qk_norm=qk_norm,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            moe=moe,
         )
+
+
+def _moe_spec(arch: str, hf_config: Any, need) -> MoeSpec:
+    """The sparse layers and routing of a MoE architecture, read as vLLM's
+    model classes read them (``qwen3_moe.py``, ``mixtral.py``)."""
+    layers = hf_config.num_hidden_layers
+    if arch == "MixtralForCausalLM":
+        return MoeSpec(
+            num_experts=hf_config.num_local_experts,
+            top_k=hf_config.num_experts_per_tok,
+            expert_intermediate=hf_config.intermediate_size,
+            sparse_layers=(True,) * layers,
+        )
+    need(
+        not getattr(hf_config, "shared_expert_intermediate_size", 0),
+        "a gated shared expert",
+    )
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
+    step = hf_config.decoder_sparse_step
+    experts = hf_config.num_experts
+    return MoeSpec(
+        num_experts=experts,
+        top_k=hf_config.num_experts_per_tok,
+        expert_intermediate=hf_config.moe_intermediate_size,
+        sparse_layers=tuple(
+            i not in dense and experts > 0 and (i + 1) % step == 0
+            for i in range(layers)
+        ),
+        renormalize=bool(hf_config.norm_topk_prob),
+    )
+
+
+def program_refusal(spec: ModelSpec) -> str | None:
+    """What of the model the instruction program (and so the kernel and
+    reference mode) cannot run yet, or None."""
+    if spec.moe is not None and any(spec.moe.sparse_layers):
+        return "mixture-of-experts layers"
+    return None
 
 
 def sliding_window_refusal(window: int | None, max_model_len: int | None) -> str | None:

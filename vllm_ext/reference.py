@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from vllm_ext.model_spec import ModelSpec
+from vllm_ext.moe import moe_mlp
 from vllm_ext.paged_kv import gather_kv, write_kv
 from vllm_ext.runner import DecodeInputs
 from vllm_ext.weights import DecodeWeights
@@ -103,12 +104,17 @@ class ReferenceExecutor:
             ).to(dtype)
             hidden = linear(attn.reshape(batch, -1), layer.o_proj).to(dtype)
 
-            # MLP block: residual add + RMSNorm + gate/up + SiLU-mul + down.
+            # MLP block: residual add + RMSNorm + gate/up + SiLU-mul + down,
+            # or the mixture of experts of a sparse layer.
             residual = (hidden + residual).to(dtype)
             x = rms_norm(residual, layer.post_norm, eps).to(dtype)
-            gate, up = linear(x, layer.gate_up).to(dtype).chunk(2, dim=-1)
-            act = (torch.nn.functional.silu(gate.float()) * up.float()).to(dtype)
-            hidden = linear(act, layer.down).to(dtype)
+            if layer.moe is not None:
+                assert spec.moe is not None
+                hidden = moe_mlp(x, layer.moe, spec.moe)
+            else:
+                gate, up = linear(x, layer.gate_up).to(dtype).chunk(2, dim=-1)
+                act = (torch.nn.functional.silu(gate.float()) * up.float()).to(dtype)
+                hidden = linear(act, layer.down).to(dtype)
 
         assert residual is not None
         residual = (hidden + residual).to(dtype)

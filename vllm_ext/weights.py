@@ -18,6 +18,18 @@ from vllm_ext.model_spec import ModelSpec
 
 
 @dataclass(frozen=True)
+class MoeWeights:
+    """A sparse layer's mixture, in vLLM's ``FusedMoE`` layout."""
+
+    router: torch.Tensor  # [experts, hidden]
+    correction_bias: torch.Tensor | None  # [experts], selection only
+    w13: torch.Tensor  # [experts, 2 * expert_intermediate, hidden]: gate, up
+    w2: torch.Tensor  # [experts, hidden, expert_intermediate]
+    shared_gate_up: torch.Tensor | None = None  # [2 * shared, hidden]
+    shared_down: torch.Tensor | None = None  # [hidden, shared]
+
+
+@dataclass(frozen=True)
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
     qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
@@ -26,8 +38,10 @@ class LayerWeights:
     k_norm: torch.Tensor | None  # [head_dim]
     o_proj: torch.Tensor  # [hidden, q_size]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    # The dense MLP; None in a sparse layer, whose MLP is ``moe``.
+    gate_up: torch.Tensor | None  # [2 * intermediate, hidden]
+    down: torch.Tensor | None  # [hidden, intermediate]
+    moe: MoeWeights | None = None
 
 
 @dataclass(frozen=True)

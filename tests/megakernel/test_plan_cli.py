@@ -67,3 +67,10 @@ def test_unsupported_config_exits_2(tmp_path, changes, message):
     result = run("--config", str(path), "--batch", "1", "--arch", "sm_90a")
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_model_the_program_cannot_run_exits_2():
+    """A mixture of experts: the model is read, the program does not exist yet."""
+    result = run("--config", "qwen3-30b-a3b", "--batch", "1", "--arch", "sm_90a")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "no mixture-of-experts layers yet" in result.stderr

@@ -26,7 +26,7 @@ from vllm_ext.megakernel.cost import DEFAULT_DEVICE, DEVICES, predict
 from vllm_ext.megakernel.planner import plan
 from vllm_ext.megakernel.variants import Variants
 from vllm_ext.megakernel.verify import VerificationError, verify
-from vllm_ext.model_spec import ModelSpec, UnsupportedModelError
+from vllm_ext.model_spec import ModelSpec, UnsupportedModelError, program_refusal
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # Interleaving runs on CPU: at most this many layers of the real shapes, and
@@ -58,10 +58,16 @@ def spec_or_exit(prog: str, config: str, dtype: str, batch: int) -> ModelSpec:
         print(f"{prog}: --batch must be at least 1", file=sys.stderr)
         raise SystemExit(2)
     try:
-        return load_spec(config, DTYPES[dtype])
+        spec = load_spec(config, DTYPES[dtype])
     except UnsupportedModelError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    refusal = program_refusal(spec)
+    if refusal is not None:
+        print(f"{prog}: {spec.architecture}: the program has no {refusal} yet",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
+    return spec
 
 
 def print_summary(result: dict, as_json: bool) -> None:
