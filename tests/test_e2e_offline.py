@@ -230,6 +230,19 @@ def test_unsupported_architecture_is_refused(demo_model, tmp_path, monkeypatch):
         args.create_engine_config()
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_mixtures_of_experts_are_refused_at_start_up(demo_model, monkeypatch, arch):
+    """Their reference forward exists (vllm_ext/moe.py); their program does
+    not yet: refused before any worker starts, the layers named."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
+    args = EngineArgs(demo_model(arch), decode_backend="megakernel",
+                      max_model_len=512, dtype="float32")  # fmt: skip
+    with pytest.raises(ValueError, match="mixture-of-experts layers are not yet"):
+        args.create_engine_config()
+
+
 def test_decode_backend_runs_only_decode_steps(demo_model, monkeypatch):
     """Prefill and mixed steps keep vLLM's path: with one prompt, the
     megakernel sees exactly max_tokens - 1 single-request steps. And the
