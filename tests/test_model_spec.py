@@ -6,7 +6,7 @@ import torch
 from transformers import AutoConfig
 
 from vllm_ext import configs
-from vllm_ext.model_spec import ModelSpec, UnsupportedModelError, program_refusal
+from vllm_ext.model_spec import ModelSpec, UnsupportedModelError, backend_refusal
 
 
 @pytest.mark.parametrize(
@@ -68,7 +68,7 @@ def test_real_moe_configs(name, expected):
         assert getattr(spec.moe, field) == value, field
     assert (spec.moe.scoring, spec.moe.grouped, spec.moe.correction_bias) == (
         "softmax", False, False)  # fmt: skip
-    assert program_refusal(spec) == "mixture-of-experts layers"
+    assert backend_refusal(spec) == "mixture-of-experts layers"
 
 
 def _moe_config(**changes):
@@ -84,7 +84,7 @@ def test_sparse_layers_are_vllms():
     assert spec.moe.sparse_layers == (False, True, False, False, False, True)
     config = _moe_config(norm_topk_prob=False, mlp_only_layers=[0, 1, 2, 3, 4, 5])
     spec = ModelSpec.from_hf_config(config, torch.float32, 4096)
-    assert not spec.moe.renormalize and program_refusal(spec) is None
+    assert not spec.moe.renormalize and backend_refusal(spec) is None
 
 
 def test_a_gated_shared_expert_is_refused():

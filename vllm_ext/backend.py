@@ -27,7 +27,7 @@ from vllm_ext.megakernel.planner import batch_buckets
 from vllm_ext.model_spec import (
     ModelSpec,
     UnsupportedModelError,
-    program_refusal,
+    backend_refusal,
     sliding_window_refusal,
 )
 from vllm_ext.runner import DecodeExecutor, decode_inputs
@@ -64,7 +64,7 @@ def model_spec(vllm_config: VllmConfig) -> ModelSpec:
     spec = ModelSpec.from_hf_config(
         model_config.hf_text_config, model_config.dtype, model_config.max_model_len
     )
-    refusal = program_refusal(spec)
+    refusal = backend_refusal(spec)
     if refusal is not None:
         raise UnsupportedModelError(
             f"{spec.architecture}: {refusal} are not yet supported by the "

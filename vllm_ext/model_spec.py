@@ -8,6 +8,7 @@ discovered as wrong tokens later.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,8 +20,8 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "MistralForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
-    # Mixture-of-experts MLPs (MoeSpec): the reference forward runs them;
-    # the instruction program does not yet (program_refusal).
+    # Mixture-of-experts MLPs (MoeSpec): the reference forward and the
+    # program run them; the backend does not serve them yet (backend_refusal).
     "Qwen3MoeForCausalLM": (False, True),
     "MixtralForCausalLM": (False, False),
 }
@@ -76,6 +77,14 @@ class ModelSpec:
     qk_norm: bool
     tie_word_embeddings: bool
     moe: MoeSpec | None = None
+
+    def with_layers(self, n: int) -> ModelSpec:
+        """The first ``n`` layers of the model (shorter programs for checks:
+        layers are data to the program and the kernel)."""
+        moe = self.moe
+        if moe is not None:
+            moe = dataclasses.replace(moe, sparse_layers=moe.sparse_layers[:n])
+        return dataclasses.replace(self, num_layers=n, moe=moe)
 
     @property
     def q_size(self) -> int:
@@ -186,9 +195,11 @@ def _moe_spec(arch: str, hf_config: Any, need) -> MoeSpec:
     )
 
 
-def program_refusal(spec: ModelSpec) -> str | None:
-    """What of the model the instruction program (and so the kernel and
-    reference mode) cannot run yet, or None."""
+def backend_refusal(spec: ModelSpec) -> str | None:
+    """What of the model the decode backend cannot serve yet, or None. (The
+    program runs mixtures of experts, the interpreter too; the kernel has no
+    device functions for them and the backend does not yet take vLLM's
+    expert weights.)"""
     if spec.moe is not None and any(spec.moe.sparse_layers):
         return "mixture-of-experts layers"
     return None

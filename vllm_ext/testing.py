@@ -8,7 +8,7 @@ import torch
 
 from vllm_ext.model_spec import ModelSpec
 from vllm_ext.runner import DecodeInputs
-from vllm_ext.weights import DecodeWeights, LayerWeights
+from vllm_ext.weights import DecodeWeights, LayerWeights, MoeWeights
 
 BLOCK_SIZE = 16
 MAX_POSITION = 4096
@@ -29,7 +29,23 @@ def random_weights(
     def norm(n: int) -> torch.Tensor:
         return (0.5 + torch.rand(n, generator=gen, device=device)).to(dt)
 
+    def experts(moe) -> MoeWeights:
+        e, inter = moe.num_experts, moe.expert_intermediate
+        bias = None
+        if moe.correction_bias:
+            bias = 0.01 * torch.randn(e, generator=gen, device=device)
+        shared = moe.shared_intermediate
+        return MoeWeights(
+            router=mat(e, h),
+            correction_bias=bias,
+            w13=torch.stack([mat(2 * inter, h) for _ in range(e)]),
+            w2=torch.stack([mat(h, inter) for _ in range(e)]),
+            shared_gate_up=mat(2 * shared, h) if shared else None,
+            shared_down=mat(h, shared) if shared else None,
+        )
+
     qkv_rows = spec.q_size + 2 * spec.kv_size
+    sparse = spec.moe.sparse_layers if spec.moe else (False,) * spec.num_layers
     layers = tuple(
         LayerWeights(
             input_norm=norm(h),
@@ -41,10 +57,11 @@ def random_weights(
             k_norm=norm(d) if spec.qk_norm else None,
             o_proj=mat(h, spec.q_size),
             post_norm=norm(h),
-            gate_up=mat(2 * spec.intermediate_size, h),
-            down=mat(h, spec.intermediate_size),
+            gate_up=None if is_sparse else mat(2 * spec.intermediate_size, h),
+            down=None if is_sparse else mat(h, spec.intermediate_size),
+            moe=experts(spec.moe) if is_sparse else None,
         )
-        for _ in range(spec.num_layers)
+        for is_sparse in sparse
     )
     inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
     freqs = torch.outer(torch.arange(MAX_POSITION, dtype=torch.float64), inv_freq)

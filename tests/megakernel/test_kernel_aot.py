@@ -24,7 +24,7 @@ from vllm_ext.megakernel.kernel.persistent import (
 )
 from vllm_ext.megakernel.kernel.shape import KernelShape, page_rows
 from vllm_ext.megakernel.planner import plan
-from vllm_ext.model_spec import ModelSpec, program_refusal
+from vllm_ext.model_spec import ModelSpec, backend_refusal
 
 # One 256-thread CTA per SM must fit the 64K-register file (a cooperative
 # launch needs every CTA resident): at most 255 registers per thread.
@@ -54,7 +54,7 @@ def check_sass(built: BuildResult) -> None:
 DENSE = [
     a
     for a in sorted(DEMO_ARCHS)
-    if program_refusal(ModelSpec.from_hf_config(hf_config(a), torch.bfloat16)) is None
+    if backend_refusal(ModelSpec.from_hf_config(hf_config(a), torch.bfloat16)) is None
 ]
 
 

@@ -69,8 +69,19 @@ def test_unsupported_config_exits_2(tmp_path, changes, message):
     assert message in result.stderr and "Traceback" not in result.stderr
 
 
-def test_a_model_the_program_cannot_run_exits_2():
-    """A mixture of experts: the model is read, the program does not exist yet."""
-    result = run("--config", "qwen3-30b-a3b", "--batch", "1", "--arch", "sm_90a")
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "no mixture-of-experts layers yet" in result.stderr
+@pytest.mark.parametrize("config", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_mixtures_of_experts_plan_verify_and_cost(config):
+    """The real MoE shapes: planned, verified and costed with the experts a
+    step reads (expected distinct ones under uniform routing). (The
+    interpreter runs MoE programs of the demo models: test_interpret.py.)"""
+    result = run("--config", config, "--batch", "4", "--arch", "sm_90a", "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["verified"]
+    experts, top_k = {"qwen3-30b-a3b": (128, 8), "mixtral-8x7b": (8, 2)}[config]
+    assert summary["expert_slots"] == min(4 * top_k, experts)
+    # 1 - (1 - k/E)^4 of the experts, per sparse layer.
+    assert summary["expected_experts"] == round(
+        experts * (1 - (1 - top_k / experts) ** 4), 2
+    )
+    assert 0 < summary["floor_us"] < summary["predicted_us"]

@@ -17,17 +17,21 @@ import random
 
 import torch
 
-from vllm_ext.megakernel.isa import NO_COUNTER, Instruction, Op
+from vllm_ext.megakernel.isa import NO_COUNTER, Instruction, Op, unpack_cols
 from vllm_ext.megakernel.ops import (
     attn,
     combine,
     down,
     embed,
+    expert_down,
+    expert_up,
     final_norm,
     gate_up,
     lm_head,
     o_proj,
     qkv,
+    route,
+    topk,
 )
 from vllm_ext.megakernel.planner import Program
 from vllm_ext.megakernel.variants import Variants
@@ -141,6 +145,20 @@ class ProgramInterpreter:
             ],
             "out": nan(b, s.hidden_size),
         }
+        moe = s.moe
+        if moe is not None:
+            # Sparse layers: router logits and each slot's activations
+            # (rows of requests not routed to a slot stay NaN, unread).
+            slots = self.program.num_slots
+            sparse = moe.sparse_layers
+            self.buf["router"] = [
+                nan(b, moe.num_experts) if sparse[i] else None for i in range(layers)
+            ]
+            self.buf["xact"] = [
+                nan(slots, b, moe.expert_intermediate) if sparse[i] else None
+                for i in range(layers)
+            ]
+        self.routing: list[topk.Routing | None] = [None] * layers
         if self.program.with_lm_head:
             self.logits = nan(b, s.vocab_size, dt=torch.float32)
 
@@ -206,6 +224,33 @@ class ProgramInterpreter:
             )
         elif i.op == Op.LM_HEAD:
             self.logits[:, a:b] = lm_head.reference(buf["out"], w.lm_head, a, b)
+        elif i.op == Op.ROUTE:
+            buf["router"][layer][:, a:b] = route.reference(
+                buf["hmid"][layer], w.layers[layer], s, a, b
+            )
+        elif i.op == Op.TOPK:
+            self.routing[layer] = topk.reference(
+                buf["router"][layer], w.layers[layer], s, self.seq_lens,
+                self.program.num_slots,
+            )  # fmt: skip
+        elif i.op == Op.EXPERT_UP:
+            routing = self.routing[layer]
+            assert routing is not None, "EXPERT_UP ran before its TOPK"
+            expert = int(routing.experts[a])
+            if expert < 0:  # a slot this step leaves empty
+                return
+            rows = (routing.slots == a).any(dim=-1).nonzero().flatten()
+            lo, hi = unpack_cols(b)
+            buf["xact"][layer][a, rows, lo:hi] = expert_up.reference(
+                buf["hmid"][layer], w.layers[layer], s, expert, rows, lo, hi
+            )
+        elif i.op == Op.EXPERT_DOWN:
+            routing = self.routing[layer]
+            assert routing is not None, "EXPERT_DOWN ran before its TOPK"
+            buf["h"][layer + 1][:, a:b] = expert_down.reference(
+                buf["xact"][layer], buf["hmid"][layer], w.layers[layer], routing,
+                a, b, dtype,
+            )  # fmt: skip
         else:
             raise ValueError(f"cannot execute {i}")
 

@@ -43,7 +43,25 @@ DOWN       h[l+1][:, lo:hi] = hmid[l][:, lo:hi]     hidden cols [lo, hi)
 FINAL_NORM out = RMSNorm(h[L])                      hidden cols [lo, hi)
 LM_HEAD    logits[:, lo:hi] = out @ Wlm[lo:hi].T    vocab cols [lo, hi)
            (fp32)
+ROUTE      router[l][:, lo:hi] = x @ Wr[lo:hi].T,   experts [lo, hi)
+           x = RMSNorm(hmid[l])
+TOPK       route[l]: each request's experts and     (none)
+           weights (moe.py); the batch's distinct
+           experts, ascending, in slots 0..u-1
+EXPERT_UP  xact[l][s, r, lo:hi] = SiLU(x @ Wg.T) *  slot s, intermediate
+           (x @ Wu.T) of slot s's expert, for the   cols [lo, hi) packed
+           requests r routed to it                  (``pack_cols``)
+EXPERT_DOWN h[l+1][:, lo:hi] = hmid[l][:, lo:hi] +  hidden cols [lo, hi)
+           sum over each request's slots, in slot
+           order, of weight * xact @ Wd[lo:hi].T
 ========== ======================================== ========================
+
+The last four run a sparse layer's mixture of experts (model_spec.MoeSpec)
+in place of GATE_UP and DOWN. Which expert a slot holds is known only once
+TOPK has run: the program plans ``min(batch * top_k, num_experts)`` slots
+per layer, and EXPERT_UP of a slot that the step leaves empty does nothing.
+Weight addresses are thus data: they depend on ``route[l]``, which the
+counters order like any activation.
 
 QKV's units are parts of fused heads: with ``P = qkv_parts`` (planner.py;
 1 by default, so units are heads), unit ``u`` is part ``u % P`` of fused
@@ -77,6 +95,21 @@ class Op(IntEnum):
     DOWN = 7
     FINAL_NORM = 8
     LM_HEAD = 9
+    ROUTE = 10
+    TOPK = 11
+    EXPERT_UP = 12
+    EXPERT_DOWN = 13
+
+
+def pack_cols(lo: int, hi: int) -> int:
+    """EXPERT_UP's column range in one argument word."""
+    if not 0 <= lo < hi < 1 << 15:
+        raise ValueError(f"columns [{lo}, {hi}) do not pack")
+    return lo << 16 | hi
+
+
+def unpack_cols(word: int) -> tuple[int, int]:
+    return word >> 16, word & 0xFFFF
 
 
 @dataclass(frozen=True)

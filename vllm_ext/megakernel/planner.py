@@ -27,7 +27,14 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_ext.megakernel.cost import Cost, Device
-from vllm_ext.megakernel.isa import NO_COUNTER, Instruction, Op, encode
+from vllm_ext.megakernel.isa import (
+    NO_COUNTER,
+    Instruction,
+    Op,
+    encode,
+    pack_cols,
+    unpack_cols,
+)
 from vllm_ext.model_spec import ModelSpec
 
 # Smallest GEMV tile: 16 output columns (one MMA N-tile, 128-bit rows of bf16).
@@ -86,6 +93,23 @@ class Program:
     def num_counters(self) -> int:
         return len(self.counter_names)
 
+    @property
+    def num_slots(self) -> int:
+        """Expert slots per sparse layer (isa.py): as many as the batch's
+        requests can select, at most every expert."""
+        moe = self.spec.moe
+        return 0 if moe is None else min(self.batch * moe.top_k, moe.num_experts)
+
+    @property
+    def expected_experts(self) -> float:
+        """Distinct experts a sparse layer reads per step, expected under
+        uniform routing (each request picks top_k distinct experts)."""
+        moe = self.spec.moe
+        if moe is None:
+            return 0.0
+        e, k = moe.num_experts, moe.top_k
+        return e * (1 - (1 - k / e) ** self.batch)
+
     def in_global_order(self) -> Iterator[tuple[int, int, Instruction]]:
         for sm, idx in self.order:
             yield sm, idx, self.queues[sm][idx]
@@ -94,7 +118,18 @@ class Program:
         return encode([list(q) for q in self.queues])
 
     def weight_bytes(self) -> int:
-        return sum(self.cost(i).weight_bytes for q in self.queues for i in q)
+        """Weight bytes a step reads; a sparse layer's experts counted at
+        their expected number (``expected_experts``), not every slot."""
+        total, experts = 0, 0
+        for q in self.queues:
+            for i in q:
+                if i.op in (Op.EXPERT_UP, Op.EXPERT_DOWN):
+                    experts += self.cost(i).weight_bytes
+                else:
+                    total += self.cost(i).weight_bytes
+        if experts:
+            experts = round(experts * self.expected_experts / self.num_slots)
+        return total + experts
 
     def cost(self, instr: Instruction) -> Cost:
         """Bytes ``instr`` moves: weights (prefetchable) and the rest."""
@@ -134,6 +169,21 @@ class Program:
             return Cost(h * e, b * h * e + b * (hi - lo) * e)
         if instr.op == Op.LM_HEAD:
             return Cost((hi - lo) * h * e, b * h * e + b * (hi - lo) * 4)
+        moe = s.moe
+        if instr.op == Op.ROUTE:
+            return Cost((hi - lo) * h * e + h * e, b * h * e + b * (hi - lo) * e)
+        if instr.op == Op.TOPK and moe is not None:
+            return Cost(0, b * moe.num_experts * e + b * moe.top_k * 8)
+        # An expert slot's cost as if occupied (weight_bytes() takes the
+        # expected occupancy).
+        if instr.op == Op.EXPERT_UP and moe is not None:
+            lo, hi = unpack_cols(instr.arg1)
+            w = 2 * (hi - lo) * h * e + h * e
+            return Cost(w, b * h * e + b * (hi - lo) * e)
+        if instr.op == Op.EXPERT_DOWN and moe is not None:
+            inter = moe.expert_intermediate
+            w = self.num_slots * (hi - lo) * inter * e
+            return Cost(w, b * moe.top_k * inter * e + 2 * b * (hi - lo) * e)
         raise ValueError(f"no cost for {instr}")
 
 
@@ -197,6 +247,8 @@ def plan(
         return (c, len(tiles))
 
     h = spec.hidden_size
+    moe = spec.moe
+    slots = 0 if moe is None else min(batch * moe.top_k, moe.num_experts)
     small = split(h, max(1, h // 512), COL_MULTIPLE)  # embed / final norm
     heads = spec.num_q_heads + 2 * spec.num_kv_heads
     chunks = max(1, min(max_attn_chunks, n_sm // spec.num_kv_heads))
@@ -213,6 +265,22 @@ def plan(
                 phases.append((Op.COMBINE, layer, [(g, 0)], a, combine_c, NO_COUNTER))
         combined = (combine_c, spec.num_kv_heads)
         o = phase(Op.O_PROJ, layer, gemv_tiles(h), combined, f"L{layer}.o_proj")
+        if moe is not None and moe.sparse_layers[layer]:
+            # The mixture: router logits over all SMs, one TOPK, then each
+            # slot's expert split over its share of the SMs.
+            r = phase(Op.ROUTE, layer, gemv_tiles(moe.num_experts), o,
+                      f"L{layer}.route")  # fmt: skip
+            t = phase(Op.TOPK, layer, [(0, 0)], r, f"L{layer}.topk")
+            per_slot = max(1, n_sm // slots)
+            up_tiles = [
+                (slot, pack_cols(lo, hi))
+                for slot in range(slots)
+                for lo, hi in split(moe.expert_intermediate, per_slot, COL_MULTIPLE)
+            ]
+            u = phase(Op.EXPERT_UP, layer, up_tiles, t, f"L{layer}.expert_up")
+            prev = phase(Op.EXPERT_DOWN, layer, gemv_tiles(h), u,
+                         f"L{layer}.expert_down")  # fmt: skip
+            continue
         gu = phase(
             Op.GATE_UP,
             layer,

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from vllm_ext.megakernel.isa import NO_COUNTER, Instruction, Op
+from vllm_ext.megakernel.isa import NO_COUNTER, Instruction, Op, unpack_cols
 
 
 class VerificationError(ValueError):
@@ -92,6 +92,26 @@ def accesses(program, instr: Instruction) -> tuple[list[Region], list[Region]]:
         return [Region("h", L, 0, h)], [Region("out", L, a, b)]
     if op == Op.LM_HEAD:
         return [Region("out", L, 0, h)], [Region("logits", L, a, b)]
+    # A sparse layer's mixture (isa.py). The routing table is one unit: the
+    # experts' weight addresses depend on it like any activation read.
+    moe = s.moe
+    if op == Op.ROUTE:
+        return [Region("hmid", ly, 0, h)], [Region("router", ly, a, b)]
+    if op == Op.TOPK and moe is not None:
+        reads = [Region("router", ly, 0, moe.num_experts)]
+        return reads, [Region("route", ly, 0, 1)]
+    if op == Op.EXPERT_UP and moe is not None:
+        lo, hi = unpack_cols(b)
+        base = a * moe.expert_intermediate
+        reads = [Region("hmid", ly, 0, h), Region("route", ly, 0, 1)]
+        return reads, [Region("xact", ly, base + lo, base + hi)]
+    if op == Op.EXPERT_DOWN and moe is not None:
+        reads = [
+            Region("xact", ly, 0, program.num_slots * moe.expert_intermediate),
+            Region("route", ly, 0, 1),
+            Region("hmid", ly, a, b),
+        ]
+        return reads, [Region("h", ly + 1, a, b)]
     raise VerificationError(f"unknown opcode in {instr}")
 
 

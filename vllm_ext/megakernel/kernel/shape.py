@@ -202,6 +202,9 @@ class KernelShape:
         l2_ahead: bool = False,
     ) -> KernelShape:
         s = program.spec
+        if s.moe is not None and any(s.moe.sparse_layers):
+            # The program has them (isa.py); the device functions not yet.
+            raise ValueError("the kernel has no mixture-of-experts instructions yet")
         return cls(
             hidden=s.hidden_size,
             intermediate=s.intermediate_size,
