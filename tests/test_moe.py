@@ -504,6 +504,20 @@ def _compare_to_hf(block, w, moe, tokens=32, seed=0, three_d=False):
     assert err <= 1e-5 * want.abs().max().item(), err
 
 
+# DeepSeek-V3's routing at a small size (and one shared expert).
+SMALL_DEEPSEEK_V3 = _spec(
+    16,
+    4,
+    scoring="sigmoid",
+    grouped=True,
+    num_groups=4,
+    topk_groups=2,
+    correction_bias=True,
+    routed_scaling=2.5,
+    shared_intermediate=EXPERT_INTER,
+)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_moe_mlp_matches_hf_deepseek_v3(seed):
     from transformers import DeepseekV3Config
@@ -524,17 +538,7 @@ def test_moe_mlp_matches_hf_deepseek_v3(seed):
     block = _randomize(DeepseekV3MoE(config), seed)
     assert block.gate.e_score_correction_bias.abs().min() > 0
     assert block.experts.gate_up_proj.shape == (16, 2 * EXPERT_INTER, HIDDEN)
-    moe = _spec(
-        16,
-        4,
-        scoring="sigmoid",
-        grouped=True,
-        num_groups=4,
-        topk_groups=2,
-        correction_bias=True,
-        routed_scaling=2.5,
-        shared_intermediate=EXPERT_INTER,
-    )
+    moe = SMALL_DEEPSEEK_V3
     _compare_to_hf(block, _moe_weights(block, block.shared_experts), moe, seed=seed)
 
 
@@ -598,17 +602,7 @@ def _margin(logits, moe, bias):
 
 _BF16_SPECS = {
     "softmax": _spec(8, 2),
-    "grouped-sigmoid": _spec(
-        16,
-        4,
-        scoring="sigmoid",
-        grouped=True,
-        num_groups=4,
-        topk_groups=2,
-        correction_bias=True,
-        routed_scaling=2.5,
-        shared_intermediate=EXPERT_INTER,
-    ),
+    "grouped-sigmoid": SMALL_DEEPSEEK_V3,
 }
 
 

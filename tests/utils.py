@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Helpers shared by the tests: caches in vLLM's layout, random paging."""
 
+import importlib.util
 import subprocess
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -82,3 +84,13 @@ def base_commit(tree: Path) -> str:
         cwd=tree, capture_output=True, text=True, check=True,
     )  # fmt: skip
     return out.stdout.split()[0]
+
+
+def load_script(path: str) -> ModuleType:
+    """A script of the repository (``scripts/...``, not a package) as a
+    module, e.g. ``load_script("scripts/device_run.py")``."""
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location(Path(path).stem, root / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -4,7 +4,6 @@ limit, and its correctness harness (run here on CPU with a stand-in for the
 compiled kernel) passes a correct kernel and names the buffer of a wrong
 one."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,6 +15,7 @@ import torch
 from kernel_standin import KernelStandIn, register_executor
 from test_interpret import make_spec
 
+from tests.utils import load_script
 from vllm_ext.megakernel.build import save_program
 from vllm_ext.megakernel.calibrate import probe
 from vllm_ext.megakernel.cost import DEVICES
@@ -29,12 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _device_run():
-    spec = importlib.util.spec_from_file_location(
-        "device_run", ROOT / "scripts" / "device_run.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/device_run.py")
 
 
 def test_dry_run_builds_a_small_bundle():

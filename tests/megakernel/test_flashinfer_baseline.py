@@ -6,7 +6,6 @@ tokens once and in order, and attention computed chunk by chunk on that plan
 and merged by log-sum-exp is the plain attention; the library's entry points
 bind and report errors as CUDA error codes."""
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.utils import load_script
 from vllm_ext.reference import decode_attention
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,16 +22,7 @@ H200_SMS = 132
 BS = 16  # block (page) size, as vLLM's default
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location(
-        "flashinfer_baseline", ROOT / "scripts" / "baseline" / "flashinfer_baseline.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-fb = _module()
+fb = load_script("scripts/baseline/flashinfer_baseline.py")
 
 
 def _table(lens: list[int], seed: int = 0) -> torch.Tensor:

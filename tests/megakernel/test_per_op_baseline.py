@@ -4,17 +4,15 @@ decode step the megakernel does: held to the plain reference forward on CPU,
 eager and compiled, so a timing against it compares like with like."""
 
 import dataclasses
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 from test_interpret import SPECS, make_spec
 
+from tests.utils import load_script
 from vllm_ext.reference import ReferenceExecutor
 from vllm_ext.testing import random_decode_inputs, random_weights
 
-ROOT = Path(__file__).resolve().parents[2]
 # Logits against the reference's, max |a - b| / max |b|: the baseline's LM
 # head rounds to bf16 before widening (as vLLM's does), and its GEMMs sum in
 # another order: two layers of bf16 leave 2e-3 (7e-3 through Inductor's CPU
@@ -23,12 +21,7 @@ TOL = 1e-2
 
 
 def _per_op():
-    spec = importlib.util.spec_from_file_location(
-        "per_op", ROOT / "scripts" / "baseline" / "per_op.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/baseline/per_op.py")
 
 
 def _reference_logits(spec, weights, inputs) -> torch.Tensor:
