@@ -68,7 +68,8 @@ def test_real_moe_configs(name, expected):
         assert getattr(spec.moe, field) == value, field
     assert (spec.moe.scoring, spec.moe.grouped, spec.moe.correction_bias) == (
         "softmax", False, False)  # fmt: skip
-    assert backend_refusal(spec) == "mixture-of-experts layers"
+    assert backend_refusal(spec, interpret=False) == "mixture-of-experts layers"
+    assert backend_refusal(spec, interpret=True) is None
 
 
 def _moe_config(**changes):
@@ -84,7 +85,7 @@ def test_sparse_layers_are_vllms():
     assert spec.moe.sparse_layers == (False, True, False, False, False, True)
     config = _moe_config(norm_topk_prob=False, mlp_only_layers=[0, 1, 2, 3, 4, 5])
     spec = ModelSpec.from_hf_config(config, torch.float32, 4096)
-    assert not spec.moe.renormalize and backend_refusal(spec) is None
+    assert not spec.moe.renormalize and backend_refusal(spec, False) is None
 
 
 def test_a_gated_shared_expert_is_refused():
@@ -103,7 +104,10 @@ def test_the_backend_refuses_what_the_program_cannot_run():
     model_config = SimpleNamespace(
         hf_text_config=hf_config, dtype=torch.bfloat16, max_model_len=4096
     )
-    message = "MixtralForCausalLM: mixture-of-experts layers are not yet supported"
+    message = (
+        "MixtralForCausalLM: mixture-of-experts layers are not yet supported by "
+        r"the megakernel's GPU kernel \(reference mode"
+    )
     with pytest.raises(UnsupportedModelError, match=message):
         model_spec(SimpleNamespace(model_config=model_config))
 

@@ -38,14 +38,15 @@ def _post(url: str, body: dict) -> dict:
 
 
 # Two architectures: the served path (API server, engine, backend) is the
-# same for all; every architecture runs offline in test_e2e_offline.py. And
+# same for all; every architecture runs offline in test_e2e_offline.py.
+# Qwen3-MoE: QK norm, and a mixture of experts served through the program. And
 # data parallelism: two engine cores, each with its own runner and backend,
 # the requests spread over them (vLLM's CPU build runs DP=2 on one NUMA
 # node with VLLM_CPU_SIM_MULTI_NUMA=1).
 DATA_PARALLEL = ["--data-parallel-size", "2"]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "llama-dp2"])
+@pytest.fixture(scope="module", params=["llama", "qwen3_moe", "llama-dp2"])
 def server(request, tmp_path_factory, demo_model):
     arch = request.param.removesuffix("-dp2")
     port = _free_port()

@@ -68,3 +68,42 @@ def test_read_back_crosses_chunks(dtype):
     layer.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype), False)
     layer.cpu_linear = lambda x, _, bias: torch.nn.functional.linear(x, weight)
     assert torch.equal(w.linear_weight(layer, (n, k)), weight)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_expert_weights_read_back_exactly(demo_model, monkeypatch, dtype):
+    """vLLM's CPU MoE experts permute their weights into the kernel's tile
+    order after loading; the reference reads back the checkpoint's experts,
+    bit for bit (Mixtral: w1 gate, w3 up, w2 down)."""
+    from vllm import LLM
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
+    model = demo_model("mixtral")
+    llm = LLM(model, dtype=dtype, enforce_eager=True, max_model_len=512,
+              decode_backend="megakernel")  # fmt: skip
+    try:
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        layers = runner.model.model.layers
+        weights = runner.decode_backend.executor.weights
+        checkpoint = {
+            name: tensor.to(getattr(torch, dtype))
+            for file in sorted(Path(model).glob("*.safetensors"))
+            for name, tensor in load_file(file).items()
+        }
+        for i, (layer, read) in enumerate(zip(layers, weights.layers, strict=True)):
+            routed = layer.block_sparse_moe.experts.routed_experts
+            ckpt = f"model.layers.{i}.block_sparse_moe."
+            w1 = checkpoint[ckpt + "experts.0.w1.weight"]
+            # Still permuted in vLLM's layer: the read-back is what is tested.
+            assert not torch.equal(routed.w13_weight[0, : w1.shape[0]], w1)
+            assert torch.equal(read.moe.router, checkpoint[ckpt + "gate.weight"])
+            for e in range(read.moe.w13.shape[0]):
+                expert = f"{ckpt}experts.{e}."
+                gate, up = (checkpoint[expert + n] for n in ("w1.weight", "w3.weight"))
+                assert torch.equal(read.moe.w13[e], torch.cat([gate, up])), (i, e)
+                assert torch.equal(read.moe.w2[e], checkpoint[expert + "w2.weight"])
+    finally:
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()

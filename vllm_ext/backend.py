@@ -64,11 +64,12 @@ def model_spec(vllm_config: VllmConfig) -> ModelSpec:
     spec = ModelSpec.from_hf_config(
         model_config.hf_text_config, model_config.dtype, model_config.max_model_len
     )
-    refusal = backend_refusal(spec)
+    refusal = backend_refusal(spec, envs.VLLM_MEGAKERNEL_INTERPRET)
     if refusal is not None:
         raise UnsupportedModelError(
             f"{spec.architecture}: {refusal} are not yet supported by the "
-            "megakernel decode backend"
+            "megakernel's GPU kernel (reference mode, VLLM_MEGAKERNEL_INTERPRET=1, "
+            "runs them)"
         )
     return spec
 

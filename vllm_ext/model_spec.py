@@ -195,12 +195,11 @@ def _moe_spec(arch: str, hf_config: Any, need) -> MoeSpec:
     )
 
 
-def backend_refusal(spec: ModelSpec) -> str | None:
-    """What of the model the decode backend cannot serve yet, or None. (The
-    program runs mixtures of experts, the interpreter too; the kernel has no
-    device functions for them and the backend does not yet take vLLM's
-    expert weights.)"""
-    if spec.moe is not None and any(spec.moe.sparse_layers):
+def backend_refusal(spec: ModelSpec, interpret: bool) -> str | None:
+    """What of the model the decode backend cannot serve yet, or None: the
+    program and reference mode (``interpret``) run mixtures of experts, the
+    GPU kernel has no device functions for them yet."""
+    if not interpret and spec.moe is not None and any(spec.moe.sparse_layers):
         return "mixture-of-experts layers"
     return None
 

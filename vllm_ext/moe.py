@@ -9,7 +9,9 @@ renormalised and scaled. One rule more than vLLM states: among equal scores
 the lower expert index wins, so a kernel can reproduce the choice exactly.
 
 The arithmetic is the reference executor's: router logits rounded to the
-model dtype (vLLM's gate is a linear layer of that dtype), routing in fp32,
+model dtype (what vLLM's ``GateLinear`` returns in its generic path, the one
+the CPU takes; on Hopper its small-batch tiers return fp32, to be matched
+when the kernel is held to vLLM on a GPU), routing in fp32,
 each expert's gate/up and SiLU-mul rounded as the dense MLP's, and the
 weighted sum of the experts' down projections (and the shared experts')
 accumulated in fp32 and rounded once.

@@ -58,8 +58,11 @@ class DecodeWeights:
         inner = model.model
         layers = []
         for i, layer in enumerate(inner.layers):
-            attn, mlp = layer.self_attn, layer.mlp
+            attn = layer.self_attn
+            # (Mixtral names its MLP block_sparse_moe.)
+            mlp = getattr(layer, "mlp", None) or layer.block_sparse_moe
             h, q, inter = spec.hidden_size, spec.q_size, spec.intermediate_size
+            sparse = spec.moe is not None and spec.moe.sparse_layers[i]
             weights = LayerWeights(
                 input_norm=layer.input_layernorm.weight,
                 qkv=linear_weight(attn.qkv_proj, (q + 2 * spec.kv_size, h)),
@@ -68,8 +71,11 @@ class DecodeWeights:
                 k_norm=attn.k_norm.weight if spec.qk_norm else None,
                 o_proj=linear_weight(attn.o_proj, (h, q)),
                 post_norm=layer.post_attention_layernorm.weight,
-                gate_up=linear_weight(mlp.gate_up_proj, (2 * inter, h)),
-                down=linear_weight(mlp.down_proj, (h, inter)),
+                gate_up=None
+                if sparse
+                else linear_weight(mlp.gate_up_proj, (2 * inter, h)),
+                down=None if sparse else linear_weight(mlp.down_proj, (h, inter)),
+                moe=moe_weights(mlp, spec) if sparse else None,
             )
             _check_layer(i, weights, spec)
             layers.append(weights)
@@ -113,6 +119,78 @@ def linear_weight(layer: torch.nn.Module, shape: tuple[int, int]) -> torch.Tenso
     return torch.cat(rows).t().contiguous()
 
 
+def moe_weights(block: torch.nn.Module, spec: ModelSpec) -> MoeWeights:
+    """A sparse layer's mixture as vLLM holds it: its router (``GateLinear``)
+    and its experts' ``w13_weight``/``w2_weight`` (``FusedMoE``), in place.
+    On a CPU, vLLM pads the experts' width and permutes their elements into
+    its kernel's tile order after loading; the reference reads them back
+    once, at start-up (another copy: reference mode's memory cost)."""
+    moe = spec.moe
+    assert moe is not None
+    h, inter = spec.hidden_size, moe.expert_intermediate
+    router = linear_weight(block.gate, (moe.num_experts, h))
+    experts = getattr(block.experts, "routed_experts", block.experts)
+    w13, w2 = experts.w13_weight, experts.w2_weight
+    isa = _cpu_prepack_isa(experts)
+    if isa is not None:
+        w13, w2 = _unpack_moe_weight(w13, isa), _unpack_moe_weight(w2, isa)
+    padded = w13.shape[1] // 2
+    if padded != inter:  # gate rows, then up rows, each padded to `padded`
+        w13 = torch.cat([w13[:, :inter], w13[:, padded : padded + inter]], dim=1)
+        w2 = w2[:, :, :inter].contiguous()
+    return MoeWeights(
+        router=router,
+        correction_bias=getattr(block.gate, "e_score_correction_bias", None),
+        w13=w13,
+        w2=w2,
+    )
+
+
+def _cpu_prepack_isa(experts: torch.nn.Module) -> str | None:
+    """The ISA whose tile order vLLM's CPU MoE experts permuted their
+    weights into, or None where they are as loaded."""
+    if experts.w13_weight.device.type != "cpu":
+        return None
+    experts_cls = getattr(getattr(experts, "quant_method", None), "experts_cls", None)
+    isa = getattr(experts_cls, "isa", None)
+    if isa is None:
+        return None
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import (
+        is_zentorch_moe_supported,
+    )
+
+    return None if is_zentorch_moe_supported(experts) else isa
+
+
+# Bits of an element's index carried by one prepacked code tensor: integers
+# up to 2^8 are exact in bf16 (and fp32).
+_CODE_BITS = 8
+
+
+def _unpack_moe_weight(packed: torch.Tensor, isa: str) -> torch.Tensor:
+    """Undo vLLM's CPU MoE weight prepack, a permutation of the elements
+    (same shape, ``prepack_moe_weight``): prepack each element's index, a
+    byte at a time (exact in any float dtype), to learn where every element
+    went, and gather them back."""
+    from vllm import _custom_ops as ops
+
+    total = packed.numel()
+    index = torch.arange(total)
+    source = torch.zeros(total, dtype=torch.int64)
+    for shift in range(0, max(total - 1, 1).bit_length(), _CODE_BITS):
+        code = ((index >> shift) & ((1 << _CODE_BITS) - 1)).to(packed.dtype)
+        moved = ops.cpu_prepack_moe_weight(code.view(packed.shape), isa)
+        source |= moved.flatten().to(torch.int64) << shift
+    if not torch.equal(source.sort().values, index):
+        raise ValueError(
+            f"megakernel: vLLM's CPU MoE weight layout ({isa}) is not a "
+            "permutation of the loaded weight; reference mode cannot read it"
+        )
+    unpacked = torch.empty_like(packed).flatten()
+    unpacked[source] = packed.flatten()
+    return unpacked.view(packed.shape)
+
+
 def _check_layer(index: int, w: LayerWeights, spec: ModelSpec) -> None:
     """Fail loudly if vLLM handed us weights of an unexpected shape (e.g. a
     CPU layer whose weight was emptied by prepacking)."""
@@ -120,9 +198,16 @@ def _check_layer(index: int, w: LayerWeights, spec: ModelSpec) -> None:
     expected = {
         "qkv": (w.qkv, (qkv, h)),
         "o_proj": (w.o_proj, (h, spec.q_size)),
-        "gate_up": (w.gate_up, (2 * spec.intermediate_size, h)),
-        "down": (w.down, (h, spec.intermediate_size)),
     }
+    if w.moe is None:
+        expected["gate_up"] = (w.gate_up, (2 * spec.intermediate_size, h))
+        expected["down"] = (w.down, (h, spec.intermediate_size))
+    else:
+        moe = spec.moe
+        e, inter = moe.num_experts, moe.expert_intermediate
+        expected["router"] = (w.moe.router, (e, h))
+        expected["w13"] = (w.moe.w13, (e, 2 * inter, h))
+        expected["w2"] = (w.moe.w2, (e, h, inter))
     for name, (tensor, shape) in expected.items():
         if tuple(tensor.shape) != shape:
             raise ValueError(

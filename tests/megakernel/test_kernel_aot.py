@@ -24,7 +24,7 @@ from vllm_ext.megakernel.kernel.persistent import (
 )
 from vllm_ext.megakernel.kernel.shape import KernelShape, page_rows
 from vllm_ext.megakernel.planner import plan
-from vllm_ext.model_spec import ModelSpec, backend_refusal
+from vllm_ext.model_spec import ModelSpec
 
 # One 256-thread CTA per SM must fit the 64K-register file (a cooperative
 # launch needs every CTA resident): at most 255 registers per thread.
@@ -50,11 +50,11 @@ def check_sass(built: BuildResult) -> None:
     assert built.l2_prefetches >= 1, "weight tiles are no longer prefetched"
 
 
-# The demo architectures the program runs (not yet the mixtures of experts).
+# The demo architectures the kernel runs (not yet the mixtures of experts).
 DENSE = [
     a
     for a in sorted(DEMO_ARCHS)
-    if backend_refusal(ModelSpec.from_hf_config(hf_config(a), torch.bfloat16)) is None
+    if ModelSpec.from_hf_config(hf_config(a), torch.bfloat16).moe is None
 ]
 
 
