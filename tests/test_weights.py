@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""On a CPU vLLM prepacks every linear layer's weight and empties it; the
-reference executor reads the weights back through the packed GEMM. They
-must be the checkpoint's, bit for bit."""
+"""On a CPU vLLM prepacks every linear layer's weight and empties it, and
+permutes its MoE experts' weights into its kernel's tile order; the
+reference executor reads them back. They must be the checkpoint's, bit for
+bit."""
 
+import contextlib
 import gc
 from pathlib import Path
 
@@ -13,46 +15,56 @@ from safetensors.torch import load_file
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_linear_weights_read_back_exactly(demo_model, monkeypatch, dtype):
+@contextlib.contextmanager
+def read_back(model: str, dtype: str, monkeypatch):
+    """(vLLM's layers, the weights the backend read, the checkpoint in
+    ``dtype``) of ``model`` loaded by vLLM in reference mode."""
     from vllm import LLM
     from vllm.distributed import cleanup_dist_env_and_memory
 
     monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
-    model = demo_model("qwen2")  # QKV bias too
     llm = LLM(model, dtype=dtype, enforce_eager=True, max_model_len=512,
               decode_backend="megakernel")  # fmt: skip
     try:
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-        layers = runner.model.model.layers
-        weights = runner.decode_backend.executor.weights
         checkpoint = {
             name: tensor.to(getattr(torch, dtype))
             for file in sorted(Path(model).glob("*.safetensors"))
             for name, tensor in load_file(file).items()
         }
-        for i, (layer, read) in enumerate(zip(layers, weights.layers, strict=True)):
-            if dtype == "float32":
-                # oneDNN prepacked and emptied them: the read-back is tested.
-                # (bf16 is prepacked only on CPUs with bf16 instructions.)
-                assert layer.self_attn.qkv_proj.weight.numel() == 0
-            ckpt = f"model.layers.{i}."
-            expected = {
-                "qkv": torch.cat(
-                    [checkpoint[ckpt + f"self_attn.{x}_proj.weight"] for x in "qkv"]
-                ),
-                "o_proj": checkpoint[ckpt + "self_attn.o_proj.weight"],
-                "gate_up": torch.cat(
-                    [checkpoint[ckpt + f"mlp.{x}_proj.weight"] for x in ("gate", "up")]
-                ),
-                "down": checkpoint[ckpt + "mlp.down_proj.weight"],
-            }
-            for name, tensor in expected.items():
-                assert torch.equal(getattr(read, name), tensor), (i, name)
+        yield (
+            runner.model.model.layers,
+            runner.decode_backend.executor.weights.layers,
+            checkpoint,
+        )
     finally:
         del llm
         gc.collect()
         cleanup_dist_env_and_memory()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_linear_weights_read_back_exactly(demo_model, monkeypatch, dtype):
+    # qwen2: QKV bias too.
+    with read_back(demo_model("qwen2"), dtype, monkeypatch) as (layers, reads, ckpt):
+        for i, (layer, read) in enumerate(zip(layers, reads, strict=True)):
+            if dtype == "float32":
+                # oneDNN prepacked and emptied them: the read-back is tested.
+                # (bf16 is prepacked only on CPUs with bf16 instructions.)
+                assert layer.self_attn.qkv_proj.weight.numel() == 0
+            pre = f"model.layers.{i}."
+            expected = {
+                "qkv": torch.cat(
+                    [ckpt[pre + f"self_attn.{x}_proj.weight"] for x in "qkv"]
+                ),
+                "o_proj": ckpt[pre + "self_attn.o_proj.weight"],
+                "gate_up": torch.cat(
+                    [ckpt[pre + f"mlp.{x}_proj.weight"] for x in ("gate", "up")]
+                ),
+                "down": ckpt[pre + "mlp.down_proj.weight"],
+            }
+            for name, tensor in expected.items():
+                assert torch.equal(getattr(read, name), tensor), (i, name)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -72,38 +84,17 @@ def test_read_back_crosses_chunks(dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_expert_weights_read_back_exactly(demo_model, monkeypatch, dtype):
-    """vLLM's CPU MoE experts permute their weights into the kernel's tile
-    order after loading; the reference reads back the checkpoint's experts,
-    bit for bit (Mixtral: w1 gate, w3 up, w2 down)."""
-    from vllm import LLM
-    from vllm.distributed import cleanup_dist_env_and_memory
-
-    monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
-    model = demo_model("mixtral")
-    llm = LLM(model, dtype=dtype, enforce_eager=True, max_model_len=512,
-              decode_backend="megakernel")  # fmt: skip
-    try:
-        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-        layers = runner.model.model.layers
-        weights = runner.decode_backend.executor.weights
-        checkpoint = {
-            name: tensor.to(getattr(torch, dtype))
-            for file in sorted(Path(model).glob("*.safetensors"))
-            for name, tensor in load_file(file).items()
-        }
-        for i, (layer, read) in enumerate(zip(layers, weights.layers, strict=True)):
+    """Mixtral's experts (w1 gate, w3 up, w2 down), still permuted in
+    vLLM's layers, read back as the checkpoint holds them."""
+    with read_back(demo_model("mixtral"), dtype, monkeypatch) as (layers, reads, ckpt):
+        for i, (layer, read) in enumerate(zip(layers, reads, strict=True)):
             routed = layer.block_sparse_moe.experts.routed_experts
-            ckpt = f"model.layers.{i}.block_sparse_moe."
-            w1 = checkpoint[ckpt + "experts.0.w1.weight"]
-            # Still permuted in vLLM's layer: the read-back is what is tested.
+            pre = f"model.layers.{i}.block_sparse_moe."
+            w1 = ckpt[pre + "experts.0.w1.weight"]
             assert not torch.equal(routed.w13_weight[0, : w1.shape[0]], w1)
-            assert torch.equal(read.moe.router, checkpoint[ckpt + "gate.weight"])
+            assert torch.equal(read.moe.router, ckpt[pre + "gate.weight"])
             for e in range(read.moe.w13.shape[0]):
-                expert = f"{ckpt}experts.{e}."
-                gate, up = (checkpoint[expert + n] for n in ("w1.weight", "w3.weight"))
+                expert = f"{pre}experts.{e}."
+                gate, up = (ckpt[expert + n] for n in ("w1.weight", "w3.weight"))
                 assert torch.equal(read.moe.w13[e], torch.cat([gate, up])), (i, e)
-                assert torch.equal(read.moe.w2[e], checkpoint[expert + "w2.weight"])
-    finally:
-        del llm
-        gc.collect()
-        cleanup_dist_env_and_memory()
+                assert torch.equal(read.moe.w2[e], ckpt[expert + "w2.weight"])
