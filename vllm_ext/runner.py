@@ -13,10 +13,13 @@ slot mapping. One token per request; request ``i`` owns row ``i``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
-from vllm.v1.worker.decode_backend import DecodeBatch
+
+if TYPE_CHECKING:
+    # (Not at run time: the GPU check runs the executors with torch alone.)
+    from vllm.v1.worker.decode_backend import DecodeBatch
 
 
 @dataclass(frozen=True)

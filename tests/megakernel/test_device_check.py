@@ -7,6 +7,7 @@ one."""
 import json
 import os
 import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -30,6 +31,24 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _device_run():
     return load_script("scripts/device_run.py")
+
+
+def test_the_gpu_side_needs_no_vllm():
+    """The GPU machine has torch, not vLLM: device_run.py and everything it
+    imports must load with every ``vllm`` import refused."""
+    code = (
+        "import sys, importlib.util\n"
+        "class NoVllm:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'vllm':\n"
+        "            raise ImportError('vLLM imported: ' + name)\n"
+        "sys.meta_path.insert(0, NoVllm())\n"
+        "spec = importlib.util.spec_from_file_location('d', 'scripts/device_run.py')\n"
+        "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_dry_run_builds_a_small_bundle():
