@@ -35,7 +35,8 @@ from vllm.model_executor.layers.fused_moe.router.grouped_topk_router import (
 )
 
 from vllm_ext.model_spec import MoeSpec
-from vllm_ext.moe import moe_mlp, route
+from vllm_ext.moe import route
+from vllm_ext.reference import moe_mlp
 from vllm_ext.weights import MoeWeights
 
 # The torch-native grouped top-k without its ``torch.compile`` wrapper (the

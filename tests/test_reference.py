@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.utils import make_kv_cache, random_block_tables, slots_of
-from vllm_ext import moe as moe_module
+from vllm_ext import reference as reference_module
 from vllm_ext.model_spec import ModelSpec
 from vllm_ext.moe import route
 from vllm_ext.reference import ReferenceExecutor
@@ -108,7 +108,7 @@ def test_decode_matches_hf_float64(demo_model, monkeypatch, arch, dtype, atol):
             routed.setdefault((i, t), []).append(ids[row].tolist())
         return weights, ids
 
-    monkeypatch.setattr(moe_module, "route", recording_route)
+    monkeypatch.setattr(reference_module, "route", recording_route)
     for t in range(max(seq_lens)):
         live = [i for i, n in enumerate(seq_lens) if t < n]
         inputs = DecodeInputs(

@@ -20,8 +20,8 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "MistralForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
-    # Mixture-of-experts MLPs (MoeSpec): the reference forward and the
-    # program run them; the backend does not serve them yet (backend_refusal).
+    # Mixture-of-experts MLPs (MoeSpec): the reference forward, the program
+    # and reference mode run them; the GPU kernel not yet (backend_refusal).
     "Qwen3MoeForCausalLM": (False, True),
     "MixtralForCausalLM": (False, False),
 }

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Mixture-of-experts MLPs: the routing rule and the reference forward.
+"""Mixture-of-experts routing: which experts each request's MLP runs, and
+with what weights (the mixture itself: ``reference.moe_mlp``).
 
 The routing is vLLM's (``fused_moe/router/``): softmax or sigmoid scores of
 the router's logits; optionally grouped top-k (groups ranked by their best
@@ -8,22 +9,15 @@ selection); the bias added for selection only; the selected scores
 renormalised and scaled. One rule more than vLLM states: among equal scores
 the lower expert index wins, so a kernel can reproduce the choice exactly.
 
-The arithmetic is the reference executor's: router logits rounded to the
-model dtype (what vLLM's ``GateLinear`` returns in its generic path, the one
-the CPU takes; on Hopper its small-batch tiers return fp32, to be matched
-when the kernel is held to vLLM on a GPU), routing in fp32,
-each expert's gate/up and SiLU-mul rounded as the dense MLP's, and the
-weighted sum of the experts' down projections (and the shared experts')
-accumulated in fp32 and rounded once.
+Routing runs in fp32 on the router's logits as the caller rounded them
+(the model dtype: ``reference.moe_mlp``).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from vllm_ext.model_spec import MoeSpec
-from vllm_ext.weights import MoeWeights
 
 
 def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -63,29 +57,3 @@ def route(
     if moe.renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights * moe.routed_scaling, ids
-
-
-def _mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """One expert (or shared) MLP on ``x`` ``[n, hidden]``; fp32 out, before
-    its weighting and rounding."""
-    dtype = x.dtype
-    gate, up = (x.float() @ gate_up.float().t()).to(dtype).chunk(2, dim=-1)
-    act = (F.silu(gate.float()) * up.float()).to(dtype)
-    return act.float() @ down.float().t()
-
-
-def moe_mlp(x: torch.Tensor, w: MoeWeights, moe: MoeSpec) -> torch.Tensor:
-    """The mixture on ``x`` ``[B, hidden]`` (normed, model dtype) ->
-    ``[B, hidden]`` in the model dtype."""
-    dtype = x.dtype
-    logits = (x.float() @ w.router.float().t()).to(dtype)
-    weights, ids = route(logits, moe, w.correction_bias)
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for expert in ids.unique().tolist():
-        rows, slot = (ids == expert).nonzero(as_tuple=True)
-        y = _mlp(x[rows], w.w13[expert], w.w2[expert])
-        out.index_add_(0, rows, y * weights[rows, slot, None])
-    if w.shared_gate_up is not None:
-        assert w.shared_down is not None
-        out += _mlp(x, w.shared_gate_up, w.shared_down)
-    return out.to(dtype)

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ext.model_spec import ModelSpec
-from vllm_ext.moe import moe_mlp
+from vllm_ext.model_spec import ModelSpec, MoeSpec
+from vllm_ext.moe import route
 from vllm_ext.paged_kv import gather_kv, write_kv
 from vllm_ext.runner import DecodeInputs
-from vllm_ext.weights import DecodeWeights
+from vllm_ext.weights import DecodeWeights, MoeWeights
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -39,6 +39,39 @@ def rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     x1, x2 = x.float().chunk(2, dim=-1)
     cos, sin = cos.float()[:, None, :], sin.float()[:, None, :]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def swiglu_mlp(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """A SiLU-gated MLP on ``x`` (model dtype): gate/up and SiLU-mul rounded
+    to the model dtype, the down projection returned in fp32."""
+    dtype = x.dtype
+    gate, up = linear(x, gate_up).to(dtype).chunk(2, dim=-1)
+    act = (torch.nn.functional.silu(gate.float()) * up.float()).to(dtype)
+    return linear(act, down)
+
+
+def moe_mlp(x: torch.Tensor, w: MoeWeights, moe: MoeSpec) -> torch.Tensor:
+    """A sparse layer's mixture on ``x`` ``[B, hidden]`` (normed, model
+    dtype) -> ``[B, hidden]`` in the model dtype. Router logits rounded to
+    the model dtype (what vLLM's ``GateLinear`` returns in its generic path,
+    the one the CPU takes; on Hopper its small-batch tiers return fp32, to
+    be matched when the kernel is held to vLLM on a GPU); routing as
+    ``moe.route``; each expert as the dense MLP; the weighted sum of the
+    experts (ascending) and any shared expert accumulated in fp32 and
+    rounded once."""
+    dtype = x.dtype
+    weights, ids = route(linear(x, w.router).to(dtype), moe, w.correction_bias)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for expert in ids.unique().tolist():
+        rows, slot = (ids == expert).nonzero(as_tuple=True)
+        y = swiglu_mlp(x[rows], w.w13[expert], w.w2[expert])
+        out.index_add_(0, rows, y * weights[rows, slot, None])
+    if w.shared_gate_up is not None:
+        assert w.shared_down is not None
+        out += swiglu_mlp(x, w.shared_gate_up, w.shared_down)
+    return out.to(dtype)
 
 
 def decode_attention(
@@ -112,9 +145,7 @@ class ReferenceExecutor:
                 assert spec.moe is not None
                 hidden = moe_mlp(x, layer.moe, spec.moe)
             else:
-                gate, up = linear(x, layer.gate_up).to(dtype).chunk(2, dim=-1)
-                act = (torch.nn.functional.silu(gate.float()) * up.float()).to(dtype)
-                hidden = linear(act, layer.down).to(dtype)
+                hidden = swiglu_mlp(x, layer.gate_up, layer.down).to(dtype)
 
         assert residual is not None
         residual = (hidden + residual).to(dtype)

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Mixtures of experts in the instruction program: planned, verified, and
 interpreted bit for bit under every interleaving, matching the plain
-forward (vllm_ext/moe.py); expert slots filled at run time; the kernel
+forward (reference.moe_mlp); expert slots filled at run time; the kernel
 refuses them until it has their device functions."""
 
 import dataclasses
@@ -24,7 +24,9 @@ DEVICE = dataclasses.replace(DEVICES["h200"], num_sms=16)
 # qwen3_moe: a dense layer, then 8 experts top 2; mixtral: 4 experts top 2.
 ARCHS = ["qwen3_moe", "mixtral"]
 # fp32: split-KV attention sums in another order than the plain forward.
-TOL = {torch.float32: 1e-5, torch.bfloat16: 0.0625}
+# bf16: equal (on these models each fp32 difference stays under a rounding
+# step; docs/design.md states it).
+TOL = {torch.float32: 1e-5, torch.bfloat16: 0.0}
 
 
 def spec_of(arch: str, dtype) -> ModelSpec:

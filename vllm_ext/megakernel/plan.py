@@ -58,11 +58,10 @@ def spec_or_exit(prog: str, config: str, dtype: str, batch: int) -> ModelSpec:
         print(f"{prog}: --batch must be at least 1", file=sys.stderr)
         raise SystemExit(2)
     try:
-        spec = load_spec(config, DTYPES[dtype])
+        return load_spec(config, DTYPES[dtype])
     except UnsupportedModelError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    return spec
 
 
 def print_summary(result: dict, as_json: bool) -> None:

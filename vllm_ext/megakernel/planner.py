@@ -95,10 +95,7 @@ class Program:
 
     @property
     def num_slots(self) -> int:
-        """Expert slots per sparse layer (isa.py): as many as the batch's
-        requests can select, at most every expert."""
-        moe = self.spec.moe
-        return 0 if moe is None else min(self.batch * moe.top_k, moe.num_experts)
+        return expert_slots(self.spec, self.batch)
 
     @property
     def expected_experts(self) -> float:
@@ -187,6 +184,13 @@ class Program:
         raise ValueError(f"no cost for {instr}")
 
 
+def expert_slots(spec: ModelSpec, batch: int) -> int:
+    """Expert slots per sparse layer (isa.py): as many as the batch's
+    requests can select, at most every expert (0 without a mixture)."""
+    moe = spec.moe
+    return 0 if moe is None else min(batch * moe.top_k, moe.num_experts)
+
+
 def qkv_parts_to_fill(spec: ModelSpec, num_sms: int) -> int:
     """The most parts per head that still leave QKV at most one tile per SM
     (1 where heads cannot be split: see ``_qkv_parts_error``)."""
@@ -247,8 +251,7 @@ def plan(
         return (c, len(tiles))
 
     h = spec.hidden_size
-    moe = spec.moe
-    slots = 0 if moe is None else min(batch * moe.top_k, moe.num_experts)
+    moe, slots = spec.moe, expert_slots(spec, batch)
     small = split(h, max(1, h // 512), COL_MULTIPLE)  # embed / final norm
     heads = spec.num_q_heads + 2 * spec.num_kv_heads
     chunks = max(1, min(max_attn_chunks, n_sm // spec.num_kv_heads))

@@ -8,8 +8,22 @@ from vllm_ext.reference import linear, rms_norm
 
 
 def reference(hmid: torch.Tensor, layer, spec, lo: int, hi: int) -> torch.Tensor:
-    dtype, inter = spec.dtype, spec.intermediate_size
-    x = rms_norm(hmid, layer.post_norm, spec.rms_norm_eps).to(dtype)
-    gate = linear(x, layer.gate_up[lo:hi]).to(dtype)
-    up = linear(x, layer.gate_up[inter + lo : inter + hi]).to(dtype)
+    return normed_swiglu(hmid, layer.post_norm, layer.gate_up, spec, lo, hi)
+
+
+def normed_swiglu(
+    hmid: torch.Tensor,
+    norm: torch.Tensor,
+    gate_up: torch.Tensor,
+    spec,
+    lo: int,
+    hi: int,
+) -> torch.Tensor:
+    """SiLU(x @ Wg[lo:hi].T) * (x @ Wu[lo:hi].T), x = RMSNorm(hmid), in the
+    model dtype; ``gate_up`` holds the gate rows, then as many up rows
+    (a dense MLP's, or one expert's: EXPERT_UP)."""
+    dtype, inter = spec.dtype, gate_up.shape[0] // 2
+    x = rms_norm(hmid, norm, spec.rms_norm_eps).to(dtype)
+    gate = linear(x, gate_up[lo:hi]).to(dtype)
+    up = linear(x, gate_up[inter + lo : inter + hi]).to(dtype)
     return (torch.nn.functional.silu(gate.float()) * up.float()).to(dtype)
