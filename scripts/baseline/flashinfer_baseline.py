@@ -10,7 +10,7 @@ stand-in for each:
 - the cache write: vLLM's ``reshape_and_cache_flash``, one kernel per layer
   writing every token's K and V at its slot (padded slots skipped). Here:
   ``kv_append``, one kernel per layer doing the same work (one CTA a token,
-  16-byte copies): no slower.
+  16-byte copies): no slower by construction (not yet timed on a GPU).
 - decode attention: FlashAttention 3 (``get_flash_attn_version`` is 3 on
   SM 9.x), its scheduler metadata computed ahead of time, which splits each
   request's KV so that the batch's CTAs fill the SMs (at most 32 splits
@@ -20,7 +20,8 @@ stand-in for each:
   least 128 tokens, whose work items fit the decode kernel's resident CTAs
   on all SMs), the partial outputs merged by FlashInfer's
   ``VariableLengthMergeStates``. Both fill the SMs by splitting long KV;
-  without the split, batch 1 ran one CTA per KV head (8 of 132 SMs). The
+  without the split, batch 1 would run one CTA per KV head (8 of 132
+SMs). The
   GPU check checks the plan against FlashInfer's planner
   (``FlashInferDecode.split_plan``) and the attention against the
   reference (``device_run.flashinfer_checks``).
@@ -29,7 +30,7 @@ The plan holds for one set of sequence lengths (vLLM re-plans each step):
 the GPU check plans a step's inputs, then captures the step in a CUDA
 graph, as vLLM's FULL graph mode replays it. It carries no padding (FlashInfer
 pads its CUDA-graph grid to the largest plan and always merges): exact for
-the captured inputs, and no slower.
+the captured inputs, and by construction no slower.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 """The per-op decode step that the GPU check times the megakernel against:
 what vLLM's default decode runs on CUDA, kernel by kernel, in PyTorch.
 
-vLLM 0.32's default decode on an H200, and the stand-in for each part (each
-no slower than what it stands for):
+vLLM 0.32's default decode on an H200, and the stand-in for each part
+(each chosen to be no slower than what it stands for; argued, not yet timed
+against vLLM on a GPU):
 
 - the GEMMs (fused QKV, O, fused gate/up, down, LM head): cuBLAS through
   ``F.linear``, here too: the same library and calls.
@@ -26,13 +27,12 @@ vLLM 0.32 compiles the model piecewise, split at attention: between two
 attentions, Inductor fuses the elementwise work around the cuBLAS GEMMs;
 the KV append and the paged decode attention are kernels of their own; and
 a decode step is replayed from one FULL CUDA graph. Here the pieces are the
-same: ``first``
-(embedding, layer 0 up to attention), ``middle`` (layer i after attention,
-layer i + 1 up to attention: one compiled graph serves every layer, the
-weights are arguments), ``last`` (the last layer after attention, final
-norm, LM head), each ``torch.compile``d with ``fullgraph=True`` (a graph
-break would split a fusion), and ``attend`` between them. The caller
-captures the whole step in one CUDA graph.
+same: ``first`` (embedding, layer 0 up to attention), ``middle`` (layer i
+after attention, layer i + 1 up to attention: one compiled graph serves
+every layer, the weights are arguments), ``last`` (the last layer after
+attention, final norm, LM head), each ``torch.compile``d with
+``fullgraph=True`` (a graph break would split a fusion), and ``attend``
+between them. The caller captures the whole step in one CUDA graph.
 
 The arithmetic is the reference's (``vllm_ext/reference.py``): bf16
 activations between ops, fp32 reductions, so both compute one function and
