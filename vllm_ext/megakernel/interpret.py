@@ -149,14 +149,15 @@ class ProgramInterpreter:
         if moe is not None:
             # Sparse layers: router logits and each slot's activations
             # (rows of requests not routed to a slot stay NaN, unread).
-            slots = self.program.num_slots
+            # The shared expert's activations (if any) follow the slots'.
+            slots = self.program.num_slots + (self.program.shared_slot is not None)
+            width = max(moe.expert_intermediate, moe.shared_intermediate)
             sparse = moe.sparse_layers
             self.buf["router"] = [
                 nan(b, moe.num_experts) if sparse[i] else None for i in range(layers)
             ]
             self.buf["xact"] = [
-                nan(slots, b, moe.expert_intermediate) if sparse[i] else None
-                for i in range(layers)
+                nan(slots, b, width) if sparse[i] else None for i in range(layers)
             ]
         self.routing: list[topk.Routing | None] = [None] * layers
         if self.program.with_lm_head:
@@ -234,13 +235,19 @@ class ProgramInterpreter:
                 self.program.num_slots,
             )  # fmt: skip
         elif i.op == Op.EXPERT_UP:
+            lo, hi = unpack_cols(b)
+            if a == self.program.shared_slot:  # every row, no routing read
+                rows = torch.arange(self.program.batch)
+                buf["xact"][layer][a, :, lo:hi] = expert_up.reference(
+                    buf["hmid"][layer], w.layers[layer], s, None, rows, lo, hi
+                )
+                return
             routing = self.routing[layer]
             assert routing is not None, "EXPERT_UP ran before its TOPK"
             expert = int(routing.experts[a])
             if expert < 0:  # a slot this step leaves empty
                 return
             rows = (routing.slots == a).any(dim=-1).nonzero().flatten()
-            lo, hi = unpack_cols(b)
             buf["xact"][layer][a, rows, lo:hi] = expert_up.reference(
                 buf["hmid"][layer], w.layers[layer], s, expert, rows, lo, hi
             )

@@ -53,7 +53,8 @@ EXPERT_UP  xact[l][s, r, lo:hi] = SiLU(x @ Wg.T) *  slot s, intermediate
            requests r routed to it                  (``pack_cols``)
 EXPERT_DOWN h[l+1][:, lo:hi] = hmid[l][:, lo:hi] +  hidden cols [lo, hi)
            sum over each request's slots, in slot
-           order, of weight * xact @ Wd[lo:hi].T
+           order, of weight * xact @ Wd[lo:hi].T,
+           then the shared expert's (weight 1)
 ========== ======================================== ========================
 
 The last four run a sparse layer's mixture of experts (model_spec.MoeSpec)
@@ -61,7 +62,10 @@ in place of GATE_UP and DOWN. Which expert a slot holds is known only once
 TOPK has run: the program plans ``min(batch * top_k, num_experts)`` slots
 per layer, and EXPERT_UP of a slot that the step leaves empty does nothing.
 Weight addresses are thus data: they depend on ``route[l]``, which the
-counters order like any activation.
+counters order like any activation. A shared expert (DeepSeek-V3, Kimi-K2)
+is slot ``num_slots``: its EXPERT_UP tiles run on every request and read no
+routing, so they wait for O_PROJ alone and fill the SMs while ROUTE and
+TOPK run (planner.py).
 
 QKV's units are parts of fused heads: with ``P = qkv_parts`` (planner.py;
 1 by default, so units are heads), unit ``u`` is part ``u % P`` of fused

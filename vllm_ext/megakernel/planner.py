@@ -98,6 +98,13 @@ class Program:
         return expert_slots(self.spec, self.batch)
 
     @property
+    def shared_slot(self) -> int | None:
+        """EXPERT_UP's slot argument for the shared expert (isa.py): the one
+        after the routed slots, or None without a shared expert."""
+        moe = self.spec.moe
+        return self.num_slots if moe is not None and moe.shared_intermediate else None
+
+    @property
     def expected_experts(self) -> float:
         """Distinct experts a sparse layer reads per step, expected under
         uniform routing (each request picks top_k distinct experts)."""
@@ -120,13 +127,27 @@ class Program:
         total, experts = 0, 0
         for q in self.queues:
             for i in q:
-                if i.op in (Op.EXPERT_UP, Op.EXPERT_DOWN):
-                    experts += self.cost(i).weight_bytes
-                else:
-                    total += self.cost(i).weight_bytes
+                routed = self._routed_weight_bytes(i)
+                experts += routed
+                total += self.cost(i).weight_bytes - routed
         if experts:
             experts = round(experts * self.expected_experts / self.num_slots)
         return total + experts
+
+    def _routed_weight_bytes(self, instr: Instruction) -> int:
+        """The part of ``instr``'s weight bytes that is routed experts' rows
+        (read only for the experts a step selects); the shared expert's are
+        read every step."""
+        moe = self.spec.moe
+        if moe is None or instr.op not in (Op.EXPERT_UP, Op.EXPERT_DOWN):
+            return 0
+        e = self.spec.dtype.itemsize
+        if instr.op == Op.EXPERT_UP:
+            if instr.arg0 == self.shared_slot:
+                return 0
+            return self.cost(instr).weight_bytes
+        lo, hi = instr.arg0, instr.arg1
+        return self.num_slots * (hi - lo) * moe.expert_intermediate * e
 
     def cost(self, instr: Instruction) -> Cost:
         """Bytes ``instr`` moves: weights (prefetchable) and the rest."""
@@ -178,9 +199,10 @@ class Program:
             w = 2 * (hi - lo) * h * e + h * e
             return Cost(w, b * h * e + b * (hi - lo) * e)
         if instr.op == Op.EXPERT_DOWN and moe is not None:
-            inter = moe.expert_intermediate
-            w = self.num_slots * (hi - lo) * inter * e
-            return Cost(w, b * moe.top_k * inter * e + 2 * b * (hi - lo) * e)
+            inter, shared = moe.expert_intermediate, moe.shared_intermediate
+            w = (self.num_slots * inter + shared) * (hi - lo) * e
+            acts = b * (moe.top_k * inter + shared) * e
+            return Cost(w, acts + 2 * b * (hi - lo) * e)
         raise ValueError(f"no cost for {instr}")
 
 
@@ -273,14 +295,25 @@ def plan(
             # slot's expert split over its share of the SMs.
             r = phase(Op.ROUTE, layer, gemv_tiles(moe.num_experts), o,
                       f"L{layer}.route")  # fmt: skip
+            # The shared expert needs no routing: its tiles wait for O_PROJ
+            # only and sit before TOPK in the queues, so SMs run them while
+            # the router's logits and the top-k are computed. They signal the
+            # routed tiles' counter: EXPERT_DOWN waits for both.
+            up_c = counter(f"L{layer}.expert_up")
+            shared = [
+                (slots, pack_cols(lo, hi))
+                for lo, hi in split(moe.shared_intermediate, n_sm, COL_MULTIPLE)
+            ] if moe.shared_intermediate else []  # fmt: skip
+            phases.append((Op.EXPERT_UP, layer, shared, o, up_c, NO_COUNTER))
             t = phase(Op.TOPK, layer, [(0, 0)], r, f"L{layer}.topk")
             per_slot = max(1, n_sm // slots)
-            up_tiles = [
+            routed = [
                 (slot, pack_cols(lo, hi))
                 for slot in range(slots)
                 for lo, hi in split(moe.expert_intermediate, per_slot, COL_MULTIPLE)
             ]
-            u = phase(Op.EXPERT_UP, layer, up_tiles, t, f"L{layer}.expert_up")
+            phases.append((Op.EXPERT_UP, layer, routed, t, up_c, NO_COUNTER))
+            u = (up_c, len(shared) + len(routed))
             prev = phase(Op.EXPERT_DOWN, layer, gemv_tiles(h), u,
                          f"L{layer}.expert_down")  # fmt: skip
             continue

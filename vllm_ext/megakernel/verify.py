@@ -102,6 +102,8 @@ def accesses(program, instr: Instruction) -> tuple[list[Region], list[Region]]:
         return reads, [Region("route", ly, 0, 1)]
     if op == Op.EXPERT_UP and moe is not None:
         lo, hi = unpack_cols(b)
+        if a == program.shared_slot:  # routing-free (planner.py)
+            return [Region("hmid", ly, 0, h)], [Region("xact_shared", ly, lo, hi)]
         base = a * moe.expert_intermediate
         reads = [Region("hmid", ly, 0, h), Region("route", ly, 0, 1)]
         return reads, [Region("xact", ly, base + lo, base + hi)]
@@ -111,6 +113,8 @@ def accesses(program, instr: Instruction) -> tuple[list[Region], list[Region]]:
             Region("route", ly, 0, 1),
             Region("hmid", ly, a, b),
         ]
+        if program.shared_slot is not None:
+            reads.append(Region("xact_shared", ly, 0, moe.shared_intermediate))
         return reads, [Region("h", ly + 1, a, b)]
     raise VerificationError(f"unknown opcode in {instr}")
 

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """EXPERT_DOWN: hidden columns [lo, hi) of the weighted sum of each
 request's experts' down projections (in slot order, so in ascending expert
-order, accumulated in fp32 and rounded once), plus the residual."""
+order), then the shared expert's (weight 1) if the model has one, all
+accumulated in fp32 and rounded once, plus the residual."""
 
 import torch
 
@@ -11,13 +12,17 @@ from vllm_ext.reference import linear
 def reference(
     xact: torch.Tensor, hmid: torch.Tensor, layer, routing, lo: int, hi: int, dtype
 ) -> torch.Tensor:
-    """``xact`` ``[slots, B, intermediate]``; ``routing``: ops/topk.py's."""
-    batch = hmid.shape[0]
+    """``xact`` ``[slots (+1 shared), B, width]``; ``routing``: ops/topk.py's."""
+    batch, moe = hmid.shape[0], layer.moe
+    inter = moe.w2.shape[-1]
     out = torch.zeros(batch, hi - lo, dtype=torch.float32, device=hmid.device)
     for slot, expert in enumerate(routing.experts.tolist()):
         if expert < 0:
             break
         rows, choice = (routing.slots == slot).nonzero(as_tuple=True)
-        y = linear(xact[slot, rows], layer.moe.w2[expert][lo:hi])
+        y = linear(xact[slot, rows, :inter], moe.w2[expert][lo:hi])
         out.index_add_(0, rows, y * routing.weights[rows, choice, None])
+    if moe.shared_down is not None:
+        shared = xact[len(routing.experts), :, : moe.shared_down.shape[-1]]
+        out += linear(shared, moe.shared_down[lo:hi])
     return (out.to(dtype) + hmid[:, lo:hi]).to(dtype)
