@@ -28,12 +28,11 @@ def build(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize(
     "name, arch, batch, variant",
+    # (1B on sm_90a at batch 1: test_planted_bugs.py's default build.)
     [
-        ("llama-3.2-1b", "sm_90a", 1, ()),
         ("llama-3.2-1b", "sm_100a", 16, ()),
         ("llama-3.1-8b", "sm_90a", 16, ()),
         ("llama-3.1-8b", "sm_100a", 1, ()),
-        ("qwen3-8b", "sm_90a", 4, ()),
         ("qwen3-8b", "sm_100a", 64, ()),
         # The experimental variants at their largest shapes (registers).
         (

@@ -85,3 +85,19 @@ def test_mixtures_of_experts_plan_verify_and_cost(config):
         experts * (1 - (1 - top_k / experts) ** 4), 2
     )
     assert 0 < summary["floor_us"] < summary["predicted_us"]
+
+
+def test_dependency_latency_is_stated_and_costs_time():
+    """The issue's targets are stated at 1, 2 and 5 us per dependency."""
+    got = {}
+    for us in ("1", "5"):
+        result = run("--config", "qwen3-30b-a3b", "--batch", "1", "--json",
+                     "--no-lm-head", "--dependency-us", us)  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+        got[us] = json.loads(result.stdout.strip().splitlines()[-1])
+        assert got[us]["dependency_us"] == float(us)
+        assert got[us]["predicted_with_slots_filled"] == 8
+    assert got["1"]["floor_us"] == got["5"]["floor_us"]
+    assert got["1"]["predicted_us"] < got["5"]["predicted_us"]
+    result = run("--config", "qwen3-30b-a3b", "--batch", "1", "--dependency-us", "-1")
+    assert result.returncode == 2 and "at least 0" in result.stderr

@@ -4,11 +4,18 @@ instruction moves, and the one table of device ceilings.
 
 A design tool, not a claim. Its assumptions, all here:
 
-* Each SM streams its instructions' weights from HBM back to back, at an
-  equal share of the device's measured copy bandwidth, whatever the
-  instruction waits for (weights never depend on activations), up to
-  ``Device.lookahead_bytes`` ahead of what it has executed: its shared-memory
-  pipeline plus its share of the L2 half that bulk L2 prefetches may fill.
+* Each SM streams its instructions' weights from HBM back to back, in
+  queue order, at an equal share of the device's measured copy bandwidth,
+  whatever the instruction waits for, up to ``Device.lookahead_bytes``
+  ahead of what it has executed: its shared-memory pipeline plus its share
+  of the L2 half that bulk L2 prefetches may fill.
+* Except routed experts' rows (isa.py), whose addresses are data: an SM's
+  stream reaches them no earlier than ``dependency_latency_s`` after the
+  layer's TOPK ends, and what follows them in the queue waits behind them
+  (an in-order stream; the shared expert's tiles, queued before TOPK, fill
+  the gap). A step fills ``Program.occupied_slots`` expert slots (the
+  expected distinct experts under uniform routing); the others read
+  nothing.
 * An instruction executes once its weights are in and its wait is met; the
   wait is met ``dependency_latency_s`` after the last signal it needs (a
   release/acquire round trip through L2). Executing costs
@@ -108,9 +115,20 @@ def predict(
 
     device = device or program.device
     window = device.lookahead_bytes if lookahead_bytes is None else lookahead_bytes
+    from vllm_ext.megakernel.isa import Op
+
     bw = device.sm_bytes_per_s
     queues = program.queues
-    costs = [[program.cost(i) for i in q] for q in queues]
+    costs = [[program.step_cost(i) for i in q] for q in queues]
+    # Per SM, per sparse layer: the first instruction whose weights depend
+    # on that layer's routing.
+    gated: list[dict[int, int]] = []
+    for q in queues:
+        first: dict[int, int] = {}
+        for k, i in enumerate(q):
+            if program.routed_weight_bytes(i):
+                first.setdefault(i.layer, k)
+        gated.append(first)
     # When each instruction's weights are in, per SM (the stream never waits).
     load_done: list[list[float]] = []
     cum_bytes: list[list[int]] = []
@@ -160,6 +178,12 @@ def predict(
             end += _tail_s(program, instr, device)
             ended.append((instr.tail, end))
         _stall_stream(load_done[sm], cum_bytes[sm], pos[sm], end, window, bw)
+        if instr.op == Op.TOPK:
+            ready = end + device.dependency_latency_s
+            for other in range(len(queues)):
+                k = gated[other].get(instr.layer)
+                if k is not None:
+                    _gate_stream(load_done[other], cum_bytes[other], k, ready, bw)
         finish[sm] = end
         pos[sm] += 1
         schedule(sm)
@@ -220,6 +244,20 @@ def _stall_stream(done, cum, executed, now, window, bw) -> None:
         if t == done[k]:
             break
         done[k] = t
+
+
+def _gate_stream(done, cum, k, ready, bw) -> None:
+    """Instruction ``k``'s weights can be fetched from ``ready`` on (their
+    addresses were unknown before): its load, and the in-order loads after
+    it, end no earlier than that allows."""
+    for j in range(k, len(done)):
+        start = done[j - 1] if j > 0 else 0.0
+        if j == k:
+            start = max(start, ready)
+        t = max(done[j], start + (cum[j] - (cum[j - 1] if j > 0 else 0)) / bw)
+        if t == done[j] and j > k:
+            break
+        done[j] = t
 
 
 def _critical_path(program, costs, device: Device) -> float:

@@ -15,6 +15,7 @@ Exit codes: 0 verified (and interleavings agree), 1 not, 2 bad input.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -131,6 +132,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="QKV tiles of head parts, as many as keep one tile per SM",
     )
+    parser.add_argument(
+        "--dependency-us",
+        type=float,
+        help="the cost model's wait latency per dependency, in us (the "
+        "device table's by default)",
+    )
     parser.add_argument("--interleavings", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -139,6 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     if device.arch != args.arch:
         print(f"plan: --device {device.name} is {device.arch}", file=sys.stderr)
         return 2
+    if args.dependency_us is not None:
+        if args.dependency_us < 0:
+            print("plan: --dependency-us must be at least 0", file=sys.stderr)
+            return 2
+        latency = args.dependency_us * 1e-6
+        device = dataclasses.replace(device, dependency_latency_s=latency)
     spec = spec_or_exit("plan", args.config, args.dtype, args.batch)
 
     try:
@@ -182,9 +195,11 @@ def main(argv: list[str] | None = None) -> int:
         result.update(
             expert_slots=program.num_slots,
             expected_experts=round(program.expected_experts, 2),
+            predicted_with_slots_filled=program.occupied_slots,
         )
     if pred is not None:
         result.update(
+            dependency_us=round(device.dependency_latency_s * 1e6, 2),
             predicted_us=round(pred.step_s * 1e6, 1),
             floor_us=round(pred.floor_s * 1e6, 1),
             fraction_of_floor=round(pred.fraction_of_floor, 3),

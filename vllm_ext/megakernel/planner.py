@@ -121,20 +121,41 @@ class Program:
     def encode(self) -> tuple[torch.Tensor, torch.Tensor]:
         return encode([list(q) for q in self.queues])
 
+    @property
+    def occupied_slots(self) -> int:
+        """Expert slots a step fills, as the cost model assumes: the
+        expected distinct experts, rounded (0 without a mixture)."""
+        if self.spec.moe is None:
+            return 0
+        return min(self.num_slots, max(1, round(self.expected_experts)))
+
+    def step_cost(self, instr: Instruction) -> Cost:
+        """``cost(instr)`` in a step that fills ``occupied_slots`` slots: an
+        empty slot's EXPERT_UP reads nothing, EXPERT_DOWN only the filled
+        slots' rows."""
+        routed = self.routed_weight_bytes(instr)
+        if not routed:
+            return self.cost(instr)
+        full = self.cost(instr)
+        if instr.op == Op.EXPERT_UP:
+            return full if instr.arg0 < self.occupied_slots else Cost(0, 0)
+        unread = routed - routed * self.occupied_slots // self.num_slots
+        return Cost(full.weight_bytes - unread, full.other_bytes)
+
     def weight_bytes(self) -> int:
         """Weight bytes a step reads; a sparse layer's experts counted at
         their expected number (``expected_experts``), not every slot."""
         total, experts = 0, 0
         for q in self.queues:
             for i in q:
-                routed = self._routed_weight_bytes(i)
+                routed = self.routed_weight_bytes(i)
                 experts += routed
                 total += self.cost(i).weight_bytes - routed
         if experts:
             experts = round(experts * self.expected_experts / self.num_slots)
         return total + experts
 
-    def _routed_weight_bytes(self, instr: Instruction) -> int:
+    def routed_weight_bytes(self, instr: Instruction) -> int:
         """The part of ``instr``'s weight bytes that is routed experts' rows
         (read only for the experts a step selects); the shared expert's are
         read every step."""
