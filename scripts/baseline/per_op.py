@@ -20,6 +20,10 @@ against vLLM on a GPU):
   FlashInfer's paged decode with split-KV, chunked as FlashInfer's planner
   chunks it to fill the SMs, merged by its merge-states kernel
   (``flashinfer_baseline.py``).
+- a sparse layer's mixture of experts: vLLM's fused MoE, an op of its own
+  that Inductor does not trace into (on Hopper its Triton ``fused_moe``
+  path). Here: ``mixture``, the same Triton kernels on the GPU
+  (``moe_baseline.moe_layer``), the reference's ``moe_mlp`` elsewhere.
 - the step replayed from one FULL CUDA graph: here too (the caller
   captures it).
 
@@ -50,13 +54,28 @@ import torch.nn.functional as F
 
 from vllm_ext.model_spec import ModelSpec
 from vllm_ext.paged_kv import write_kv
-from vllm_ext.reference import decode_attention
+from vllm_ext.reference import decode_attention, moe_mlp
 from vllm_ext.runner import DecodeInputs
 from vllm_ext.weights import DecodeWeights, LayerWeights
 
 # attend(layer, q, k, v): append k, v [B, kv heads, d] to the layer's paged
 # cache, return the attention of q [B, q heads, d] as [B, q heads * d].
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# mixture(layer, x): a sparse layer's mixture of experts on its normed input
+# x [B, hidden] -> [B, hidden], both in the model dtype.
+Mixture = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+def reference_mixture(spec: ModelSpec, weights: DecodeWeights) -> Mixture:
+    """The reference's mixture (any device; on the GPU the check passes
+    vLLM's fused-MoE Triton path instead: ``moe_baseline.moe_layer``)."""
+
+    def mixture(layer: int, x: torch.Tensor) -> torch.Tensor:
+        moe_weights = weights.layers[layer].moe
+        assert spec.moe is not None and moe_weights is not None
+        return moe_mlp(x, moe_weights, spec.moe)
+
+    return mixture
 
 
 def paged_attend(weights: DecodeWeights, inputs: DecodeInputs) -> Attend:
@@ -81,9 +100,14 @@ def per_op_step(
     attend: Attend,
     elementwise: bool = True,
     compile_options: dict[str, Any] | None = None,
+    mixture: Mixture | None = None,
 ) -> Callable[[], torch.Tensor]:
     """``step() -> fp32 logits [B, vocab]`` over ``inputs`` (read at each
     call, so their tensors may be rewritten in place between replays).
+
+    A sparse layer's MLP is ``mixture`` (the reference's by default), run
+    between compiled pieces as vLLM runs its fused MoE: an op of its own
+    that Inductor does not trace into.
 
     ``compile_options``: ``torch.compile`` keyword arguments for the three
     pieces (``{}`` for Inductor), or None to run them eagerly. With
@@ -129,14 +153,29 @@ def per_op_step(
         h, residual = post_attn(o, residual, *weights[:4])
         return pre_attn(h, residual, positions, cos_sin, *weights[4:])
 
+    def final(h, residual, final_norm, lm_head):
+        return F.linear(norm(h + residual, final_norm), lm_head).float()
+
     def last(o, residual, final_norm, lm_head, *post):
         h, residual = post_attn(o, residual, *post)
-        return F.linear(norm(h + residual, final_norm), lm_head).float()
+        return final(h, residual, final_norm, lm_head)
+
+    # A sparse layer: up to the mixture's input, then from its output.
+    def moe_in(o, residual, o_w, post_norm):
+        residual = F.linear(o, o_w) + residual
+        return norm(residual, post_norm), residual
+
+    def moe_out(y, residual, positions, cos_sin, *pre):
+        return pre_attn(y, residual, positions, cos_sin, *pre)
 
     if compile_options is not None:
         options = {"fullgraph": True, "dynamic": False, **compile_options}
-        first, middle, last = (torch.compile(f, **options)
-                               for f in (first, middle, last))  # fmt: skip
+        first, middle, last, final, moe_in, moe_out = (
+            torch.compile(f, **options)
+            for f in (first, middle, last, final, moe_in, moe_out)
+        )
+    if mixture is None and spec.moe is not None:
+        mixture = reference_mixture(spec, weights)
 
     def pre(lw: LayerWeights) -> tuple:
         return (lw.input_norm, lw.qkv, lw.qkv_bias, lw.q_norm, lw.k_norm)
@@ -147,15 +186,24 @@ def per_op_step(
     layers = weights.layers
 
     def step() -> torch.Tensor:
-        ids, pos = inputs.input_ids, inputs.positions.long()
-        q, k, v, residual = first(ids, pos, weights.cos_sin, weights.embed,
-                                  *pre(layers[0]))  # fmt: skip
-        for i in range(len(layers) - 1):
+        ids, pos, cos_sin = inputs.input_ids, inputs.positions.long(), weights.cos_sin
+        q, k, v, residual = first(ids, pos, cos_sin, weights.embed, *pre(layers[0]))
+        for i, lw in enumerate(layers):
             o = attend(i, q, k, v)
-            weights_i = (*post(layers[i]), *pre(layers[i + 1]))
-            q, k, v, residual = middle(o, residual, pos, weights.cos_sin, *weights_i)
-        o = attend(len(layers) - 1, q, k, v)
-        return last(o, residual, weights.final_norm, weights.lm_head,
-                    *post(layers[-1]))  # fmt: skip
+            nxt = layers[i + 1] if i + 1 < len(layers) else None
+            if lw.moe is None and nxt is None:
+                return last(o, residual, weights.final_norm, weights.lm_head,
+                            *post(lw))  # fmt: skip
+            if lw.moe is None:
+                q, k, v, residual = middle(o, residual, pos, cos_sin, *post(lw),
+                                           *pre(nxt))  # fmt: skip
+                continue
+            assert mixture is not None
+            x, residual = moe_in(o, residual, lw.o_proj, lw.post_norm)
+            y = mixture(i, x)
+            if nxt is None:
+                return final(y, residual, weights.final_norm, weights.lm_head)
+            q, k, v, residual = moe_out(y, residual, pos, cos_sin, *pre(nxt))
+        raise AssertionError("unreachable: the last layer returns")
 
     return step

@@ -10,6 +10,8 @@ import torch
 from test_interpret import SPECS, make_spec
 
 from tests.utils import load_script
+from vllm_ext.demo_models import hf_config
+from vllm_ext.model_spec import ModelSpec
 from vllm_ext.reference import ReferenceExecutor
 from vllm_ext.testing import random_decode_inputs, random_weights
 
@@ -82,3 +84,33 @@ def test_the_gemm_and_attention_floor_leaves_the_elementwise_ops_out():
     got = step()
     assert got.shape == ref.shape and got.dtype == torch.float32
     assert _rel(got, ref) > TOL
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_mixture_runs_between_the_compiled_pieces(compiled):
+    """Qwen3-MoE (a dense layer, then a sparse one): the mixture is an op
+    of its own between compiled pieces, and the step is still the
+    reference's."""
+    per_op = _per_op()
+    spec = ModelSpec.from_hf_config(hf_config("qwen3_moe"), torch.bfloat16, 512)
+    weights = random_weights(spec, seed=3)
+    inputs = random_decode_inputs(spec, 3, seed=5)
+    ref = _reference_logits(spec, weights, _clone(inputs))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    calls = []
+
+    def mixture(layer, x):
+        calls.append(layer)
+        return per_op.reference_mixture(spec, weights)(layer, x)
+
+    options = {"backend": "aot_eager"} if compiled else None
+    step = per_op.per_op_step(spec, weights, inputs,
+                              per_op.paged_attend(weights, inputs),
+                              compile_options=options, mixture=mixture)  # fmt: skip
+    assert _rel(step(), ref) < TOL
+    assert calls == [i for i, s in enumerate(spec.moe.sparse_layers) if s]
+    if compiled:
+        # first, middle (dense layer 0 into 1), moe_in, final: no break.
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 4
+        assert not torch._dynamo.utils.counters["graph_break"]
