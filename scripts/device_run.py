@@ -78,7 +78,7 @@ from vllm_ext.megakernel.ops import (  # noqa: E402
 )
 from vllm_ext.megakernel.planner import plan  # noqa: E402
 from vllm_ext.megakernel.variants import KERNEL  # noqa: E402
-from vllm_ext.model_spec import ModelSpec  # noqa: E402
+from vllm_ext.model_spec import ModelSpec, MoeSpec  # noqa: E402
 from vllm_ext.runner import DecodeInputs  # noqa: E402
 from vllm_ext.testing import BLOCK_SIZE, random_decode_inputs, random_weights  # noqa: E402
 
@@ -126,9 +126,12 @@ def load_case(case_dir: Path, layers: int | None = None):
     meta = torch.load(case_dir / "program.pt")
     fields = dict(meta["spec"])
     fields["dtype"] = torch.bfloat16
-    if layers is not None:
-        fields["num_layers"] = layers
+    if fields.get("moe") is not None:  # saved as a dict (build.save_program)
+        moe = dict(fields["moe"], sparse_layers=tuple(fields["moe"]["sparse_layers"]))
+        fields["moe"] = MoeSpec(**moe)
     spec = ModelSpec(**fields)
+    if layers is not None:
+        spec = spec.with_layers(layers)
     shape = meta["shape"]
     program = plan(spec, meta["batch"], DEVICES["h200"], with_lm_head=True,
                    fuse_combine=shape.get("fused_combine", False),

@@ -66,11 +66,7 @@ def model_spec(vllm_config: VllmConfig) -> ModelSpec:
     )
     refusal = backend_refusal(spec, envs.VLLM_MEGAKERNEL_INTERPRET)
     if refusal is not None:
-        raise UnsupportedModelError(
-            f"{spec.architecture}: {refusal} are not yet supported by the "
-            "megakernel's GPU kernel (reference mode, VLLM_MEGAKERNEL_INTERPRET=1, "
-            "runs them)"
-        )
+        raise UnsupportedModelError(refusal)
     return spec
 
 

@@ -9,6 +9,7 @@ discovered as wrong tokens later.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,8 +25,14 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     # and reference mode run them; the GPU kernel not yet (backend_refusal).
     "Qwen3MoeForCausalLM": (False, True),
     "MixtralForCausalLM": (False, False),
+    # Multi-head latent attention (MlaSpec) and DeepSeek's MoE (Kimi-K2
+    # loads as DeepSeek-V3): the reference forward runs them; the backend
+    # refuses them in every mode until the program does (backend_refusal).
+    "DeepseekV2ForCausalLM": (False, False),
+    "DeepseekV3ForCausalLM": (False, False),
 }
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,36 @@ class MoeSpec:
     shared_intermediate: int = 0
 
 
+@dataclass(frozen=True)
+class MlaSpec:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2), as vLLM's
+    ``DeepseekV2MLAAttention`` runs it in the absorbed form: the cache holds
+    one latent row ``[kv_c | k_pe]`` per token (``latent_width`` wide), every
+    head attends to it (``reference.mla_attention``)."""
+
+    num_heads: int
+    q_lora_rank: int | None  # None: one q_proj instead of q_a/q_b
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    # (q_nope . k_nope + q_pe . k_pe) * softmax_scale: qk_head_dim ** -0.5,
+    # times mscale ** 2 under DeepSeek's YaRN (vLLM's ``self.scaling``).
+    softmax_scale: float
+    # vLLM rotates q_pe/k_pe GPT-J style (``is_neox_style=False``): pairs
+    # (2i, 2i + 1) share a frequency.
+    rope_interleaved: bool = True
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_width(self) -> int:
+        """One cache row: vLLM's MLA ``head_size`` (576 for DeepSeek-V3)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -77,6 +114,10 @@ class ModelSpec:
     qk_norm: bool
     tie_word_embeddings: bool
     moe: MoeSpec | None = None
+    # Multi-head latent attention. Then the grouped-query fields describe
+    # vLLM's latent cache (MLAAttentionSpec): num_kv_heads 1, head_dim the
+    # latent row width; num_q_heads the attention heads; no QKV bias/QK norm.
+    mla: MlaSpec | None = None
 
     def with_layers(self, n: int) -> ModelSpec:
         """The first ``n`` layers of the model (shorter programs for checks:
@@ -119,6 +160,8 @@ class ModelSpec:
                     "decode backend"
                 )
 
+        if arch in MLA_ARCHITECTURES:
+            return _deepseek_spec(cls, arch, hf_config, dtype, need)
         hidden = hf_config.hidden_size
         num_q = hf_config.num_attention_heads
         num_kv = getattr(hf_config, "num_key_value_heads", None) or num_q
@@ -195,12 +238,122 @@ def _moe_spec(arch: str, hf_config: Any, need) -> MoeSpec:
     )
 
 
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    # DeepSeek's YaRN magnitude correction (vLLM's ``yarn_get_mscale``).
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _deepseek_spec(cls, arch: str, hf_config: Any, dtype: torch.dtype, need):
+    """DeepSeek-V2/V3 (and Kimi-K2) read as vLLM's ``deepseek_v2.py`` reads
+    them: MLA attention in every layer, the first ``first_k_dense_replace``
+    layers' MLP dense, then a MoE every ``moe_layer_freq``-th layer."""
+    c = hf_config
+    nope = getattr(c, "qk_nope_head_dim", 0) or 0
+    rope_dim = getattr(c, "qk_rope_head_dim", 0) or 0
+    need(nope > 0 and rope_dim > 0, "DeepSeek attention without latent dims (MHA)")
+    need(rope_dim % 2 == 0, f"odd rope dim {rope_dim}")
+    need(getattr(c, "index_topk", None) is None, "sparse attention (index_topk)")
+    need(getattr(c, "llama_4_scaling", None) is None, "llama 4 attention scaling")
+    need(not getattr(c, "attention_bias", False), "attention bias")
+    act = getattr(c, "hidden_act", "silu")
+    need(act == "silu", f"activation {act!r}")
+    need(getattr(c, "quantization_config", None) is None, "quantization")
+    scale = (nope + rope_dim) ** -0.5
+    rope = _rope_parameters(c)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    # vLLM renames a non-default rope in the config it loads (so a spec read
+    # after loading sees it): "deepseek_llama_scaling" where attention_factor
+    # is 1.0, else "deepseek_yarn", whose softmax scale gains mscale ** 2.
+    yarn_types = ("yarn", "deepseek_yarn", "deepseek_llama_scaling")
+    need(rope_type in ("default", *yarn_types), f"rope type {rope_type!r}")
+    if rope_type != "default" and rope.get("attention_factor") != 1.0:
+        mscale = _yarn_mscale(rope["factor"], float(rope.get("mscale_all_dim", 0)))
+        scale *= mscale * mscale
+    mla = MlaSpec(
+        num_heads=c.num_attention_heads,
+        q_lora_rank=getattr(c, "q_lora_rank", None),
+        kv_lora_rank=c.kv_lora_rank,
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=c.v_head_dim,
+        softmax_scale=scale,
+    )
+    return cls(
+        architecture=arch,
+        dtype=dtype,
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_layers=c.num_hidden_layers,
+        num_q_heads=mla.num_heads,
+        num_kv_heads=1,
+        head_dim=mla.latent_width,
+        rms_norm_eps=c.rms_norm_eps,
+        qkv_bias=False,
+        qk_norm=False,
+        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+        moe=_deepseek_moe(c, need),
+        mla=mla,
+    )
+
+
+def _deepseek_moe(c: Any, need) -> MoeSpec | None:
+    """vLLM's ``DeepseekV2MoE``: always grouped top-k (``n_group`` and
+    ``topk_group``; one group is plain top-k), the correction bias only
+    for ``topk_method == "noaux_tc"``, shared experts one MLP of
+    ``n_shared_experts * moe_intermediate_size``."""
+    experts = getattr(c, "n_routed_experts", None)
+    if experts is None:
+        return None
+    groups, topk_groups = getattr(c, "n_group", 1), getattr(c, "topk_group", 1)
+    # (vLLM itself fails on them unset: its grouped router needs both.)
+    need(groups is not None and topk_groups is not None, "MoE without n_group")
+    need(experts % groups == 0, f"{experts} experts in {groups} groups")
+    scoring = getattr(c, "scoring_func", "softmax")
+    need(scoring in ("softmax", "sigmoid"), f"MoE scoring {scoring!r}")
+    # (An fp32 router GEMM: the reference rounds router logits to the dtype.)
+    need(getattr(c, "moe_router_dtype", None) != "float32", "an fp32 MoE router")
+    first_dense = getattr(c, "first_k_dense_replace", 0) or 0
+    freq = getattr(c, "moe_layer_freq", 1)
+    return MoeSpec(
+        num_experts=experts,
+        top_k=c.num_experts_per_tok,
+        expert_intermediate=c.moe_intermediate_size,
+        sparse_layers=tuple(
+            i >= first_dense and i % freq == 0 for i in range(c.num_hidden_layers)
+        ),
+        renormalize=bool(c.norm_topk_prob),
+        scoring=scoring,
+        grouped=True,
+        num_groups=groups,
+        topk_groups=topk_groups,
+        correction_bias=getattr(c, "topk_method", None) == "noaux_tc",
+        routed_scaling=float(getattr(c, "routed_scaling_factor", 1.0)),
+        shared_intermediate=(getattr(c, "n_shared_experts", None) or 0)
+        * c.moe_intermediate_size,
+    )
+
+
 def backend_refusal(spec: ModelSpec, interpret: bool) -> str | None:
-    """What of the model the decode backend cannot serve yet, or None: the
-    program and reference mode (``interpret``) run mixtures of experts, the
-    GPU kernel has no device functions for them yet."""
+    """Why the decode backend cannot serve the model yet (a sentence for
+    the start-up error), or None: the program and reference mode
+    (``interpret``) run mixtures of experts, the GPU kernel has no device
+    functions for them yet; multi-head latent attention runs in neither
+    mode yet, so a DeepSeek model fails at start-up, never in a step."""
+    if spec.mla is not None:
+        return (
+            f"{spec.architecture}: multi-head latent attention (MLA) is not "
+            "yet supported by the megakernel decode backend, in any mode "
+            "(neither the GPU kernel nor reference mode, "
+            "VLLM_MEGAKERNEL_INTERPRET=1, runs it yet); use vLLM's default "
+            "decode path"
+        )
     if not interpret and spec.moe is not None and any(spec.moe.sparse_layers):
-        return "mixture-of-experts layers"
+        return (
+            f"{spec.architecture}: mixture-of-experts layers are not yet "
+            "supported by the megakernel's GPU kernel (reference mode, "
+            "VLLM_MEGAKERNEL_INTERPRET=1, runs them)"
+        )
     return None
 
 

@@ -101,3 +101,38 @@ def paged_attention(
         o = torch.matmul(probs, v.float().transpose(0, 1).unsqueeze(1))
         out[q_lo:q_hi] = o.reshape(num_q_heads, n, -1).transpose(0, 1).to(out.dtype)
     return out
+
+
+# Multi-head latent attention (MLA): vLLM's MLAAttentionSpec cache. Each
+# layer's cache is ``[num_blocks, block_size, kv_lora_rank + rope_dim]``: one
+# latent row ``[kv_c | k_pe]`` per token (no heads, no separate V), at the
+# same slots as above.
+
+
+def write_latent(
+    cache: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store ``kv_c`` ``[T, kv_lora_rank]`` and ``k_pe`` ``[T, rope_dim]`` as
+    the rows of their slots (padded slots skipped), in the cache's dtype."""
+    rank, block_size = kv_c.shape[-1], cache.shape[1]
+    slots = slot_mapping.to(torch.long)
+    num_tokens = slots.shape[0]
+    valid = slots != PAD_SLOT_ID
+    slots = slots[valid]
+    blocks, offsets = slots // block_size, slots % block_size
+    cache[blocks, offsets, :rank] = kv_c[:num_tokens][valid].to(cache.dtype)
+    cache[blocks, offsets, rank:] = k_pe[:num_tokens][valid].to(cache.dtype)
+
+
+def gather_latent(
+    cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int
+) -> torch.Tensor:
+    """The latent rows of one request's first ``seq_len`` tokens,
+    ``[seq_len, kv_lora_rank + rope_dim]``."""
+    block_size = cache.shape[1]
+    pos = torch.arange(seq_len, device=cache.device)
+    blocks = block_table_row.to(torch.long)[pos // block_size]
+    return cache[blocks, pos % block_size]

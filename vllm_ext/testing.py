@@ -8,7 +8,7 @@ import torch
 
 from vllm_ext.model_spec import ModelSpec
 from vllm_ext.runner import DecodeInputs
-from vllm_ext.weights import DecodeWeights, LayerWeights, MoeWeights
+from vllm_ext.weights import DecodeWeights, LayerWeights, MlaWeights, MoeWeights
 
 BLOCK_SIZE = 16
 MAX_POSITION = 4096
@@ -44,25 +44,42 @@ def random_weights(
             shared_down=mat(h, shared) if shared else None,
         )
 
+    def latent_attention() -> MlaWeights:
+        mla = spec.mla
+        r, rank = mla.q_lora_rank, mla.kv_lora_rank
+        q_rows = mla.num_heads * mla.qk_head_dim
+        return MlaWeights(
+            q_a=mat(r, h) if r else None,
+            q_a_norm=norm(r) if r else None,
+            q_b=mat(q_rows, r or h),
+            kv_a=mat(mla.latent_width, h),
+            kv_a_norm=norm(rank),
+            kv_b=mat(mla.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), rank),
+        )
+
+    mla = spec.mla
     qkv_rows = spec.q_size + 2 * spec.kv_size
     sparse = spec.moe.sparse_layers if spec.moe else (False,) * spec.num_layers
     layers = tuple(
         LayerWeights(
             input_norm=norm(h),
-            qkv=mat(qkv_rows, h),
+            qkv=None if mla else mat(qkv_rows, h),
             qkv_bias=(0.1 * torch.randn(qkv_rows, generator=gen, device=device)).to(dt)
             if spec.qkv_bias
             else None,
             q_norm=norm(d) if spec.qk_norm else None,
             k_norm=norm(d) if spec.qk_norm else None,
-            o_proj=mat(h, spec.q_size),
+            o_proj=mat(h, mla.num_heads * mla.v_head_dim if mla else spec.q_size),
             post_norm=norm(h),
             gate_up=None if is_sparse else mat(2 * spec.intermediate_size, h),
             down=None if is_sparse else mat(h, spec.intermediate_size),
             moe=experts(spec.moe) if is_sparse else None,
+            mla=latent_attention() if mla else None,
         )
         for is_sparse in sparse
     )
+    if mla is not None:  # rotary on the rope dims only
+        d = mla.qk_rope_head_dim
     inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
     freqs = torch.outer(torch.arange(MAX_POSITION, dtype=torch.float64), inv_freq)
     embed = mat(spec.vocab_size, h)
@@ -72,7 +89,7 @@ def random_weights(
         final_norm=norm(h),
         lm_head=embed,
         cos_sin=torch.cat([freqs.cos(), freqs.sin()], dim=-1).float().to(device),
-        attn_scale=d**-0.5,
+        attn_scale=mla.softmax_scale if mla else d**-0.5,
     )
 
 
@@ -92,6 +109,10 @@ def random_decode_inputs(
     slots += positions % BLOCK_SIZE
     caches = []
     for _ in range(spec.num_layers):
+        if spec.mla is not None:  # one latent row per token
+            shape = (num_blocks, BLOCK_SIZE, spec.mla.latent_width)
+            caches.append(torch.randn(shape, generator=gen).to(spec.dtype))
+            continue
         # LBNHC: memory [block, token, head, K|V], viewed as vLLM does.
         phys = torch.randn(
             num_blocks, BLOCK_SIZE, spec.num_kv_heads, 2 * spec.head_dim, generator=gen

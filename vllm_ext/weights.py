@@ -10,6 +10,7 @@ second copy of the linear weights: reference mode's memory cost).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -30,18 +31,46 @@ class MoeWeights:
 
 
 @dataclass(frozen=True)
+class MlaWeights:
+    """A layer's multi-head latent attention, as vLLM's
+    ``DeepseekV2MLAAttention`` holds it (``o_proj`` is
+    ``LayerWeights.o_proj``, ``[hidden, heads * v_head_dim]``)."""
+
+    q_a: torch.Tensor | None  # [q_lora_rank, hidden]; None: q_b is q_proj
+    q_a_norm: torch.Tensor | None  # [q_lora_rank]
+    q_b: torch.Tensor  # [heads * qk_head_dim, q_lora_rank or hidden]
+    kv_a: torch.Tensor  # [kv_lora_rank + qk_rope_head_dim, hidden]
+    kv_a_norm: torch.Tensor  # [kv_lora_rank]
+    # [heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]: per head its
+    # W_UK rows, then its W_UV rows (vLLM splits it the same way).
+    kv_b: torch.Tensor
+
+    def w_uk(self, num_heads: int, nope: int) -> torch.Tensor:
+        """``[heads, qk_nope_head_dim, kv_lora_rank]``: a head's q_nope times
+        it is the query in the latent space (absorbed k up-projection)."""
+        return self.kv_b.view(num_heads, -1, self.kv_b.shape[-1])[:, :nope]
+
+    def w_uv(self, num_heads: int, nope: int) -> torch.Tensor:
+        """``[heads, v_head_dim, kv_lora_rank]``: a head's latent output
+        times its transpose is the head's value output."""
+        return self.kv_b.view(num_heads, -1, self.kv_b.shape[-1])[:, nope:]
+
+
+@dataclass(frozen=True)
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    # Grouped-query attention; None in an MLA layer, whose attention is `mla`.
+    qkv: torch.Tensor | None  # [q_size + 2 * kv_size, hidden]
     qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
     q_norm: torch.Tensor | None  # [head_dim]
     k_norm: torch.Tensor | None  # [head_dim]
-    o_proj: torch.Tensor  # [hidden, q_size]
+    o_proj: torch.Tensor  # [hidden, q_size] ([hidden, heads * v_head_dim]: MLA)
     post_norm: torch.Tensor  # [hidden]
     # The dense MLP; None in a sparse layer, whose MLP is ``moe``.
     gate_up: torch.Tensor | None  # [2 * intermediate, hidden]
     down: torch.Tensor | None  # [hidden, intermediate]
     moe: MoeWeights | None = None
+    mla: MlaWeights | None = None
 
 
 @dataclass(frozen=True)
@@ -50,12 +79,16 @@ class DecodeWeights:
     layers: tuple[LayerWeights, ...]
     final_norm: torch.Tensor  # [hidden]
     lm_head: torch.Tensor  # [vocab, hidden]; the embedding when tied
-    cos_sin: torch.Tensor  # [max_position, head_dim], cos half then sin half
+    # [max_position, rotary dim] (head_dim; MLA: qk_rope_head_dim), cos half
+    # then sin half (vLLM's ``cos_sin_cache``, YaRN's mscale included).
+    cos_sin: torch.Tensor
     attn_scale: float
 
     @classmethod
     def from_vllm_model(cls, model: torch.nn.Module, spec: ModelSpec) -> DecodeWeights:
         inner = model.model
+        if spec.mla is not None:
+            return _from_vllm_mla_model(cls, model, spec)
         layers = []
         for i, layer in enumerate(inner.layers):
             attn = layer.self_attn
@@ -93,6 +126,83 @@ class DecodeWeights:
             cos_sin=rotary.cos_sin_cache,
             attn_scale=float(inner.layers[0].self_attn.scaling),
         )
+
+
+def _from_vllm_mla_model(cls, model: torch.nn.Module, spec: ModelSpec):
+    """DeepSeek-V2/V3 as vLLM loaded them (``deepseek_v2.py``). With a q LoRA
+    vLLM fuses q_a_proj and kv_a_proj_with_mqa into ``fused_qkv_a_proj``
+    (q_a rows first): q_a and kv_a are views of it."""
+    mla = spec.mla
+    assert mla is not None
+    inner = model.model
+    h, lat = spec.hidden_size, mla.latent_width
+    q_rows = mla.num_heads * mla.qk_head_dim
+    layers = []
+    for i, layer in enumerate(inner.layers):
+        attn = layer.self_attn
+        if mla.q_lora_rank is not None:
+            r = mla.q_lora_rank
+            fused = linear_weight(attn.fused_qkv_a_proj, (r + lat, h))
+            q_a, kv_a = fused[:r], fused[r:]
+            q_a_norm = attn.q_a_layernorm.weight
+            q_b = linear_weight(attn.q_b_proj, (q_rows, r))
+        else:
+            q_a = q_a_norm = None
+            kv_a = linear_weight(attn.kv_a_proj_with_mqa, (lat, h))
+            q_b = linear_weight(attn.q_proj, (q_rows, h))
+        kv_b_rows = mla.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+        sparse = spec.moe is not None and spec.moe.sparse_layers[i]
+        mlp = layer.mlp
+        inter = spec.intermediate_size
+        moe = None
+        if sparse:
+            moe = moe_weights(mlp, spec)
+            shared = getattr(mlp, "shared_experts", None)
+            if shared is not None:
+                width = spec.moe.shared_intermediate
+                moe = dataclasses.replace(
+                    moe,
+                    shared_gate_up=linear_weight(shared.gate_up_proj, (2 * width, h)),
+                    shared_down=linear_weight(shared.down_proj, (h, width)),
+                )
+        layers.append(
+            LayerWeights(
+                input_norm=layer.input_layernorm.weight,
+                qkv=None,
+                qkv_bias=None,
+                q_norm=None,
+                k_norm=None,
+                o_proj=linear_weight(attn.o_proj, (h, mla.num_heads * mla.v_head_dim)),
+                post_norm=layer.post_attention_layernorm.weight,
+                gate_up=None
+                if sparse
+                else linear_weight(mlp.gate_up_proj, (2 * inter, h)),
+                down=None if sparse else linear_weight(mlp.down_proj, (h, inter)),
+                moe=moe,
+                mla=MlaWeights(
+                    q_a=q_a,
+                    q_a_norm=q_a_norm,
+                    q_b=q_b,
+                    kv_a=kv_a,
+                    kv_a_norm=attn.kv_a_layernorm.weight,
+                    kv_b=linear_weight(attn.kv_b_proj, (kv_b_rows, mla.kv_lora_rank)),
+                ),
+            )
+        )
+    rotary = inner.layers[0].self_attn.rotary_emb
+    if rotary.is_neox_style or rotary.rotary_dim != mla.qk_rope_head_dim:
+        raise ValueError("megakernel: MLA expects GPT-J-style rotary on the rope dims")
+    lm_head = inner.embed_tokens.weight if spec.tie_word_embeddings else None
+    if lm_head is None:
+        lm_head = model.lm_head.weight
+    return cls(
+        embed=inner.embed_tokens.weight,
+        layers=tuple(layers),
+        final_norm=inner.norm.weight,
+        lm_head=lm_head,
+        cos_sin=rotary.cos_sin_cache,
+        attn_scale=float(inner.layers[0].self_attn.scaling),
+    )
 
 
 # Rows of the identity pushed through a packed GEMM at a time (bounds the

@@ -101,3 +101,21 @@ def test_dependency_latency_is_stated_and_costs_time():
     assert got["1"]["predicted_us"] < got["5"]["predicted_us"]
     result = run("--config", "qwen3-30b-a3b", "--batch", "1", "--dependency-us", "-1")
     assert result.returncode == 2 and "at least 0" in result.stderr
+
+
+def test_latent_attention_is_refused_until_the_program_has_it(tmp_path):
+    """DeepSeek-V3's config parses (model_spec), but the program has no
+    MLA instructions yet: the command says so instead of planning
+    grouped-query attention over a latent cache."""
+    from transformers import DeepseekV3Config
+
+    config = DeepseekV3Config(
+        num_hidden_layers=2, first_k_dense_replace=2, n_group=1, topk_group=1,
+        architectures=["DeepseekV3ForCausalLM"],
+    )  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(config.to_json_string())
+    result = run("--config", str(path), "--batch", "1")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "multi-head latent attention" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from vllm_ext.megakernel.cost import DEFAULT_DEVICE, DEVICES, predict
-from vllm_ext.megakernel.planner import plan
+from vllm_ext.megakernel.planner import MLA_NOT_YET, plan
 from vllm_ext.megakernel.variants import Variants
 from vllm_ext.megakernel.verify import VerificationError, verify
 from vllm_ext.model_spec import ModelSpec, UnsupportedModelError
@@ -59,10 +59,14 @@ def spec_or_exit(prog: str, config: str, dtype: str, batch: int) -> ModelSpec:
         print(f"{prog}: --batch must be at least 1", file=sys.stderr)
         raise SystemExit(2)
     try:
-        return load_spec(config, DTYPES[dtype])
+        spec = load_spec(config, DTYPES[dtype])
     except UnsupportedModelError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    if spec.mla is not None:
+        print(f"{prog}: {spec.architecture}: {MLA_NOT_YET}", file=sys.stderr)
+        raise SystemExit(2)
+    return spec
 
 
 def print_summary(result: dict, as_json: bool) -> None:

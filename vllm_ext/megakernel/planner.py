@@ -227,6 +227,12 @@ class Program:
         raise ValueError(f"no cost for {instr}")
 
 
+MLA_NOT_YET = (
+    "the program has no multi-head latent attention instructions yet "
+    "(DeepSeek-V2/V3, Kimi-K2)"
+)
+
+
 def expert_slots(spec: ModelSpec, batch: int) -> int:
     """Expert slots per sparse layer (isa.py): as many as the batch's
     requests can select, at most every expert (0 without a mixture)."""
@@ -270,6 +276,8 @@ def plan(
     """The program of one decode step of ``batch`` requests on ``device``."""
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
+    if spec.mla is not None:
+        raise ValueError(MLA_NOT_YET)
     if (error := _qkv_parts_error(spec, qkv_parts)) is not None:
         raise ValueError(error)
     n_sm = device.num_sms
