@@ -6,21 +6,34 @@ every address from the table (resolved back to tensors through a registry
 of what the test allocated) and the step number from the last counter, then
 runs the program interpreter on what those addresses hold and writes the
 results where the table says. So a wrong table entry, a wrong padding or a
-missing step bump in the launcher shows up as a wrong result."""
+missing step bump in the launcher shows up as a wrong result.
+
+A sparse layer's mixture reads its weights through the table too (router,
+w13, w2, correction bias, shared expert), and its buffers (router logits,
+the routing in the kernel's word layout, each slot's activations) are
+written where the table says, so an MoE table round-trips: a wrong or
+swapped entry gives a wrong result or a wrong buffer."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from vllm_ext.megakernel.interpret import ProgramInterpreter
-from vllm_ext.megakernel.kernel.shape import GlobalSlot, LayerSlot
+from vllm_ext.megakernel.kernel.shape import (
+    GlobalSlot,
+    KernelShape,
+    LayerSlot,
+    route_layout,
+)
 from vllm_ext.runner import DecodeInputs
 
 
 class KernelStandIn:
     def __init__(self, program, weights) -> None:
         self.interp = ProgramInterpreter(program, weights, seed=5)
-        self.program = program
+        self.program, self.weights = program, weights
         self.tensors: dict[int, torch.Tensor] = {}
         self.launches = 0
 
@@ -53,6 +66,7 @@ class KernelStandIn:
             slot_mapping=self._at(glob[GlobalSlot.SLOT_MAPPING]).long(),
             kv_caches=kv,
         )
+        interp.weights = self._moe_weights(table)
         interp.step(inputs)
         buf = interp.buf
         for i in range(layers):
@@ -65,10 +79,58 @@ class KernelStandIn:
                 (LayerSlot.H_OUT, buf["h"][i + 1]),
             ):  # fmt: skip
                 self._at(row[slot]).copy_(src)
+            if interp.routing[i] is not None:
+                self._write_moe(row, buf["router"][i], interp.routing[i],
+                                buf["xact"][i])  # fmt: skip
         self._at(glob[GlobalSlot.OUT]).copy_(buf["out"])
         if p.with_lm_head:
             self._at(glob[GlobalSlot.LOGITS]).copy_(interp.logits)
         self.launches += 1
+
+    def _moe_weights(self, table):
+        """The weights, each sparse layer's mixture read from the table."""
+        layers = []
+        for i, lw in enumerate(self.weights.layers):
+            if lw.moe is not None:
+                row = table[i]
+
+                def at(slot, row=row):
+                    return self._at(row[slot]) if row[slot] else None
+
+                lw = dataclasses.replace(lw, moe=dataclasses.replace(
+                    lw.moe, router=at(LayerSlot.ROUTER), w13=at(LayerSlot.W13),
+                    w2=at(LayerSlot.W2),
+                    correction_bias=at(LayerSlot.CORRECTION_BIAS),
+                    shared_gate_up=at(LayerSlot.SHARED_GATE_UP),
+                    shared_down=at(LayerSlot.SHARED_DOWN),
+                ))  # fmt: skip
+            layers.append(lw)
+        return dataclasses.replace(self.weights, layers=tuple(layers))
+
+    def _write_moe(self, row, router, routing, xact) -> None:
+        """A sparse layer's buffers where the table says, the routing in
+        the kernel's layout (shape.route_layout)."""
+        experts = router.shape[1]
+        self._at(row[LayerSlot.ROUTER_LOGITS])[:, :experts].copy_(router)
+        words = self._at(row[LayerSlot.ROUTE])
+        lay = route_layout(KernelShape.from_program(self.program, 16))
+        n = routing.slots.numel()
+        words[lay.weights : lay.weights + n].copy_(routing.weights.flatten())
+        ints = words.view(torch.int32)
+        ints[lay.slots : lay.slots + n].copy_(routing.slots.flatten())
+        ints[lay.experts : lay.experts + len(routing.experts)].copy_(routing.experts)
+        self._at(row[LayerSlot.XACT]).copy_(xact)
+
+
+def decode_route(words: torch.Tensor, shape: KernelShape):
+    """(weights, slots, experts) from a layer's routing words."""
+    lay, b, k = route_layout(shape), shape.batch, shape.top_k
+    ints = words.view(torch.int32)
+    return (
+        words[lay.weights : lay.weights + b * k].view(b, k),
+        ints[lay.slots : lay.slots + b * k].view(b, k),
+        ints[lay.experts : lay.experts + shape.num_slots],
+    )
 
 
 def register_executor(standin: KernelStandIn, ex, kv_caches=()) -> None:
@@ -80,5 +142,13 @@ def register_executor(standin: KernelStandIn, ex, kv_caches=()) -> None:
     for name, t in ex.ws.items():
         # Per-layer buffers by layer (layer 0 shares the whole buffer's
         # address, and must resolve to the layer's view).
-        per_layer = name in ("h", "hmid", "q", "attn", "act", "part_o", "part_lse")
+        per_layer = name in ("h", "hmid", "q", "attn", "act", "part_o", "part_lse",
+                             "router", "route", "xact")  # fmt: skip
         standin.register(*(t.unbind(0) if per_layer else (t,)))
+    # The mixtures' weights (the table is their only way in).
+    for lw, bias in zip(ex.weights.layers, ex.correction_bias, strict=True):
+        if lw.moe is not None:
+            m = lw.moe
+            standin.register(*(t for t in (m.router, m.w13, m.w2, bias,
+                                           m.shared_gate_up, m.shared_down)
+                               if t is not None))  # fmt: skip

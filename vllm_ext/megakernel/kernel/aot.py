@@ -29,10 +29,11 @@ from vllm_ext.megakernel.kernel import persistent
 from vllm_ext.megakernel.kernel.shape import KernelShape
 import cutlass.cute as cute
 arch, out, dump, shape = sys.argv[1:5]
-kernel = persistent.Megakernel(KernelShape(**json.loads(shape)))
+shape = KernelShape(**json.loads(shape))
+kernel = persistent.Megakernel(shape)
 t0 = time.perf_counter()
 compiled = cute.compile(
-    kernel, *persistent.fake_args(),
+    kernel, *persistent.fake_args(shape),
     options=f"--gpu-arch {arch} --keep-cubin --keep-ptx --dump-dir={dump}",
 )
 compiled.export_to_c(out, "megakernel", "megakernel")

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 from vllm_ext.megakernel.kernel.shape import (
-    NUM_SLOTS,
     GlobalSlot,
     KernelShape,
     LayerSlot,
+    table_width,
     workspace_sizes,
 )
 from vllm_ext.megakernel.planner import Program
@@ -128,7 +128,8 @@ class KernelExecutor:
         layers = program.spec.num_layers
         self.ws: dict[str, torch.Tensor] = {}
         for name, dims in workspace_sizes(shape, layers).items():
-            fp32 = name in ("part_o", "part_lse", "logits")
+            # (route: fp32 words, its int32 fields stored as their bits.)
+            fp32 = name in ("part_o", "part_lse", "logits", "route")
             dtype = torch.float32 if fp32 else torch.bfloat16
             # NaN until written: a read of an unwritten value shows as NaN.
             self.ws[name] = torch.full(dims, float("nan"), dtype=dtype, device=dev)
@@ -139,6 +140,12 @@ class KernelExecutor:
         self.slot_mapping = torch.full((b,), -1, dtype=torch.int32, device=dev)
         self.block_table = torch.zeros(b, max_blocks, dtype=torch.int32, device=dev)
         self.cos_sin = weights.cos_sin.to(device=dev, dtype=torch.float32).contiguous()
+        # TOPK reads the correction bias in fp32 (the routing runs in fp32).
+        self.correction_bias = [
+            None if lw.moe is None or lw.moe.correction_bias is None
+            else lw.moe.correction_bias.to(device=dev, dtype=torch.float32).contiguous()
+            for lw in weights.layers
+        ]  # fmt: skip
         self.ptrs_host = self._table()
         if dev.type == "cuda":
             # Pinned: re-uploading it (KV binding) is then an async copy,
@@ -153,7 +160,7 @@ class KernelExecutor:
     def _table(self) -> torch.Tensor:
         w, ws, p = self.weights, self.ws, self.program
         layers = p.spec.num_layers
-        table = torch.zeros(layers + 1, NUM_SLOTS, dtype=torch.int64)
+        table = torch.zeros(layers + 1, table_width(self.shape), dtype=torch.int64)
         for i, lw in enumerate(w.layers):
             row = {
                 LayerSlot.INPUT_NORM: lw.input_norm,
@@ -174,6 +181,19 @@ class KernelExecutor:
                 LayerSlot.PART_LSE: ws["part_lse"][i],
                 LayerSlot.H_OUT: ws["h"][i + 1],
             }
+            if lw.moe is not None:
+                m = lw.moe
+                row |= {
+                    LayerSlot.ROUTER: m.router,
+                    LayerSlot.W13: m.w13,
+                    LayerSlot.W2: m.w2,
+                    LayerSlot.CORRECTION_BIAS: self.correction_bias[i],
+                    LayerSlot.SHARED_GATE_UP: m.shared_gate_up,
+                    LayerSlot.SHARED_DOWN: m.shared_down,
+                    LayerSlot.ROUTER_LOGITS: ws["router"][i],
+                    LayerSlot.ROUTE: ws["route"][i],
+                    LayerSlot.XACT: ws["xact"][i],
+                }
             for slot, t in row.items():
                 table[i, slot] = _address(t, f"layer {i} {slot.name.lower()}")
         glob = {
@@ -280,6 +300,9 @@ def _check_weights(w: DecodeWeights) -> None:
         for name in ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj",
                      "post_norm", "gate_up", "down"):  # fmt: skip
             tensors[f"layer {i} {name}"] = getattr(lw, name)
+        if lw.moe is not None:
+            for name in ("router", "w13", "w2", "shared_gate_up", "shared_down"):
+                tensors[f"layer {i} moe.{name}"] = getattr(lw.moe, name)
     bad = [n for n, t in tensors.items() if t is not None and t.dtype != torch.bfloat16]
     if bad:
         raise MegakernelError(

@@ -11,7 +11,10 @@ atomic at GPU scope).
 Model shape and batch bucket are compile-time (``KernelShape``); every
 address comes from the table ``ptrs`` (``shape.py``). The experimental
 variants (``variants.py``) are ``KernelShape`` flags, compiled out when
-off: the default kernel's SASS does not change with them.
+off: the default kernel's SASS does not change with them. So is the
+mixture of experts (ROUTE, TOPK, EXPERT_UP, EXPERT_DOWN and their shared
+scratch): compiled in only for a shape with one, so a dense model's cubin
+is the one built before they existed.
 """
 
 import cuda.bindings.driver as cuda
@@ -32,11 +35,15 @@ from vllm_ext.megakernel.kernel.ops.common import (
     stages_input,
 )
 from vllm_ext.megakernel.kernel.ops.embed import embed
+from vllm_ext.megakernel.kernel.ops.expert_down import expert_down
+from vllm_ext.megakernel.kernel.ops.expert_up import expert_up, gather_words
 from vllm_ext.megakernel.kernel.ops.final_norm import final_norm
 from vllm_ext.megakernel.kernel.ops.gemv_mma import red_floats
 from vllm_ext.megakernel.kernel.ops.prefetch import prefetch_weights
 from vllm_ext.megakernel.kernel.ops.projections import down, gate_up, lm_head, o_proj
 from vllm_ext.megakernel.kernel.ops.qkv import qkv
+from vllm_ext.megakernel.kernel.ops.route import route
+from vllm_ext.megakernel.kernel.ops.topk import topk, topk_words
 from vllm_ext.megakernel.kernel.ops.weight_pipe import (
     BASE,
     MAX_SLOTS,
@@ -50,7 +57,7 @@ from vllm_ext.megakernel.kernel.ops.weight_pipe import (
 )
 from vllm_ext.megakernel.kernel.ops.weight_stage import W_STAGE_ELEMS, stage_weights
 from vllm_ext.megakernel.kernel.queue import Queue, fetch
-from vllm_ext.megakernel.kernel.shape import NUM_SLOTS, KernelShape
+from vllm_ext.megakernel.kernel.shape import KernelShape, table_width
 from vllm_ext.megakernel.kernel.sync import trap
 
 # Queue entries staged in shared memory with shape.stage_queue (8 KiB; a
@@ -76,7 +83,17 @@ def _buffers(s: KernelShape) -> list[int]:
         4 if s.fused_combine else 0,  # tail flag
         # (With the weight pipeline, the pipeline holds this scratch.)
         red_floats(s.batch) * 4 if s.mma_gemv and not s.weight_pipe else 0,
+        4 * moe_words(s),  # the mixture's int32 scratch
+        4 * s.batch * s.top_k,  # EXPERT_DOWN's sorted weights
     ]
+
+
+def moe_words(s: KernelShape) -> int:
+    """Int32 scratch of TOPK, EXPERT_UP's gather and EXPERT_DOWN's sorted
+    slots, one at a time (0 in a dense kernel)."""
+    if not s.moe:
+        return 0
+    return max(topk_words(s), gather_words(s.batch), s.batch * s.top_k)
 
 
 def _padded(buffers: list[int]) -> int:
@@ -121,7 +138,7 @@ class Megakernel:
         queue: cute.Tensor,  # [num_sms, max_len, WORDS] int32
         lengths: cute.Tensor,  # [num_sms] int32
         counters: cute.Tensor,  # [num_counters + 1] int32; the last: the step
-        ptrs: cute.Tensor,  # [num_layers + 1, NUM_SLOTS] int64
+        ptrs: cute.Tensor,  # [num_layers + 1, table_width(shape)] int64
         block_table_stride: Int32,
         kv_block_stride: Int32,
         attn_scale: Float32,
@@ -190,6 +207,14 @@ class Megakernel:
             ),
             16,
         )
+
+        # The mixture's scratch (only in a kernel with one).
+        moe_i = moe_f = None
+        if cutlass.const_expr(s.moe):
+            moe_i = smem.allocate_tensor(Int32, cute.make_layout(moe_words(s)), 16)
+            moe_f = smem.allocate_tensor(
+                Float32, cute.make_layout(s.batch * s.top_k), 16
+            )
 
         # Thread 0 tells the CTA whether its ATTN completed the head.
         tail = None
@@ -297,9 +322,19 @@ class Megakernel:
             elif op == Op.LM_HEAD:
                 lm_head(s, ptrs, glob, a0, a1, rstd, w_stage)
             elif op != Op.NOP:
-                if tidx == 0:
-                    cute.printf("megakernel: bad opcode %d (sm %d pc %d)\n", op, sm, pc)
-                    trap()
+                if cutlass.const_expr(s.moe):
+                    if op == Op.ROUTE:
+                        route(s, ptrs, layer, a0, a1, rstd, x_stage)
+                    elif op == Op.TOPK:
+                        topk(s, ptrs, layer, glob, moe_i)
+                    elif op == Op.EXPERT_UP:
+                        expert_up(s, ptrs, layer, a0, a1, rstd, x_stage, moe_i)
+                    elif op == Op.EXPERT_DOWN:
+                        expert_down(s, ptrs, layer, a0, a1, moe_i, moe_f)
+                    else:
+                        _bad_opcode(op, sm, pc)
+                else:
+                    _bad_opcode(op, sm, pc)
 
             # Every thread's stores are issued before the release below.
             cute.arch.sync_threads()
@@ -314,7 +349,15 @@ class Megakernel:
                     run_tail(s, ptrs, counters, ins, layer, a0, tail)
 
 
-def fake_args():
+@cute.jit
+def _bad_opcode(op, sm, pc):
+    tidx, _, _ = cute.arch.thread_idx()
+    if tidx == 0:
+        cute.printf("megakernel: bad opcode %d (sm %d pc %d)\n", op, sm, pc)
+        trap()
+
+
+def fake_args(shape: KernelShape):
     """Fake tensors for compiling without a GPU: symbolic sizes, the
     instruction rows 32-byte aligned for one vector fetch."""
     from cutlass.cute.runtime import make_fake_compact_tensor
@@ -326,7 +369,7 @@ def fake_args():
                                  assumed_align=32),
         make_fake_compact_tensor(Int32, (n_sm,), assumed_align=4),
         make_fake_compact_tensor(Int32, (n_ctr,), assumed_align=4),
-        make_fake_compact_tensor(cutlass.Int64, (n_rows, NUM_SLOTS),
+        make_fake_compact_tensor(cutlass.Int64, (n_rows, table_width(shape)),
                                  stride_order=(1, 0), assumed_align=16),
         Int32(1), Int32(1), Float32(1.0), Int32(1 << 24),
         make_fake_stream(),

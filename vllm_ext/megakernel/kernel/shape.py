@@ -7,8 +7,9 @@ import it where CuTe DSL is not installed.
 Model shape and batch bucket are compile-time constants (loops unroll, tile
 sizes fold); everything that moves per step or per engine (weights, KV
 cache, activations, the step's inputs) is an address in one int64 table
-``ptrs[num_layers + 1, NUM_SLOTS]``: row ``l`` for layer ``l``, the last row
-for the model-wide tensors. So one compiled kernel serves any number of
+``ptrs[num_layers + 1, table_width(shape)]``: row ``l`` for layer ``l``, the
+last row for the model-wide tensors (a mixture-of-experts kernel's rows are
+wider: ``LayerSlot.ROUTER`` on). So one compiled kernel serves any number of
 layers and any KV cache size, and the launch takes a handful of scalars.
 """
 
@@ -39,6 +40,18 @@ class LayerSlot(IntEnum):
     PART_O = 15  # [chunks, kv_heads, B, group, head_dim] fp32
     PART_LSE = 16  # [chunks, kv_heads, B, group] fp32
     H_OUT = 17  # [B, hidden]: H_IN of the next layer
+    # A mixture-of-experts kernel's rows are MOE_SLOTS wide: these follow
+    # (0 in a dense layer, and absent from a dense kernel's table, whose
+    # width and SASS stay those of a kernel without them).
+    ROUTER = 18  # [experts, hidden] bf16
+    W13 = 19  # [experts, 2 expert_intermediate, hidden]: gate rows, then up
+    W2 = 20  # [experts, hidden, expert_intermediate]
+    CORRECTION_BIAS = 21  # [experts] fp32 (0 when absent)
+    SHARED_GATE_UP = 22  # [2 shared_intermediate, hidden] (0 when absent)
+    SHARED_DOWN = 23  # [hidden, shared_intermediate] (0 when absent)
+    ROUTER_LOGITS = 24  # [B, router_stride] bf16
+    ROUTE = 25  # route_words(shape) 4-byte words: see route_layout
+    XACT = 26  # [xact_slots, B, xact_width] bf16
 
 
 class GlobalSlot(IntEnum):
@@ -60,6 +73,14 @@ class GlobalSlot(IntEnum):
 
 
 NUM_SLOTS = 18
+MOE_SLOTS = 27
+
+
+def table_width(shape: KernelShape) -> int:
+    """Columns of the address table the kernel for ``shape`` reads."""
+    return MOE_SLOTS if shape.moe else NUM_SLOTS
+
+
 # Deliberately wrong kernels, for the GPU check only (KernelShape.planted_bug):
 # it must reject each. "kv-slot": the KV append writes the new token's K and
 # V to the neighbouring token of its block (slot ^ 1), a silent stray write
@@ -70,6 +91,10 @@ PLANTED_BUGS = ("kv-slot", "oob-store")
 BATCH_GROUP = 8
 # A page of the weight pipeline (ops/weight_pipe.py).
 PAGE_BYTES = 32 * 1024
+# TOPK holds a request's scores in a warp's registers (MAX_EXPERTS / 32 a
+# lane) and picks its top_k by that many warp-wide argmax rounds.
+MAX_EXPERTS = 512
+MAX_TOP_K = 16
 
 
 def page_rows(k: int, dual: bool = False) -> int:
@@ -135,6 +160,23 @@ class KernelShape:
     # many RoPE-pair parts (isa.py), so the phase spreads over more SMs. Set
     # from the program, which it must match.
     qkv_parts: int = 1
+    # The mixture of experts of the sparse layers (model_spec.MoeSpec; all
+    # 0 / False in a dense model), run by ROUTE, TOPK, EXPERT_UP and
+    # EXPERT_DOWN (ops/route.py, topk.py, expert_up.py, expert_down.py).
+    num_experts: int = 0
+    top_k: int = 0
+    expert_intermediate: int = 0
+    # Routed expert slots per sparse layer (the program's num_slots); the
+    # shared expert, if any, is slot num_slots of xact.
+    num_slots: int = 0
+    moe_sigmoid: bool = False  # scores: sigmoid, else softmax
+    renormalize: bool = False
+    grouped: bool = False
+    num_groups: int = 1
+    topk_groups: int = 1
+    correction_bias: bool = False
+    routed_scaling: float = 1.0
+    shared_intermediate: int = 0
     # Test only, never served: "" or one of PLANTED_BUGS, a deliberately
     # wrong kernel the GPU check must reject. Only the build CLI's
     # --plant-bug sets it (not from_program, not VLLM_MEGAKERNEL_VARIANTS).
@@ -174,12 +216,81 @@ class KernelShape:
                 "qkv_parts > 1 is not read by the weight stage (it stages whole "
                 "heads): use the weight pipeline"
             )
+        if self.moe:
+            self._check_moe()
         if self.mma_gemv:
             if self.stage_weights:
                 raise ValueError("mma_gemv and stage_weights share a buffer: pick one")
             widths = (self.hidden, self.q_heads * self.head_dim, self.intermediate)
             if any(k % 32 for k in widths):
                 raise ValueError("mma_gemv needs every GEMV's K to be a multiple of 32")
+
+    def _check_moe(self) -> None:
+        variants = [
+            name
+            for name in (
+                "stage_weights",
+                "stage_queue",
+                "mma_gemv",
+                "weight_pipe",
+                "l2_ahead",
+                "wide_attn",
+                "fused_combine",
+            )
+            if getattr(self, name)
+        ]
+        if self.qkv_parts > 1:
+            variants.append("qkv_parts")
+        if variants:
+            raise ValueError(
+                "the mixture-of-experts instructions run in the default kernel "
+                f"only, not with the experimental {', '.join(variants)}"
+            )
+        for name in ("expert_intermediate", "shared_intermediate"):
+            if getattr(self, name) % 8:
+                raise ValueError(f"{name} must be a multiple of 8 (128-bit loads)")
+        if not 1 <= self.top_k <= min(self.num_experts, MAX_TOP_K):
+            raise ValueError(f"top_k {self.top_k}: 1 to min(num_experts, {MAX_TOP_K})")
+        if self.num_experts > MAX_EXPERTS:
+            raise ValueError(
+                f"{self.num_experts} experts: TOPK holds at most {MAX_EXPERTS} "
+                "scores per request in a warp's registers"
+            )
+        if self.num_slots != min(self.batch * self.top_k, self.num_experts):
+            raise ValueError(
+                f"num_slots {self.num_slots}: the program's min(batch * top_k, "
+                "num_experts)"
+            )
+        if self.grouped and not (
+            self.num_groups <= 32
+            and self.num_experts % self.num_groups == 0
+            and 1 <= self.topk_groups <= self.num_groups
+            # (With the bias a group ranks by its best two experts.)
+            and self.num_experts // self.num_groups >= 1 + self.correction_bias
+        ):
+            raise ValueError(
+                f"grouped top-k: {self.num_experts} experts in {self.num_groups} "
+                f"groups (at most 32, dividing them), keep {self.topk_groups}"
+            )
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def xact_slots(self) -> int:
+        """Slots of xact: the routed ones, then the shared expert's."""
+        return self.num_slots + (self.shared_intermediate > 0)
+
+    @property
+    def xact_width(self) -> int:
+        return max(self.expert_intermediate, self.shared_intermediate)
+
+    @property
+    def router_stride(self) -> int:
+        """Row stride of the router's logits: experts rounded up to 8, so
+        each layer's buffer stays 16-byte aligned."""
+        return -(-self.num_experts // 8) * 8
 
     @property
     def group(self) -> int:
@@ -202,9 +313,22 @@ class KernelShape:
         l2_ahead: bool = False,
     ) -> KernelShape:
         s = program.spec
+        moe = {}
         if s.moe is not None and any(s.moe.sparse_layers):
-            # The program has them (isa.py); the device functions not yet.
-            raise ValueError("the kernel has no mixture-of-experts instructions yet")
+            m = s.moe
+            moe = dict(
+                num_experts=m.num_experts, top_k=m.top_k,
+                expert_intermediate=m.expert_intermediate,
+                num_slots=program.num_slots, moe_sigmoid=m.scoring == "sigmoid",
+                renormalize=m.renormalize, grouped=m.grouped,
+                num_groups=m.num_groups if m.grouped else 1,
+                topk_groups=m.topk_groups if m.grouped else 1,
+                correction_bias=m.correction_bias,
+                routed_scaling=float(m.routed_scaling),
+                shared_intermediate=m.shared_intermediate,
+            )  # fmt: skip
+            if m.scoring not in ("softmax", "sigmoid"):
+                raise ValueError(f"MoE scoring {m.scoring!r}: softmax or sigmoid")
         return cls(
             hidden=s.hidden_size,
             intermediate=s.intermediate_size,
@@ -226,6 +350,7 @@ class KernelShape:
             l2_ahead=l2_ahead,
             fused_combine=program.fuse_combine,
             qkv_parts=program.qkv_parts,
+            **moe,
         )
 
     def as_dict(self) -> dict:
@@ -235,7 +360,7 @@ class KernelShape:
 def workspace_sizes(shape: KernelShape, num_layers: int) -> dict[str, tuple]:
     """Per-step activation buffers (shapes), each written once per step."""
     b, h, d = shape.batch, shape.hidden, shape.head_dim
-    return {
+    sizes = {
         "h": (num_layers + 1, b, h),
         "hmid": (num_layers, b, h),
         "q": (num_layers, b, shape.q_heads, d),
@@ -246,3 +371,30 @@ def workspace_sizes(shape: KernelShape, num_layers: int) -> dict[str, tuple]:
         "out": (b, h),
         "logits": (b, shape.vocab),
     }
+    if shape.moe:
+        # Per layer (unused in a dense layer of a mixed model, which the
+        # table does not point them at): router logits, the routing, and
+        # each slot's SiLU-mul activations (rows of requests not routed to
+        # a slot are never written nor read).
+        sizes["router"] = (num_layers, b, shape.router_stride)
+        sizes["route"] = (num_layers, route_layout(shape).words)
+        sizes["xact"] = (num_layers, shape.xact_slots, b, shape.xact_width)
+    return sizes
+
+
+@dataclass(frozen=True)
+class RouteLayout:
+    """TOPK's output, one buffer of 4-byte words per layer (fp32: the int32
+    fields are stored as their bits, so the buffer poisons with NaN like
+    every other): offsets in words."""
+
+    weights: int  # [B, top_k] fp32, each request's choices best first
+    slots: int  # [B, top_k] int32: each choice's slot; -1 for a padding row
+    experts: int  # [num_slots] int32: each slot's expert, ascending, then -1
+    words: int  # the total, a multiple of 4 (16-byte aligned per layer)
+
+
+def route_layout(shape: KernelShape) -> RouteLayout:
+    n = shape.batch * shape.top_k
+    words = -(-(2 * n + shape.num_slots) // 4) * 4
+    return RouteLayout(0, n, 2 * n, words)

@@ -7,7 +7,14 @@ waiting on instruction pc, the CTA asks for instruction pc + 1's weight
 rows (and pc's own, for the first one) with one bulk prefetch per matrix:
 a tile's rows are contiguous in a row-major weight. At most
 ``PREFETCH_BYTES`` per matrix, so the lookahead of all SMs together stays
-within part of the L2 (132 x 2 x 96 KiB = 25 MiB of the H200's 50 MiB)."""
+within part of the L2 (132 x 2 x 96 KiB = 25 MiB of the H200's 50 MiB).
+
+A mixture's expert weights are the exception: which expert a slot holds is
+data (TOPK's output), unknown before the instruction's wait, so the
+routed EXPERT_UP and EXPERT_DOWN tiles are prefetched by the instructions
+themselves once their wait has made the routing visible (ops/expert_up.py,
+ops/expert_down.py), never from an unrouted address. The router's rows
+and the shared expert's are static and stream here like any weight."""
 
 import cutlass
 import cutlass.cute as cute
@@ -21,7 +28,7 @@ PREFETCH_BYTES = 96 * 1024
 
 
 @cute.jit
-def _rows(base: Int64, row_bytes: cutlass.Constexpr, lo, hi):
+def prefetch_rows(base: Int64, row_bytes: cutlass.Constexpr, lo, hi):
     size = (hi - lo) * row_bytes
     if size > PREFETCH_BYTES:
         size = Int32(PREFETCH_BYTES)
@@ -39,17 +46,39 @@ def prefetch_weights(s: cutlass.Constexpr, ptrs: cute.Tensor, glob, op, layer, l
             # The first unit's two blocks of rows (a unit per SM, as planned).
             n, half = d // (2 * shape.qkv_parts), d // 2
             first = (lo // shape.qkv_parts) * d + (lo % shape.qkv_parts) * n
-            _rows(ptrs[layer, LayerSlot.QKV], h * 2, first, first + n)
-            _rows(ptrs[layer, LayerSlot.QKV], h * 2, first + half, first + half + n)
+            prefetch_rows(ptrs[layer, LayerSlot.QKV], h * 2, first, first + n)
+            prefetch_rows(
+                ptrs[layer, LayerSlot.QKV], h * 2, first + half, first + half + n
+            )
         else:
-            _rows(ptrs[layer, LayerSlot.QKV], d * h * 2, lo, hi)
+            prefetch_rows(ptrs[layer, LayerSlot.QKV], d * h * 2, lo, hi)
     elif op == Op.O_PROJ:
-        _rows(ptrs[layer, LayerSlot.O_PROJ], shape.q_size * 2, lo, hi)
+        prefetch_rows(ptrs[layer, LayerSlot.O_PROJ], shape.q_size * 2, lo, hi)
     elif op == Op.GATE_UP:
         base = ptrs[layer, LayerSlot.GATE_UP]
-        _rows(base, h * 2, lo, hi)
-        _rows(base, h * 2, lo + inter, hi + inter)
+        prefetch_rows(base, h * 2, lo, hi)
+        prefetch_rows(base, h * 2, lo + inter, hi + inter)
     elif op == Op.DOWN:
-        _rows(ptrs[layer, LayerSlot.DOWN], inter * 2, lo, hi)
+        prefetch_rows(ptrs[layer, LayerSlot.DOWN], inter * 2, lo, hi)
     elif op == Op.LM_HEAD:
-        _rows(ptrs[glob, GlobalSlot.LM_HEAD], h * 2, lo, hi)
+        prefetch_rows(ptrs[glob, GlobalSlot.LM_HEAD], h * 2, lo, hi)
+    if cutlass.const_expr(shape.moe):
+        _static_moe_rows(shape, ptrs, op, layer, lo, hi)
+
+
+@cute.jit
+def _static_moe_rows(s: cutlass.Constexpr, ptrs: cute.Tensor, op, layer, a0, a1):
+    """The mixture's weights that do not depend on the routing: the
+    router's rows of ROUTE, and the shared expert's of its EXPERT_UP."""
+    shape: KernelShape = s
+    h = shape.hidden
+    if op == Op.ROUTE:
+        prefetch_rows(ptrs[layer, LayerSlot.ROUTER], h * 2, a0, a1)
+    if cutlass.const_expr(shape.shared_intermediate > 0):
+        if op == Op.EXPERT_UP:
+            if a0 == shape.num_slots:
+                lo, hi = a1 >> 16, a1 & 0xFFFF
+                base = ptrs[layer, LayerSlot.SHARED_GATE_UP]
+                prefetch_rows(base, h * 2, lo, hi)
+                s_i = shape.shared_intermediate
+                prefetch_rows(base, h * 2, lo + s_i, hi + s_i)

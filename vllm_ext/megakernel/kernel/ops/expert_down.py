@@ -1,0 +1,173 @@
+# SPDX-License-Identifier: Apache-2.0
+"""EXPERT_DOWN (reference: ``ops/expert_down.py``): hidden columns
+[lo, hi) of h_out = hmid + the weighted sum, over each request's routed
+slots in ascending order, of xact[s, r] @ w2[expert(s)][lo:hi].T, then the
+shared expert's (weight 1) if any: one fp32 accumulator per request,
+rounded to bf16 once, then the residual added and rounded.
+
+A warp owns an output column. For a group of requests it walks the slots
+in order (they hold the batch's experts ascending, the empty ones last)
+and reads slot s's expert's row once for every request of the group routed
+to s; each request's choices, sorted by slot into shared memory first, are
+consumed by a cursor, so a request's weights add in slot order as the
+reference's do. Which rows exist is data (TOPK's output): they stream
+after this instruction's wait, thread 0 starting the first slots' tiles
+into L2 as soon as the routing is visible.
+
+Against the reference: each dot product sums in the GEMV's order, not
+PyTorch's, and the compiler may fuse a weight's product into its
+accumulation (one rounding instead of two): within rounding of it, not
+bit for bit (like every GEMV of the kernel).
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64
+
+from vllm_ext.megakernel.kernel.ops.common import (
+    BATCH_GROUP,
+    NUM_THREADS,
+    NUM_WARPS,
+    VEC,
+    gmem,
+    load_f32,
+    round_bf16,
+    thread_ids,
+    vectors,
+    warp_sum,
+)
+from vllm_ext.megakernel.kernel.ops.prefetch import PREFETCH_BYTES, prefetch_rows
+from vllm_ext.megakernel.kernel.shape import KernelShape, LayerSlot, route_layout
+
+# Slots whose tiles thread 0 hints into L2 once the routing is visible (at
+# most 2 x PREFETCH_BYTES in all, as a dense tile's two matrices).
+PREFETCH_SLOTS = 8
+
+
+@cute.jit
+def expert_down(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi,
+                scratch: cute.Tensor, choice_w: cute.Tensor):  # fmt: skip
+    shape: KernelShape = s
+    b, h, k, inter = shape.batch, shape.hidden, shape.top_k, shape.expert_intermediate
+    lay = route_layout(shape)
+    words = ptrs[layer, LayerSlot.ROUTE]
+    weights = gmem(Float32, words + lay.weights * 4, (b, k))
+    slots = gmem(Int32, words + lay.slots * 4, (b, k))
+    experts = gmem(Int32, words + lay.experts * 4, (shape.num_slots,))
+    w2 = ptrs[layer, LayerSlot.W2]
+    tidx, warp, lane = thread_ids()
+    if tidx == 0:
+        # The routing is visible: the first slots' tiles start streaming
+        # (at most what two matrices' prefetch of a dense tile would be).
+        tile = (hi - lo) * (inter * 2)
+        budget = Int32(2 * PREFETCH_BYTES)
+        for slot in cutlass.range_constexpr(min(shape.num_slots, PREFETCH_SLOTS)):
+            ex = experts[slot]
+            if ex >= 0:
+                if budget > 0:
+                    prefetch_rows(w2 + Int64(ex) * (h * inter * 2), inter * 2, lo, hi)
+                    budget = budget - tile
+    # Each request's choices in ascending slot order (padding: all -1).
+    choice = cute.make_tensor(scratch.iterator, cute.make_layout(b * k))
+    for r in cutlass.range(tidx, b, NUM_THREADS):
+        sl = cute.make_rmem_tensor((k,), Int32)
+        wt = cute.make_rmem_tensor((k,), Float32)
+        for c in cutlass.range_constexpr(k):
+            sl[c] = slots[r, c]
+            wt[c] = weights[r, c]
+        for a in cutlass.range_constexpr(k):
+            for c in cutlass.range_constexpr(k - 1 - a):
+                if sl[c + 1] < sl[c]:
+                    ts, tw = sl[c], wt[c]
+                    sl[c], wt[c] = sl[c + 1], wt[c + 1]
+                    sl[c + 1], wt[c + 1] = ts, tw
+        for c in cutlass.range_constexpr(k):
+            choice[r * k + c] = sl[c]
+            choice_w[r * k + c] = wt[c]
+    cute.arch.sync_threads()
+
+    hmid = gmem(BFloat16, ptrs[layer, LayerSlot.HMID], (b, h))
+    dst = gmem(BFloat16, ptrs[layer, LayerSlot.H_OUT], (b, h))
+    xact = ptrs[layer, LayerSlot.XACT]
+    width = shape.xact_width
+    group = min(b, BATCH_GROUP)
+    unroll = 8 if group == 1 else 4 if group <= 2 else 2
+    for col in cutlass.range(lo + warp, hi, NUM_WARPS):
+        for b0 in cutlass.range(0, b, group):
+            acc = cute.make_rmem_tensor((group,), Float32)
+            cur = cute.make_rmem_tensor((group,), Int32)
+            acc.fill(0.0)
+            cur.fill(0)
+            for slot in cutlass.range(shape.num_slots):
+                ex = experts[slot]
+                if ex >= 0:
+                    hit = cute.make_rmem_tensor((group,), Int32)
+                    any_hit = Int32(0)
+                    for i in cutlass.range_constexpr(group):
+                        hit[i] = Int32(0)
+                        if cur[i] < k:
+                            if choice[(b0 + i) * k + cur[i]] == slot:
+                                hit[i] = Int32(1)
+                                any_hit = Int32(1)
+                    if any_hit != 0:
+                        row = w2 + (Int64(ex) * h + col) * (inter * 2)
+                        wv = vectors(gmem(BFloat16, row, (inter,)))
+                        xs = xact + Int64(slot) * (b * width * 2)
+                        dot = cute.make_rmem_tensor((group,), Float32)
+                        dot.fill(0.0)
+                        for v in cutlass.range(lane, inter // VEC, 32, unroll=unroll):
+                            wf = load_f32(wv, v)
+                            # (Elements taken out before the branches: an
+                            # element extracted inside one is not visible
+                            # to the next.)
+                            we = [wf[e] for e in range(VEC)]
+                            for i in cutlass.range_constexpr(group):
+                                if cutlass.const_expr(group == 1):
+                                    # (The one request is routed here.)
+                                    _dot(dot, i, we, xs, b0 + i, width, inter, v)
+                                elif hit[i] != 0:
+                                    _dot(dot, i, we, xs, b0 + i, width, inter, v)
+                        for i in cutlass.range_constexpr(group):
+                            s1 = warp_sum(dot[i])
+                            if hit[i] != 0:
+                                w = choice_w[(b0 + i) * k + cur[i]]
+                                acc[i] = acc[i] + w * s1
+                                cur[i] = cur[i] + 1
+            if cutlass.const_expr(shape.shared_intermediate > 0):
+                _shared(shape, ptrs, layer, col, b0, acc, lane, unroll)
+            if lane == 0:
+                for i in cutlass.range_constexpr(group):
+                    y = round_bf16(acc[i]) + hmid[b0 + i, col].to(Float32)
+                    dst[b0 + i, col] = y.to(BFloat16)
+
+
+@cute.jit
+def _dot(dot, i, we, xs, r, width: cutlass.Constexpr, inter: cutlass.Constexpr, v):
+    """dot[i] += vector v of xact row r (slot base ``xs``) . the weights."""
+    xr = xs + Int64(r) * (width * 2)
+    xf = load_f32(vectors(gmem(BFloat16, xr, (inter,))), v)
+    for e in cutlass.range_constexpr(VEC):
+        dot[i] = dot[i] + we[e] * xf[e]
+
+
+@cute.jit
+def _shared(s: cutlass.Constexpr, ptrs, layer, col, b0, acc, lane,
+            unroll: cutlass.Constexpr):  # fmt: skip
+    """acc[i] += xact[shared, b0 + i] @ shared_down[col] (weight 1)."""
+    shape: KernelShape = s
+    b, width, si = shape.batch, shape.xact_width, shape.shared_intermediate
+    group = acc.shape[0]
+    row = ptrs[layer, LayerSlot.SHARED_DOWN] + Int64(col) * (si * 2)
+    wv = vectors(gmem(BFloat16, row, (si,)))
+    xs = gmem(BFloat16, ptrs[layer, LayerSlot.XACT]
+              + Int64(shape.num_slots) * (b * width * 2), (b, width))  # fmt: skip
+    dot = cute.make_rmem_tensor((group,), Float32)
+    dot.fill(0.0)
+    for v in cutlass.range(lane, si // VEC, 32, unroll=unroll):
+        wf = load_f32(wv, v)
+        for i in cutlass.range_constexpr(group):
+            xf = load_f32(vectors(xs[b0 + i, None]), v)
+            for e in cutlass.range_constexpr(VEC):
+                dot[i] = dot[i] + wf[e] * xf[e]
+    for i in cutlass.range_constexpr(group):
+        acc[i] = acc[i] + warp_sum(dot[i])
