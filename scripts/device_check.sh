@@ -65,6 +65,13 @@ variant_flags() {
 # reject in the same call (manifest "planted": {case: bug}). Empty: none.
 PLANTED=${DEVICE_CHECK_PLANTED-"kv-slot oob-store"}
 PLANTED_MODEL=llama-3.2-1b
+# Mixtures of experts, MODEL:BATCH:LAYERS: built like the others and run
+# with their first LAYERS layers (all 48 of Qwen3-30B-A3B are 61 GB of
+# random weights to draw), each instruction checked (ROUTE, TOPK,
+# EXPERT_UP, EXPERT_DOWN included) and the step timed against vLLM's
+# fused-MoE Triton path, carried as moe_baseline/ (its kernel source copied
+# from the installed vLLM at build time). Empty: none.
+MOE=${DEVICE_CHECK_MOE-"qwen3-30b-a3b:1:8 qwen3-30b-a3b:16:8"}
 rm -rf "$BUNDLE"
 mkdir -p "$BUNDLE"
 cd "$ROOT"
@@ -96,6 +103,22 @@ for triple in $VARIANTS; do
     build_case "$model" "$batch" "$BUNDLE/$model-b$batch-$variant" $flags
     order="$order $model-b$batch-$variant"
 done
+layers=""
+declare -A moe_models=() moe_batches=()
+for triple in $MOE; do
+    IFS=: read -r model batch depth <<<"$triple"
+    build_case "$model" "$batch" "$BUNDLE/$model-b$batch"
+    layers="$layers $model-b$batch=$depth"
+    moe_models[$model]=1
+    moe_batches[$batch]=1
+done
+if ((${#moe_models[@]})); then
+    args=()
+    for model in "${!moe_models[@]}"; do args+=(--model "$model"); done
+    batches=$(IFS=,; echo "${!moe_batches[*]}")
+    "$VENV/bin/python" "$ROOT/scripts/baseline/moe_baseline.py" "$BUNDLE" \
+        "${args[@]}" --batches "$batches" >/dev/null
+fi
 planted=""
 for bug in $PLANTED; do
     build_case "$PLANTED_MODEL" 1 "$BUNDLE/$PLANTED_MODEL-b1-plant-$bug" \
@@ -110,14 +133,17 @@ fi
 # shellcheck disable=SC2086  # the cases are words
 # "first": the case the GPU side runs first, with the trap and sanitizers on
 # its kernel: the planted bugs' correct twin.
-PLANTED_CASES=$planted FIRST=$PLANTED_MODEL-b1 "$VENV/bin/python" - "$BUNDLE" \
+PLANTED_CASES=$planted CASE_LAYERS=$layers FIRST=$PLANTED_MODEL-b1 \
+    "$VENV/bin/python" - "$BUNDLE" \
     "$(git -C "$ROOT" rev-parse --short HEAD)" $order <<'PY'
 import json, os, sys, pathlib
 bundle, commit, order = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
 builds = {p.parent.name: json.loads(p.read_text()) for p in bundle.glob("*/build.json")}
 planted = dict(c.split("=", 1) for c in os.environ["PLANTED_CASES"].split())
+layers = {c.split("=")[0]: int(c.split("=")[1])
+          for c in os.environ["CASE_LAYERS"].split()}
 manifest = {"commit": commit, "builds": builds, "variant_order": order,
-            "planted": planted, "first": os.environ["FIRST"]}
+            "planted": planted, "layers": layers, "first": os.environ["FIRST"]}
 (bundle / "manifest.json").write_text(json.dumps(manifest))
 PY
 size=$(du -sb "$BUNDLE" | cut -f1)

@@ -63,6 +63,7 @@ from vllm_ext.megakernel.isa import NO_COUNTER, Op  # noqa: E402
 from vllm_ext.megakernel.kernel.launcher import (  # noqa: E402
     KernelExecutor,
     KernelLibrary,
+    decode_route,
 )
 from vllm_ext.megakernel.measured import FAIR_BASELINE  # noqa: E402
 from vllm_ext.megakernel.ops import (  # noqa: E402
@@ -70,11 +71,15 @@ from vllm_ext.megakernel.ops import (  # noqa: E402
     combine,
     down,
     embed,
+    expert_down,
+    expert_up,
     final_norm,
     gate_up,
     lm_head,
     o_proj,
     qkv,
+    route,
+    topk,
 )
 from vllm_ext.megakernel.planner import plan  # noqa: E402
 from vllm_ext.megakernel.variants import KERNEL  # noqa: E402
@@ -99,7 +104,13 @@ TOLERANCE = {"bf16": 2**-5, "fp32": 1e-3}
 # rounded values (RoPE in QKV and the K half of KV_APPEND, SiLU-mul in
 # GATE_UP), whose error scales with the larger input: there magnitudes do
 # not allow it, and the bound is the max-based one.
-ELEMENT_FLOOR = {"QKV": 1.0, "KV_APPEND": 1.0, "GATE_UP": 1.0}
+ELEMENT_FLOOR = {"QKV": 1.0, "KV_APPEND": 1.0, "GATE_UP": 1.0, "EXPERT_UP": 1.0}
+# TOPK's choices are integers: a request whose experts (or their slots)
+# differ from the reference's on the kernel's own logits fails, unless the
+# reference's selection scores put the choice within this of a tie (the
+# GPU's exp and a warp's summation order differ from PyTorch's in the last
+# bits).
+TOPK_TIE = 1e-5
 DEFAULT_ELEMENT_FLOOR = 1 / 8
 # Bytes of poison after each workspace buffer (guard_workspace): a store
 # past a buffer's end lands there. Each byte 0x7F: a large finite bf16 or
@@ -124,6 +135,14 @@ def load_case(case_dir: Path, layers: int | None = None):
     """The case's model shape and program; with ``layers``, the program of
     that many layers instead (layers are data to the kernel: shape.py)."""
     meta = torch.load(case_dir / "program.pt")
+    if layers is None:
+        # A case the bundle runs with fewer layers than its model has
+        # (device_check.sh: the mixtures' full depth is 61 GB of weights).
+        manifest = case_dir.parent / "manifest.json"
+        if manifest.exists():
+            layers = (
+                json.loads(manifest.read_text()).get("layers", {}).get(case_dir.name)
+            )
     fields = dict(meta["spec"])
     fields["dtype"] = torch.bfloat16
     if fields.get("moe") is not None:  # saved as a dict (build.save_program)
@@ -436,6 +455,9 @@ def local_errors(
         attn_flat = ws["attn"][i][:n].reshape(n, -1)
         note("O_PROJ", i, hmid,
              o_proj.reference(attn_flat, h, lw.o_proj, 0, hidden, dt))  # fmt: skip
+        if lw.moe is not None:
+            out.update(_mixture_errors(ex, spec, i, n, note))
+            continue
         act = ws["act"][i][:n]
         note("GATE_UP", i, act,
              gate_up.reference(hmid, lw, spec, 0, spec.intermediate_size))  # fmt: skip
@@ -450,6 +472,73 @@ def local_errors(
          "fp32")  # fmt: skip
     out.update(before.stray_writes(ex, inputs, n))
     return out
+
+
+def _mixture_errors(ex, spec: ModelSpec, i: int, n: int, note) -> dict:
+    """A sparse layer's ROUTE, TOPK, EXPERT_UP and EXPERT_DOWN against their
+    references, each on the kernel's own inputs (its logits, its routing,
+    its activations); returns TOPK's own check (``note`` records the rest)."""
+    ws, lw, moe = ex.ws, ex.weights.layers[i], spec.moe
+    hmid, e = ws["hmid"][i][:n], moe.num_experts
+    logits = ws["router"][i][:, :e]
+    note("ROUTE", i, logits[:n], route.reference(hmid, lw, spec, 0, e))
+    weights, slots, experts = decode_route(ws["route"][i], ex.shape)
+    want = topk.reference(logits, lw, spec, ex.seq_lens, ex.program.num_slots)
+    valid = bool(((slots >= -1) & (slots < len(experts))).all()) and bool(
+        ((experts >= -1) & (experts < e)).all()
+    )
+    if not valid:  # slot or expert ids out of range: nothing to read by
+        return {"TOPK": {"max": float(n), "tol": 0.0, "layer": i,
+                         "invalid_ids": True}}  # fmt: skip
+    # Choices: each real request's experts, best first (the slots follow
+    # from the experts: the distinct ones ascending).
+    mine_ids = torch.where(slots[:n] >= 0, experts[slots[:n].clamp(min=0).long()], -1)
+    want_ids = want.experts[want.slots[:n].clamp(min=0)]
+    wrong = (mine_ids.long() != want_ids).any(-1)
+    near = _near_tie(logits[:n], lw, spec)
+    clear = int((wrong & ~near).sum())
+    check = {"max": float(clear), "tol": 0.0, "rows": int(wrong.sum()),
+             "near_ties": int((wrong & near).sum()), "layer": i}  # fmt: skip
+    if not bool(wrong.any()):
+        # The same choices: then the same slots (padding rows' -1 included),
+        # the same distinct experts, and weights equal to rounding.
+        same = torch.equal(slots.long(), want.slots) and torch.equal(
+            experts.long(), want.experts
+        )
+        check["max"] = 0.0 if same else 1.0
+        note("TOPK_WEIGHTS", i, weights[:n], want.weights[:n], "fp32")
+    # The experts on the kernel's routing (whatever it chose).
+    routing = topk.Routing(weights[:n], slots[:n].long(), experts.long())
+    xact = ws["xact"][i]
+    inter = moe.expert_intermediate
+    for slot, expert in enumerate(routing.experts.tolist()):
+        if expert < 0:
+            break
+        rows = (routing.slots == slot).any(-1).nonzero().flatten()
+        note("EXPERT_UP", i, xact[slot, rows, :inter],
+             expert_up.reference(hmid, lw, spec, expert, rows, 0, inter))  # fmt: skip
+    if moe.shared_intermediate:
+        rows, width = torch.arange(n, device=hmid.device), moe.shared_intermediate
+        note("EXPERT_UP", i, xact[ex.program.num_slots, :n, :width],
+             expert_up.reference(hmid, lw, spec, None, rows, 0, width))  # fmt: skip
+    note("EXPERT_DOWN", i, ws["h"][i + 1][:n],
+         expert_down.reference(xact[:, :n], hmid, lw, routing, 0, spec.hidden_size,
+                               spec.dtype))  # fmt: skip
+    return {"TOPK": check}
+
+
+def _near_tie(logits: torch.Tensor, lw, spec: ModelSpec) -> torch.Tensor:
+    """Per request: whether the reference's selection scores (moe.route's,
+    before any grouping) hold the top_k-th and the next choice within
+    TOPK_TIE of each other."""
+    moe, x = spec.moe, logits.float()
+    scores = x.softmax(-1) if moe.scoring == "softmax" else x.sigmoid()
+    if lw.moe.correction_bias is not None:
+        scores = scores + lw.moe.correction_bias.float()
+    top = scores.topk(min(moe.top_k + 1, scores.shape[-1]), dim=-1).values
+    if top.shape[-1] <= moe.top_k:
+        return torch.zeros(len(x), dtype=torch.bool, device=x.device)
+    return (top[:, moe.top_k - 1] - top[:, moe.top_k]).abs() <= TOPK_TIE
 
 
 def _pairs(mine: torch.Tensor, ref, name: str):
@@ -693,11 +782,22 @@ def timing(case_dir: Path) -> dict:
     # pieces, one KV-append kernel and split-KV paged attention (per_op.py).
     result["per_op_baseline"] = FAIR_BASELINE
     attend = flashinfer_attend(flashinfer, spec, weights, inputs)
+    mixture = None
+    if spec.moe is not None:
+        # vLLM's fused-MoE Triton path (moe_baseline.py), and one layer of
+        # it timed alone, beside the kernel's whole step.
+        try:
+            mixture, result["moe_layer"] = moe_mixture(case_dir, spec, weights, b)
+            result["per_op_moe"] = "vllm-fused-moe-triton"
+        except Exception as e:  # reported; no per-op baseline without it
+            result["per_op_error"] = f"MoE baseline: {e!r}"[:500]
+            return result
     try:
         # vLLM's default decode: Inductor-compiled pieces around attention,
         # the step in one CUDA graph (the warm-up before capture compiles).
         start = time.time()
-        base = per_op_step(spec, weights, inputs, attend, compile_options={})
+        base = per_op_step(spec, weights, inputs, attend, compile_options={},
+                           mixture=mixture)  # fmt: skip
         replay = graphed(base)
         result["per_op_compile_s"] = round(time.time() - start, 1)
         result["per_op_graph_ms"] = time_ms(replay) if replay else None
@@ -709,15 +809,33 @@ def timing(case_dir: Path) -> dict:
         result["per_op_error"] = repr(e)[:500]
     try:  # the extras below must not cost the main figures above
         # The same ops eagerly (the per-op figure of the first GPU runs).
-        replay = graphed(per_op_step(spec, weights, inputs, attend))
+        replay = graphed(per_op_step(spec, weights, inputs, attend, mixture=mixture))
         result["per_op_eager_ops_graph_ms"] = time_ms(replay) if replay else None
-        bound = per_op_step(spec, weights, inputs, attend, elementwise=False)
+        bound = per_op_step(spec, weights, inputs, attend, elementwise=False,
+                            mixture=mixture)  # fmt: skip
         replay = graphed(bound)
         result["gemm_attn_graph_ms"] = time_ms(replay) if replay else None
         result["breakdown"] = breakdown(ex, program, mk, result["megakernel_ms"])
     except Exception as e:  # reported in the JSON
         result["extras_error"] = repr(e)[:500]
     return result
+
+
+def moe_mixture(case_dir: Path, spec: ModelSpec, weights, batch: int):
+    """(mixture for per_op_step, one layer's figures): vLLM's fused-MoE
+    Triton kernels as the bundle carries them (``moe_baseline.prepare``)."""
+    import moe_baseline
+
+    base = moe_baseline.MoeBaseline.load(case_dir.parent)
+    sparse = [lw.moe for lw in weights.layers if lw.moe is not None]
+
+    def mixture(layer: int, x: torch.Tensor) -> torch.Tensor:
+        return moe_baseline.moe_layer(base, x, weights.layers[layer].moe, spec.moe)
+
+    x = torch.randn(batch, spec.hidden_size, device="cuda", dtype=spec.dtype)
+    # Several layers, so what they read outweighs the L2.
+    alone = moe_baseline.time_layer(base, x, sparse[:4], spec.moe)
+    return mixture, alone
 
 
 # What the breakdown times: the whole program without its waits (what the

@@ -21,6 +21,7 @@ import dataclasses
 import torch
 
 from vllm_ext.megakernel.interpret import ProgramInterpreter
+from vllm_ext.megakernel.kernel.launcher import decode_route  # noqa: F401 (tests)
 from vllm_ext.megakernel.kernel.shape import (
     GlobalSlot,
     KernelShape,
@@ -120,17 +121,6 @@ class KernelStandIn:
         ints[lay.slots : lay.slots + n].copy_(routing.slots.flatten())
         ints[lay.experts : lay.experts + len(routing.experts)].copy_(routing.experts)
         self._at(row[LayerSlot.XACT]).copy_(xact)
-
-
-def decode_route(words: torch.Tensor, shape: KernelShape):
-    """(weights, slots, experts) from a layer's routing words."""
-    lay, b, k = route_layout(shape), shape.batch, shape.top_k
-    ints = words.view(torch.int32)
-    return (
-        words[lay.weights : lay.weights + b * k].view(b, k),
-        ints[lay.slots : lay.slots + b * k].view(b, k),
-        ints[lay.experts : lay.experts + shape.num_slots],
-    )
 
 
 def register_executor(standin: KernelStandIn, ex, kv_caches=()) -> None:

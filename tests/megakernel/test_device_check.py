@@ -15,8 +15,10 @@ import pytest
 import torch
 from kernel_standin import KernelStandIn, register_executor
 from test_interpret import make_spec
+from test_moe_program import deepseek_routing
 
 from tests.utils import load_script
+from vllm_ext.demo_models import hf_config
 from vllm_ext.megakernel.build import save_program
 from vllm_ext.megakernel.calibrate import probe
 from vllm_ext.megakernel.cost import DEVICES
@@ -24,6 +26,7 @@ from vllm_ext.megakernel.isa import NO_COUNTER, Op
 from vllm_ext.megakernel.kernel.launcher import KernelExecutor
 from vllm_ext.megakernel.kernel.shape import KernelShape
 from vllm_ext.megakernel.planner import plan
+from vllm_ext.model_spec import ModelSpec
 from vllm_ext.testing import BLOCK_SIZE, random_weights
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,7 +58,8 @@ def test_dry_run_builds_a_small_bundle():
     env = {**os.environ, "DEVICE_CHECK_MODELS": "llama-3.2-1b",
            "DEVICE_CHECK_BATCHES": "1", "DEVICE_CHECK_FLASHINFER": "0",
            "DEVICE_CHECK_VARIANTS": "llama-3.2-1b:1:mma",
-           "DEVICE_CHECK_PLANTED": "kv-slot", "DEVICE_CHECK_COVERAGE": ""}  # fmt: skip
+           "DEVICE_CHECK_PLANTED": "kv-slot", "DEVICE_CHECK_COVERAGE": "",
+           "DEVICE_CHECK_MOE": "qwen3-30b-a3b:1:2"}  # fmt: skip
     proc = subprocess.run(
         [str(ROOT / "scripts" / "device_check.sh"), "--dry-run"],
         capture_output=True, text=True, timeout=600, env=env,
@@ -68,12 +72,19 @@ def test_dry_run_builds_a_small_bundle():
     planted = {"llama-3.2-1b-b1-plant-kv-slot": "kv-slot"}
     assert manifest["planted"] == planted
     assert set(manifest["builds"]) == {"llama-3.2-1b-b1", "llama-3.2-1b-b1-mma",
-                                       *planted}  # fmt: skip
+                                       "qwen3-30b-a3b-b1", *planted}  # fmt: skip
+    # The mixture runs its first two layers, beside vLLM's fused-MoE kernel
+    # (copied from the installed vLLM, not from this repository).
+    assert manifest["layers"] == {"qwen3-30b-a3b-b1": 2}
+    moe = json.loads((bundle / "moe_baseline" / "manifest.json").read_text())
+    assert list(moe["shapes"]) == ["E=128,N=768,K=2048,top_k=8,dtype=bfloat16"]
+    assert (bundle / "moe_baseline" / "vllm_fused_moe_kernel.py").exists()
     # stage_weights, stage_queue, mma_gemv, weight_pipe, wide_attn,
     # fused_combine, qkv_parts, l2_ahead
     flags = {"llama-3.2-1b-b1": (0, 0, 0, 0, 0, 0, 1, 0),
              "llama-3.2-1b-b1-mma": (0, 1, 1, 1, 1, 1, 2, 1),
-             "llama-3.2-1b-b1-plant-kv-slot": (0, 0, 0, 0, 0, 0, 1, 0)}  # fmt: skip
+             "llama-3.2-1b-b1-plant-kv-slot": (0, 0, 0, 0, 0, 0, 1, 0),
+             "qwen3-30b-a3b-b1": (0, 0, 0, 0, 0, 0, 1, 0)}  # fmt: skip
     for name, build in manifest["builds"].items():
         assert build["spill_bytes"] == 0 and build["arch"] == "sm_90a"
         meta = torch.load(bundle / name / "program.pt")
@@ -108,7 +119,13 @@ def harness(request, tmp_path, monkeypatch):
     monkeypatch.setattr(d, "CONTEXT", 40)
     monkeypatch.setattr(d, "FULL_CHECK_BATCHES", (2,))  # the case's batch
     options = dict(getattr(request, "param", {}))
-    spec = make_spec(options.pop("arch", "qwen3"), torch.bfloat16)
+    arch = options.pop("arch", "qwen3")
+    if arch == "deepseek_routing":  # qwen3_moe with DeepSeek-V3's mixture
+        spec = deepseek_routing(torch.bfloat16)
+    elif arch in ("qwen3_moe", "mixtral"):
+        spec = ModelSpec.from_hf_config(hf_config(arch), torch.bfloat16, 512)
+    else:
+        spec = make_spec(arch, torch.bfloat16)
     program = plan(spec, 2, DEVICES["h200"], with_lm_head=True, **options)
     save_program(tmp_path / "program.pt", program,
                  KernelShape.from_program(program, BLOCK_SIZE))  # fmt: skip
@@ -146,15 +163,22 @@ def harness(request, tmp_path, monkeypatch):
 
 
 SPLIT = {"arch": "llama", "fuse_combine": True, "qkv_parts": 2}
+MOE = {"arch": "deepseek_routing"}
+MIXTURE_CHECKS = {"ROUTE", "TOPK", "TOPK_WEIGHTS", "EXPERT_UP", "EXPERT_DOWN"}
 
 
-@pytest.mark.parametrize("harness", [{}, {"fuse_combine": True}, SPLIT],
-                         ids=["plain", "fused", "split"], indirect=True)  # fmt: skip
+@pytest.mark.parametrize("harness", [{}, {"fuse_combine": True}, SPLIT, MOE],
+                         ids=["plain", "fused", "split", "moe"],
+                         indirect=True)  # fmt: skip
 def test_harness_passes_a_correct_kernel(harness):
     d, case, _ = harness
     result = d.correctness(case)
     assert result["ok"], result
     assert len(result["steps"]) == d.STEPS
+    spec = d.load_case(case)[0]
+    if spec.moe is not None:
+        assert set(result["steps"][0]["errors"]) >= MIXTURE_CHECKS
+        assert result["steps"][0]["errors"]["TOPK"]["rows"] == 0
     if d.is_variant(case):  # (judged by the local checks alone)
         assert {"QKV", "KV_APPEND", "COMBINE"} <= set(result["steps"][0]["errors"])
         return
@@ -181,6 +205,26 @@ def test_harness_names_the_wrong_instruction(harness, buffer, op):
     assert errors["EMBED"]["max"] <= errors["EMBED"]["tol"]
     if op != "QKV":
         assert errors["QKV"]["max"] <= errors["QKV"]["tol"]
+
+
+@pytest.mark.parametrize("harness", [MOE], ids=["moe"], indirect=True)
+@pytest.mark.parametrize(
+    "buffer, op",
+    [("router", "ROUTE"), ("route", "TOPK"), ("xact", "EXPERT_UP"),
+     ("h", "EXPERT_DOWN")],
+)  # fmt: skip
+def test_harness_names_the_wrong_mixture_instruction(harness, buffer, op):
+    """Layer 1 is the sparse one: a wrong router logit, routing word, expert
+    activation or the mixture's output fails that instruction there, and
+    the layer's attention still passes. (A routing word +1.0 is a garbage
+    slot id: the check reports it instead of indexing with it.)"""
+    d, case, corrupt = harness
+    corrupt.update(name=buffer, layer=2 if buffer == "h" else 1)
+    result = d.correctness(case)
+    assert not result["ok"]
+    errors = result["steps"][0]["errors"]
+    assert errors[op]["layer"] == 1 and errors[op]["max"] > errors[op]["tol"]
+    assert d.passes(errors["O_PROJ"]) and d.passes(errors["QKV"])
 
 
 def test_a_write_to_a_history_slot_fails(harness):

@@ -20,6 +20,7 @@ from vllm_ext.megakernel.kernel.shape import (
     GlobalSlot,
     KernelShape,
     LayerSlot,
+    route_layout,
     table_width,
     workspace_sizes,
 )
@@ -309,3 +310,16 @@ def _check_weights(w: DecodeWeights) -> None:
             "the megakernel runs bf16 weights (--dtype bfloat16); not bf16: "
             + ", ".join(bad[:4])
         )
+
+
+def decode_route(words: torch.Tensor, shape: KernelShape):
+    """(weights ``[B, top_k]`` fp32, slots ``[B, top_k]`` int32, experts
+    ``[num_slots]`` int32) from a layer's routing words
+    (``shape.route_layout``): what TOPK wrote, for the checks that read it."""
+    lay, b, k = route_layout(shape), shape.batch, shape.top_k
+    ints = words.view(torch.int32)
+    return (
+        words[lay.weights : lay.weights + b * k].view(b, k),
+        ints[lay.slots : lay.slots + b * k].view(b, k),
+        ints[lay.experts : lay.experts + shape.num_slots],
+    )
