@@ -98,3 +98,29 @@ def test_expert_weights_read_back_exactly(demo_model, monkeypatch, dtype):
                 gate, up = (ckpt[expert + n] for n in ("w1.weight", "w3.weight"))
                 assert torch.equal(read.moe.w13[e], torch.cat([gate, up])), (i, e)
                 assert torch.equal(read.moe.w2[e], ckpt[expert + "w2.weight"])
+
+
+@pytest.mark.parametrize(
+    "backend, refused",
+    [("TRITON", False), ("BATCHED_TRITON", False), ("CPU", False),
+     ("FLASHINFER_CUTLASS", True), ("FLASHINFER_TRTLLM", True), ("AITER", True)],
+)  # fmt: skip
+def test_experts_in_a_reordered_layout_are_refused(backend, refused):
+    """The backend reads vLLM's expert weights in place: a backend that
+    reorders them after loading, or quantized experts, is refused at
+    start-up, naming the way out."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import (
+        UnquantizedMoeBackend,
+    )
+
+    from vllm_ext.weights import moe_layout_refusal
+
+    method = SimpleNamespace(unquantized_backend=UnquantizedMoeBackend[backend])
+    refusal = moe_layout_refusal(SimpleNamespace(quant_method=method))
+    assert (refusal is not None) == refused
+    if refused:
+        assert "--moe-backend triton" in refusal
+    quantized = SimpleNamespace(quant_method=object())
+    assert "quantized" in moe_layout_refusal(quantized)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_ext.model_spec import ModelSpec
+from vllm_ext.model_spec import ModelSpec, UnsupportedModelError
 
 
 @dataclass(frozen=True)
@@ -240,6 +240,8 @@ def moe_weights(block: torch.nn.Module, spec: ModelSpec) -> MoeWeights:
     h, inter = spec.hidden_size, moe.expert_intermediate
     router = linear_weight(block.gate, (moe.num_experts, h))
     experts = getattr(block.experts, "routed_experts", block.experts)
+    if (refusal := moe_layout_refusal(experts)) is not None:
+        raise UnsupportedModelError(refusal)
     w13, w2 = experts.w13_weight, experts.w2_weight
     isa = _cpu_prepack_isa(experts)
     if isa is not None:
@@ -254,6 +256,34 @@ def moe_weights(block: torch.nn.Module, spec: ModelSpec) -> MoeWeights:
         w13=w13,
         w2=w2,
     )
+
+
+# vLLM's unquantized MoE backends (fused_moe/oracle/unquantized.py) that
+# leave ``w13_weight`` [E, 2I, H] (gate rows, then up rows) and ``w2_weight``
+# [E, H, I] as loaded, the layout the kernel reads in place; the CPU's
+# prepacked tiles are read back below. The others reorder them after
+# loading (FlashInfer swaps gate and up and retiles, ROCm's AITER shuffles).
+PLAIN_MOE_BACKENDS = ("TRITON", "BATCHED_TRITON", "CPU")
+
+
+def moe_layout_refusal(experts: torch.nn.Module) -> str | None:
+    """Why the experts' weights are not in a layout the backend reads, or
+    None: quantized experts, or a backend that reorders them."""
+    method = getattr(experts, "quant_method", None)
+    backend = getattr(method, "unquantized_backend", None)
+    if backend is None:
+        return (
+            f"mixture-of-experts layers with {type(method).__name__} (quantized "
+            "or of an unknown layout) are not supported by the megakernel "
+            "decode backend"
+        )
+    if backend.name not in PLAIN_MOE_BACKENDS:
+        return (
+            f"vLLM's {backend.value} MoE backend reorders the expert weights "
+            "after loading, which the megakernel decode backend reads in "
+            "place; pass --moe-backend triton"
+        )
+    return None
 
 
 def _cpu_prepack_isa(experts: torch.nn.Module) -> str | None:
