@@ -233,15 +233,23 @@ def test_unsupported_architecture_is_refused(demo_model, tmp_path, monkeypatch):
         args.create_engine_config()
 
 
-def test_mixtures_of_experts_need_reference_mode(demo_model, monkeypatch):
-    """The GPU kernel has no mixture-of-experts device functions yet: outside
-    reference mode they are refused before any worker starts, named."""
+@pytest.mark.parametrize(
+    "changes, named",
+    [(dict(data_parallel_size=2), "data parallelism with mixture-of-experts"),
+     (dict(enable_expert_parallel=True), "expert parallelism"),
+     (dict(moe_backend="flashinfer_cutlass"), "--moe-backend flashinfer_cutlass")],
+)  # fmt: skip
+def test_mixtures_of_experts_refuse_sharded_experts(demo_model, monkeypatch,
+                                                    changes, named):  # fmt: skip
+    """The kernel runs one rank's whole mixture, on the experts as loaded:
+    vLLM's sharding of experts over ranks and a reordering MoE backend are
+    refused before any worker starts, named."""
     from vllm.engine.arg_utils import EngineArgs
 
-    monkeypatch.delenv("VLLM_MEGAKERNEL_INTERPRET", raising=False)
+    monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
     args = EngineArgs(demo_model("mixtral"), decode_backend="megakernel",
-                      max_model_len=512, dtype="float32")  # fmt: skip
-    with pytest.raises(ValueError, match="mixture-of-experts layers are not yet"):
+                      max_model_len=512, dtype="float32", **changes)  # fmt: skip
+    with pytest.raises(ValueError, match=f"does not support: .*{named}"):
         args.create_engine_config()
 
 

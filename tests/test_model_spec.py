@@ -70,7 +70,7 @@ def test_real_moe_configs(name, expected):
         assert getattr(spec.moe, field) == value, field
     assert (spec.moe.scoring, spec.moe.grouped, spec.moe.correction_bias) == (
         "softmax", False, False)  # fmt: skip
-    assert "mixture-of-experts layers" in backend_refusal(spec, interpret=False)
+    assert backend_refusal(spec, interpret=False) is None
     assert backend_refusal(spec, interpret=True) is None
 
 
@@ -95,23 +95,6 @@ def test_a_gated_shared_expert_is_refused():
         ModelSpec.from_hf_config(
             _moe_config(shared_expert_intermediate_size=512), torch.float32, 4096
         )
-
-
-def test_the_backend_refuses_what_the_program_cannot_run():
-    from types import SimpleNamespace
-
-    from vllm_ext.backend import model_spec
-
-    hf_config = configs.hf_config("mixtral-8x7b")
-    model_config = SimpleNamespace(
-        hf_text_config=hf_config, dtype=torch.bfloat16, max_model_len=4096
-    )
-    message = (
-        "MixtralForCausalLM: mixture-of-experts layers are not yet supported by "
-        r"the megakernel's GPU kernel \(reference mode"
-    )
-    with pytest.raises(UnsupportedModelError, match=message):
-        model_spec(SimpleNamespace(model_config=model_config))
 
 
 def test_sliding_window_wider_than_context_is_fine():

@@ -73,8 +73,8 @@ def model_spec(vllm_config: VllmConfig) -> ModelSpec:
 class MegakernelDecodeBackend(DecodeBackend):
     @classmethod
     def verify_and_update_config(cls, vllm_config: VllmConfig) -> None:
-        model_spec(vllm_config)  # raises UnsupportedModelError
-        _check_deployment(vllm_config)
+        spec = model_spec(vllm_config)  # raises UnsupportedModelError
+        _check_deployment(vllm_config, spec)
         interpret = envs.VLLM_MEGAKERNEL_INTERPRET
         attention = _attention_backend_for_platform(interpret)
         chosen = vllm_config.attention_config.backend
@@ -282,11 +282,25 @@ def _check_gpu_kernel(vllm_config: VllmConfig) -> None:
         )
 
 
-def _check_deployment(vllm_config: VllmConfig) -> None:
+def _check_deployment(vllm_config: VllmConfig, spec: ModelSpec) -> None:
     parallel = vllm_config.parallel_config
     model = vllm_config.model_config
     layout = vllm_envs.VLLM_KV_CACHE_LAYOUT
+    moe = spec.moe is not None and any(spec.moe.sparse_layers)
+    moe_backend = getattr(vllm_config.kernel_config, "moe_backend", "auto")
     unsupported = {
+        # vLLM shards a mixture's experts over the data-parallel ranks and
+        # exchanges tokens between them in each MoE layer; the kernel runs
+        # one rank's whole mixture.
+        "data parallelism with mixture-of-experts layers": (
+            moe and parallel.data_parallel_size > 1
+        ),
+        "expert parallelism": moe and parallel.enable_expert_parallel,
+        # The kernel reads the experts in the layout the Triton backend
+        # keeps (weights.moe_layout_refusal checks the layers as built).
+        f"--moe-backend {moe_backend} (use auto or triton)": (
+            moe and moe_backend not in ("auto", "triton")
+        ),
         "tensor parallelism": parallel.tensor_parallel_size > 1,
         "pipeline parallelism": parallel.pipeline_parallel_size > 1,
         "decode context parallelism": parallel.decode_context_parallel_size > 1,

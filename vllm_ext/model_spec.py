@@ -22,7 +22,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
     # Mixture-of-experts MLPs (MoeSpec): the reference forward, the program
-    # and reference mode run them; the GPU kernel not yet (backend_refusal).
+    # and reference mode run them, and the GPU kernel.
     "Qwen3MoeForCausalLM": (False, True),
     "MixtralForCausalLM": (False, False),
     # Multi-head latent attention (MlaSpec) and DeepSeek's MoE (Kimi-K2
@@ -336,10 +336,11 @@ def _deepseek_moe(c: Any, need) -> MoeSpec | None:
 
 def backend_refusal(spec: ModelSpec, interpret: bool) -> str | None:
     """Why the decode backend cannot serve the model yet (a sentence for
-    the start-up error), or None: the program and reference mode
-    (``interpret``) run mixtures of experts, the GPU kernel has no device
-    functions for them yet; multi-head latent attention runs in neither
-    mode yet, so a DeepSeek model fails at start-up, never in a step."""
+    the start-up error), or None. Multi-head latent attention runs in
+    neither mode (``interpret``: reference mode) yet, so a DeepSeek model
+    fails at start-up, never in a step. (Mixtures of experts run in both:
+    on a GPU, through the kernel for the batches a GPU check measured it
+    faster on, ``backend.decode_batches``.)"""
     if spec.mla is not None:
         return (
             f"{spec.architecture}: multi-head latent attention (MLA) is not "
@@ -347,12 +348,6 @@ def backend_refusal(spec: ModelSpec, interpret: bool) -> str | None:
             "(neither the GPU kernel nor reference mode, "
             "VLLM_MEGAKERNEL_INTERPRET=1, runs it yet); use vLLM's default "
             "decode path"
-        )
-    if not interpret and spec.moe is not None and any(spec.moe.sparse_layers):
-        return (
-            f"{spec.architecture}: mixture-of-experts layers are not yet "
-            "supported by the megakernel's GPU kernel (reference mode, "
-            "VLLM_MEGAKERNEL_INTERPRET=1, runs them)"
         )
     return None
 
