@@ -748,7 +748,7 @@ def timing(case_dir: Path) -> dict:
             for _ in range(spec.num_layers)
         ),
     )
-    result = {"batch": b, "context": BENCH_CONTEXT,
+    result = {"batch": b, "context": BENCH_CONTEXT, "layers": spec.num_layers,
               # What the calibration re-plans, and the kernel it models
               # (vllm_ext/megakernel/calibrate.py).
               "program": {"fuse_combine": program.fuse_combine,

@@ -71,7 +71,9 @@ def measurements_from_report(report: dict, name: str) -> list[Measurement]:
     variants are other kernels) that passed their correctness check and were
     timed against the fair baseline. A report whose check failed (a
     planted bug passed, a sanitizer found errors, a case was wrong), or that
-    has no verdict, vouches for no figure."""
+    has no verdict, vouches for no figure. A case run with its model's
+    first layers only (the mixtures: timing's "layers") counts for the
+    model: its layers are alike, and kernel and baseline ran the same ones."""
     import torch
 
     from vllm_ext.configs import NAMES
