@@ -103,19 +103,21 @@ def test_dependency_latency_is_stated_and_costs_time():
     assert result.returncode == 2 and "at least 0" in result.stderr
 
 
-def test_latent_attention_is_refused_until_the_program_has_it(tmp_path):
-    """DeepSeek-V3's config parses (model_spec), but the program has no
-    MLA instructions yet: the command says so instead of planning
-    grouped-query attention over a latent cache."""
-    from transformers import DeepseekV3Config
-
-    config = DeepseekV3Config(
-        num_hidden_layers=2, first_k_dense_replace=2, n_group=1, topk_group=1,
-        architectures=["DeepseekV3ForCausalLM"],
-    )  # fmt: skip
-    path = tmp_path / "config.json"
-    path.write_text(config.to_json_string())
-    result = run("--config", str(path), "--batch", "1")
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert "multi-head latent attention" in result.stderr
-    assert "Traceback" not in result.stderr
+@pytest.mark.parametrize(
+    "config, heads, experts", [("deepseek-v3", 128, 256), ("kimi-k2", 64, 384)]
+)
+def test_latent_attention_plans_verifies_and_costs(config, heads, experts):
+    """DeepSeek-V3 and Kimi-K2 (multi-head latent attention, DeepSeek's
+    mixture with a shared expert): planned, verified and costed, the floor
+    printed; at batch 1 the attention fills the SMs (planner.mla_split)."""
+    result = run("--config", config, "--batch", "1", "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["verified"] and summary["expert_slots"] == 8
+    assert "floor_us" in result.stdout.split("{")[0]
+    assert summary["mla_head_groups"] * summary["attn_chunks"] == 128
+    assert summary["mla_v_parts"] == {128: 1, 64: 2}[heads]
+    # About 37B (DeepSeek-V3) / 32B (Kimi-K2) parameters a token reads, bf16.
+    params = summary["weight_bytes"] / 2e9
+    assert {256: 36 < params < 39, 384: 31 < params < 34}[experts]
+    assert 0 < summary["floor_us"] < summary["predicted_us"]

@@ -28,6 +28,11 @@ from vllm_ext.megakernel.ops import (
     final_norm,
     gate_up,
     lm_head,
+    mla_append,
+    mla_attn,
+    mla_combine,
+    mla_q,
+    mla_qkv_a,
     o_proj,
     qkv,
     route,
@@ -38,6 +43,8 @@ from vllm_ext.megakernel.variants import Variants
 from vllm_ext.paged_kv import write_kv
 from vllm_ext.runner import DecodeInputs
 from vllm_ext.weights import DecodeWeights
+
+_MLA_OPS = (Op.MLA_QKV_A, Op.MLA_Q, Op.MLA_APPEND, Op.MLA_ATTN, Op.MLA_COMBINE)
 
 
 class DeadlockError(RuntimeError):
@@ -145,6 +152,26 @@ class ProgramInterpreter:
             ],
             "out": nan(b, s.hidden_size),
         }
+        mla = s.mla
+        if mla is not None:
+            # Latent attention (isa.py): the down projection's output, each
+            # head's latent query and rotated q_pe, partials per (chunk,
+            # head group), and o_proj's input of heads * v_head_dim.
+            groups = self.program.mla_head_groups
+            per_group, rank = mla.num_heads // groups, mla.kv_lora_rank
+            width = (mla.q_lora_rank or 0) + mla.latent_width
+            self.buf.update(
+                qkv_a=[nan(b, width) for _ in range(layers)],
+                q_lat=[nan(b, mla.num_heads, rank) for _ in range(layers)],
+                q_pe=[nan(b, mla.num_heads, mla.qk_rope_head_dim)
+                      for _ in range(layers)],
+                part_o=[nan(chunks, groups, b, per_group, rank, dt=torch.float32)
+                        for _ in range(layers)],
+                part_lse=[nan(chunks, groups, b, per_group, dt=torch.float32)
+                          for _ in range(layers)],
+                attn=[nan(b, mla.num_heads, mla.v_head_dim) for _ in range(layers)],
+            )  # fmt: skip
+            del self.buf["q"]
         moe = s.moe
         if moe is not None:
             # Sparse layers: router logits and each slot's activations
@@ -258,8 +285,51 @@ class ProgramInterpreter:
                 buf["xact"][layer], buf["hmid"][layer], w.layers[layer], routing,
                 a, b, dtype,
             )  # fmt: skip
+        elif i.op in _MLA_OPS:
+            self._execute_mla(i)
         else:
             raise ValueError(f"cannot execute {i}")
+
+    def _execute_mla(self, i: Instruction) -> None:
+        """The latent attention's instructions (isa.py)."""
+        p, w, buf = self.program, self.weights, self.buf
+        s, layer, a, b = p.spec, i.layer, i.arg0, i.arg1
+        mla, lw = s.mla, w.layers[i.layer]
+        assert mla is not None and lw.mla is not None
+        per_group = mla.num_heads // p.mla_head_groups
+        if i.op == Op.MLA_QKV_A:
+            buf["qkv_a"][layer][:, a:b] = mla_qkv_a.reference(
+                buf["h"][layer], lw, s, a, b
+            )
+        elif i.op == Op.MLA_Q:
+            q_lat, q_pe = mla_q.reference(
+                buf["qkv_a"][layer], buf["h"][layer], lw, s, a, b, self.cos, self.sin
+            )
+            buf["q_lat"][layer][:, a:b] = q_lat
+            buf["q_pe"][layer][:, a:b] = q_pe
+        elif i.op == Op.MLA_APPEND:
+            lora = mla.q_lora_rank or 0
+            mla_append.reference(
+                buf["qkv_a"][layer][:, lora:], lw, s, self.cos, self.sin,
+                self.inputs.kv_caches[layer], self.inputs.slot_mapping,
+            )  # fmt: skip
+        elif i.op == Op.MLA_ATTN:
+            heads = slice(a * per_group, (a + 1) * per_group)
+            o, lse = mla_attn.reference(
+                buf["q_lat"][layer][:, heads], buf["q_pe"][layer][:, heads],
+                self.inputs.kv_caches[layer], self.inputs.block_table,
+                self.seq_lens, b, p.attn_chunks, w.attn_scale,
+            )  # fmt: skip
+            buf["part_o"][layer][b, a] = o
+            buf["part_lse"][layer][b, a] = lse
+        elif i.op == Op.MLA_COMBINE:
+            g, j = divmod(a, per_group)
+            cols = mla.v_head_dim // p.mla_v_parts
+            w_uv = lw.mla.w_uv(mla.num_heads, mla.qk_nope_head_dim)[a]
+            buf["attn"][layer][:, a, b * cols : (b + 1) * cols] = mla_combine.reference(
+                buf["part_o"][layer][:, g, :, j], buf["part_lse"][layer][:, g, :, j],
+                w_uv, b * cols, (b + 1) * cols, s.dtype,
+            )  # fmt: skip
 
     def _store_qkv(self, layer: int, head: int, dims: slice, y: torch.Tensor) -> None:
         """Dims ``dims`` of fused head ``head``: to q, or appended to the

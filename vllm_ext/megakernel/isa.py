@@ -55,6 +55,22 @@ EXPERT_DOWN h[l+1][:, lo:hi] = hmid[l][:, lo:hi] +  hidden cols [lo, hi)
            sum over each request's slots, in slot
            order, of weight * xact @ Wd[lo:hi].T,
            then the shared expert's (weight 1)
+MLA_QKV_A  qkv_a[l][:, lo:hi] = x @ [Wq_a | Wkv_a]  fused output cols
+           [lo:hi].T, x = RMSNorm(h[l]) (Wkv_a      [lo, hi)
+           alone without a q LoRA)
+MLA_Q      heads [lo, hi)'s latent query: q_a_norm  heads [lo, hi)
+           (row recomputed per tile), @ Wq_b rows
+           of the heads (q_proj on RMSNorm(h[l])
+           without a q LoRA); q_pe: GPT-J RoPE;
+           q_nope @ W_UK -> q_lat[l], q_pe[l]
+MLA_APPEND kv_a_norm(kv_c), RoPE(k_pe) -> the       (none)
+           paged latent cache row at each
+           request's slot
+MLA_ATTN   partial absorbed attention of head       g, chunk c (of
+           group g over chunk c of each sequence    ``attn_chunks``)
+           -> (o_latent, lse) in fp32
+MLA_COMBINE merge head's chunks by lse, round,      head, v part p (of
+           @ W_UV rows of part p -> attn[l]         ``mla_v_parts``)
 ========== ======================================== ========================
 
 The last four run a sparse layer's mixture of experts (model_spec.MoeSpec)
@@ -66,6 +82,14 @@ counters order like any activation. A shared expert (DeepSeek-V3, Kimi-K2)
 is slot ``num_slots``: its EXPERT_UP tiles run on every request and read no
 routing, so they wait for O_PROJ alone and fill the SMs while ROUTE and
 TOPK run (planner.py).
+
+The five MLA_* opcodes run a multi-head latent attention layer
+(model_spec.MlaSpec; reference.mla_attention) in place of QKV, ATTN and
+COMBINE; O_PROJ then reads ``attn[l]`` of ``heads * v_head_dim`` columns.
+There is one kv head (the latent row), so MLA_ATTN splits the heads into
+``mla_head_groups`` groups of consecutive heads, each over the same
+``attn_chunks`` chunks as ATTN: every SM has a tile at batch 1. MLA_Q and
+MLA_APPEND signal one counter, which MLA_ATTN waits for (it reads both).
 
 QKV's units are parts of fused heads: with ``P = qkv_parts`` (planner.py;
 1 by default, so units are heads), unit ``u`` is part ``u % P`` of fused
@@ -103,6 +127,11 @@ class Op(IntEnum):
     TOPK = 11
     EXPERT_UP = 12
     EXPERT_DOWN = 13
+    MLA_QKV_A = 14
+    MLA_Q = 15
+    MLA_APPEND = 16
+    MLA_ATTN = 17
+    MLA_COMBINE = 18
 
 
 def pack_cols(lo: int, hi: int) -> int:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from vllm_ext.megakernel.cost import DEFAULT_DEVICE, DEVICES, predict
-from vllm_ext.megakernel.planner import MLA_NOT_YET, plan
+from vllm_ext.megakernel.planner import plan
 from vllm_ext.megakernel.variants import Variants
 from vllm_ext.megakernel.verify import VerificationError, verify
 from vllm_ext.model_spec import ModelSpec, UnsupportedModelError
@@ -63,9 +63,6 @@ def spec_or_exit(prog: str, config: str, dtype: str, batch: int) -> ModelSpec:
     except UnsupportedModelError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    if spec.mla is not None:
-        print(f"{prog}: {spec.architecture}: {MLA_NOT_YET}", file=sys.stderr)
-        raise SystemExit(2)
     return spec
 
 
@@ -166,7 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plan: {e}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    program = plan(spec, args.batch, device, with_lm_head=args.lm_head, **options)
+    try:
+        program = plan(spec, args.batch, device, with_lm_head=args.lm_head, **options)
+    except ValueError as e:  # a variant the model cannot take (planner.py)
+        print(f"plan: {e}", file=sys.stderr)
+        return 2
     plan_s = time.perf_counter() - t0
     try:
         verify(program)
@@ -192,6 +193,11 @@ def main(argv: list[str] | None = None) -> int:
         "weight_bytes": program.weight_bytes(),
         "plan_s": round(plan_s, 3),
     }
+    if spec.mla is not None:
+        # The latent attention's split (planner.mla_split).
+        result.update(
+            mla_head_groups=program.mla_head_groups, mla_v_parts=program.mla_v_parts
+        )
     if spec.moe is not None:
         # What a step of a mixture reads depends on the routing: each sparse
         # layer's experts are counted at the expected number of distinct

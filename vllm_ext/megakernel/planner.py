@@ -16,6 +16,11 @@ removes one of the six phase boundaries of a layer.
 With ``qkv_parts`` = P > 1, QKV tiles are parts of heads (isa.py), so the
 phase spreads over P times as many SMs: whole heads give 48 tiles on the
 Llama shapes, where the other phases use all 132 SMs.
+
+A multi-head latent attention layer (``spec.mla``) runs MLA_QKV_A (the fused
+q_a/kv_a down projection over all SMs), MLA_Q (one tile per head) beside
+one MLA_APPEND, MLA_ATTN over head groups x sequence chunks and MLA_COMBINE
+per (head, v part) in place of QKV, ATTN and COMBINE (``mla_split``).
 """
 
 from __future__ import annotations
@@ -84,6 +89,9 @@ class Program:
     fuse_combine: bool = False
     # QKV's units: heads split into this many RoPE-pair parts (isa.py).
     qkv_parts: int = 1
+    # MLA (isa.py): MLA_ATTN's head groups, MLA_COMBINE's parts per head.
+    mla_head_groups: int = 1
+    mla_v_parts: int = 1
 
     @property
     def num_instructions(self) -> int:
@@ -195,9 +203,10 @@ class Program:
                 0, self.attn_chunks * b * group * (d + 1) * 4 + b * group * d * e
             )
         if instr.op == Op.O_PROJ:
-            return Cost(
-                (hi - lo) * s.q_size * e, b * s.q_size * e + 2 * b * (hi - lo) * e
-            )
+            width = s.q_size if s.mla is None else s.mla.num_heads * s.mla.v_head_dim
+            return Cost((hi - lo) * width * e, b * width * e + 2 * b * (hi - lo) * e)
+        if s.mla is not None and instr.op in _MLA_OPS:
+            return self._mla_cost(instr)
         if instr.op == Op.GATE_UP:
             w = 2 * (hi - lo) * h * e + h * e
             return Cost(w, b * h * e + b * (hi - lo) * e)
@@ -226,11 +235,64 @@ class Program:
             return Cost(w, acts + 2 * b * (hi - lo) * e)
         raise ValueError(f"no cost for {instr}")
 
+    def _mla_cost(self, instr: Instruction) -> Cost:
+        """The latent attention's bytes (isa.py); norm weights re-read by
+        every tile count as weights, as GATE_UP's."""
+        s, b, mla = self.spec, self.batch, self.spec.mla
+        assert mla is not None
+        e, h = s.dtype.itemsize, s.hidden_size
+        lo, hi = instr.arg0, instr.arg1
+        rank, rope, lora = mla.kv_lora_rank, mla.qk_rope_head_dim, mla.q_lora_rank
+        if instr.op == Op.MLA_QKV_A:
+            return Cost((hi - lo) * h * e + h * e, b * h * e + b * (hi - lo) * e)
+        if instr.op == Op.MLA_Q:
+            n = hi - lo
+            k = lora or h  # q_b's input: the q_a row, or h without a q LoRA
+            w = n * mla.qk_head_dim * k * e + k * e  # q_b rows + the norm
+            w += n * mla.qk_nope_head_dim * rank * e  # W_UK
+            return Cost(w, b * k * e + b * n * (rank + rope) * e)
+        if instr.op == Op.MLA_APPEND:
+            return Cost(rank * e, 2 * b * mla.latent_width * e)
+        if instr.op == Op.MLA_ATTN:
+            # The chunk's latent rows at NOMINAL_CONTEXT, as ATTN's.
+            group = mla.num_heads // self.mla_head_groups
+            tokens = math.ceil(NOMINAL_CONTEXT / self.attn_chunks)
+            rows = b * tokens * mla.latent_width * e
+            queries = b * group * (rank + rope) * e
+            return Cost(0, rows + queries + b * group * (rank + 1) * 4)
+        if instr.op == Op.MLA_COMBINE:
+            cols = mla.v_head_dim // self.mla_v_parts
+            parts = self.attn_chunks * b * (rank + 1) * 4
+            return Cost(cols * rank * e, parts + b * cols * e)
+        raise ValueError(f"no cost for {instr}")
 
-MLA_NOT_YET = (
-    "the program has no multi-head latent attention instructions yet "
-    "(DeepSeek-V2/V3, Kimi-K2)"
-)
+
+_MLA_OPS = (Op.MLA_QKV_A, Op.MLA_Q, Op.MLA_APPEND, Op.MLA_ATTN, Op.MLA_COMBINE)
+
+
+def mla_split(spec: ModelSpec, num_sms: int) -> tuple[int, int, int]:
+    """(head groups, chunks, v parts) of a latent attention layer.
+
+    One kv head: at batch 1 the chunks alone would give at most
+    MAX_ATTN_CHUNKS tiles. Groups of heads multiply them; each group re-reads
+    the chunk's latent rows, so groups stay few: the largest power of two
+    dividing the heads with groups * groups * 2 <= SMs, then as many chunks
+    as fill the SMs (DeepSeek-V3 on 132 SMs: 8 groups of 16 heads x 16
+    chunks). MLA_COMBINE tiles are heads, split into v parts (each its W_UV
+    rows) while the heads leave SMs idle (Kimi-K2: 64 heads x 2 parts)."""
+    mla = spec.mla
+    assert mla is not None
+    heads, groups = mla.num_heads, 1
+    while heads % (groups * 2) == 0 and (groups * 2) ** 2 * 2 <= num_sms:
+        groups *= 2
+    chunks = max(1, min(MAX_ATTN_CHUNKS, num_sms // groups))
+    parts = 1
+    while (
+        heads * parts * 2 <= num_sms
+        and mla.v_head_dim % (parts * 2 * COL_MULTIPLE) == 0
+    ):
+        parts *= 2
+    return groups, chunks, parts
 
 
 def expert_slots(spec: ModelSpec, batch: int) -> int:
@@ -276,8 +338,8 @@ def plan(
     """The program of one decode step of ``batch`` requests on ``device``."""
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
-    if spec.mla is not None:
-        raise ValueError(MLA_NOT_YET)
+    if spec.mla is not None and fuse_combine:
+        raise ValueError("fused COMBINE is a grouped-query attention variant")
     if (error := _qkv_parts_error(spec, qkv_parts)) is not None:
         raise ValueError(error)
     n_sm = device.num_sms
@@ -301,13 +363,7 @@ def plan(
         phases.append((op, layer, tiles, wait, c, tail))
         return (c, len(tiles))
 
-    h = spec.hidden_size
-    moe, slots = spec.moe, expert_slots(spec, batch)
-    small = split(h, max(1, h // 512), COL_MULTIPLE)  # embed / final norm
-    heads = spec.num_q_heads + 2 * spec.num_kv_heads
-    chunks = max(1, min(max_attn_chunks, n_sm // spec.num_kv_heads))
-    prev = phase(Op.EMBED, 0, small, none, "embed")
-    for layer in range(spec.num_layers):
+    def grouped_query_attention(layer: int, prev) -> tuple[int, int]:
         qkv_tiles = split(heads * qkv_parts, n_sm, 1)
         qkv = phase(Op.QKV, layer, qkv_tiles, prev, f"L{layer}.qkv")
         combine_c = counter(f"L{layer}.combine")
@@ -317,7 +373,51 @@ def plan(
             a = phase(Op.ATTN, layer, attn_tiles, qkv, f"L{layer}.attn.g{g}", tail)
             if not fuse_combine:
                 phases.append((Op.COMBINE, layer, [(g, 0)], a, combine_c, NO_COUNTER))
-        combined = (combine_c, spec.num_kv_heads)
+        return (combine_c, spec.num_kv_heads)
+
+    def latent_attention(layer: int, prev) -> tuple[int, int]:
+        assert mla is not None
+        lora = mla.q_lora_rank or 0
+        down = phase(Op.MLA_QKV_A, layer, gemv_tiles(lora + mla.latent_width),
+                     prev, f"L{layer}.qkv_a")  # fmt: skip
+        # MLA_Q (one tile per head) and MLA_APPEND signal one counter: the
+        # attention reads both. Without a q LoRA, MLA_Q reads h[l] only and
+        # runs beside the down projection.
+        q_c = counter(f"L{layer}.q_latent")
+        q_tiles = split(mla.num_heads, n_sm, 1)
+        q_wait = down if lora else prev
+        phases.append((Op.MLA_Q, layer, q_tiles, q_wait, q_c, NO_COUNTER))
+        phases.append((Op.MLA_APPEND, layer, [(0, 0)], down, q_c, NO_COUNTER))
+        ready = (q_c, len(q_tiles) + 1)
+        per_group = mla.num_heads // groups
+        combine_c = counter(f"L{layer}.combine")
+        for g in range(groups):
+            a = phase(Op.MLA_ATTN, layer, [(g, c) for c in range(chunks)], ready,
+                      f"L{layer}.attn.g{g}")  # fmt: skip
+            tiles = [
+                (head, p)
+                for head in range(g * per_group, (g + 1) * per_group)
+                for p in range(v_parts)
+            ]
+            phases.append((Op.MLA_COMBINE, layer, tiles, a, combine_c, NO_COUNTER))
+        return (combine_c, mla.num_heads * v_parts)
+
+    h = spec.hidden_size
+    moe, slots = spec.moe, expert_slots(spec, batch)
+    small = split(h, max(1, h // 512), COL_MULTIPLE)  # embed / final norm
+    heads = spec.num_q_heads + 2 * spec.num_kv_heads
+    chunks = max(1, min(max_attn_chunks, n_sm // spec.num_kv_heads))
+    mla = spec.mla
+    groups, v_parts = 1, 1
+    if mla is not None:
+        groups, chunks, v_parts = mla_split(spec, n_sm)
+        chunks = min(chunks, max_attn_chunks)
+    prev = phase(Op.EMBED, 0, small, none, "embed")
+    for layer in range(spec.num_layers):
+        if mla is not None:
+            combined = latent_attention(layer, prev)
+        else:
+            combined = grouped_query_attention(layer, prev)
         o = phase(Op.O_PROJ, layer, gemv_tiles(h), combined, f"L{layer}.o_proj")
         if moe is not None and moe.sparse_layers[layer]:
             # The mixture: router logits over all SMs, one TOPK, then each
@@ -360,7 +460,7 @@ def plan(
 
     program = Program(
         spec, batch, device, chunks, with_lm_head, (), tuple(counters), (),
-        fuse_combine, qkv_parts,
+        fuse_combine, qkv_parts, groups, v_parts,
     )  # fmt: skip
     queues: list[list[Instruction]] = [[] for _ in range(n_sm)]
     load = [0] * n_sm
@@ -384,4 +484,6 @@ def plan(
         tuple(order),
         fuse_combine,
         qkv_parts,
+        groups,
+        v_parts,
     )

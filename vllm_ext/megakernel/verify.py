@@ -81,7 +81,9 @@ def accesses(program, instr: Instruction) -> tuple[list[Region], list[Region]]:
         reads = [Region("part", ly, a * chunks, (a + 1) * chunks)]
         return reads, [Region("attn", ly, a * group, (a + 1) * group)]
     if op == Op.O_PROJ:
-        reads = [Region("attn", ly, 0, nq), Region("h", ly, a, b)]
+        # MLA: attn units are (head, v part) pairs (MLA_COMBINE's tiles).
+        units = nq * program.mla_v_parts if s.mla is not None else nq
+        reads = [Region("attn", ly, 0, units), Region("h", ly, a, b)]
         return reads, [Region("hmid", ly, a, b)]
     if op == Op.GATE_UP:
         return [Region("hmid", ly, 0, h)], [Region("act", ly, a, b)]
@@ -92,6 +94,32 @@ def accesses(program, instr: Instruction) -> tuple[list[Region], list[Region]]:
         return [Region("h", L, 0, h)], [Region("out", L, a, b)]
     if op == Op.LM_HEAD:
         return [Region("out", L, 0, h)], [Region("logits", L, a, b)]
+    # Multi-head latent attention (isa.py). The latent cache rows a step
+    # appends are one unit: MLA_ATTN reads every new row (any request's
+    # chunk may hold its newest token).
+    mla = s.mla
+    if op == Op.MLA_QKV_A and mla is not None:
+        return [Region("h", ly, 0, h)], [Region("qkv_a", ly, a, b)]
+    if op == Op.MLA_Q and mla is not None:
+        lora = mla.q_lora_rank
+        reads = [Region("qkv_a", ly, 0, lora) if lora else Region("h", ly, 0, h)]
+        return reads, [Region("q", ly, a, b)]
+    if op == Op.MLA_APPEND and mla is not None:
+        lora = mla.q_lora_rank or 0
+        reads = [Region("qkv_a", ly, lora, lora + mla.latent_width)]
+        return reads, [Region("latent", ly, 0, 1)]
+    if op == Op.MLA_ATTN and mla is not None:
+        per_group = mla.num_heads // program.mla_head_groups
+        reads = [
+            Region("q", ly, a * per_group, (a + 1) * per_group),
+            Region("latent", ly, 0, 1),
+        ]
+        return reads, [Region("part", ly, a * chunks + b, a * chunks + b + 1)]
+    if op == Op.MLA_COMBINE and mla is not None:
+        g = a // (mla.num_heads // program.mla_head_groups)
+        reads = [Region("part", ly, g * chunks, (g + 1) * chunks)]
+        unit = a * program.mla_v_parts + b
+        return reads, [Region("attn", ly, unit, unit + 1)]
     # A sparse layer's mixture (isa.py). The routing table is one unit: the
     # experts' weight addresses depend on it like any activation read.
     moe = s.moe

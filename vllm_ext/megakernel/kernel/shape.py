@@ -313,6 +313,14 @@ class KernelShape:
         l2_ahead: bool = False,
     ) -> KernelShape:
         s = program.spec
+        if s.mla is not None:
+            # The program runs MLA (isa.py MLA_*); the kernel has no device
+            # functions for those opcodes yet.
+            raise ValueError(
+                f"{s.architecture}: the kernel has no multi-head latent "
+                "attention (MLA_*) device functions yet; the program runs only "
+                "in the interpreter"
+            )
         moe = {}
         if s.moe is not None and any(s.moe.sparse_layers):
             m = s.moe
