@@ -12,7 +12,13 @@ A sparse layer's mixture reads its weights through the table too (router,
 w13, w2, correction bias, shared expert), and its buffers (router logits,
 the routing in the kernel's word layout, each slot's activations) are
 written where the table says, so an MoE table round-trips: a wrong or
-swapped entry gives a wrong result or a wrong buffer."""
+swapped entry gives a wrong result or a wrong buffer.
+
+So does a latent attention layer's: its weights (q_a, kv_a, their norms,
+q_b, and kv_b_proj rebuilt from the W_UK and W_UV views, each from its own
+column) are read through the table, its buffers (the down projection's
+output, the latent queries, the rotated q_pe, the partials, o_proj's
+input) written where the table says."""
 
 from __future__ import annotations
 
@@ -21,7 +27,10 @@ import dataclasses
 import torch
 
 from vllm_ext.megakernel.interpret import ProgramInterpreter
-from vllm_ext.megakernel.kernel.launcher import decode_route  # noqa: F401 (tests)
+from vllm_ext.megakernel.kernel.launcher import (  # noqa: F401 (tests)
+    decode_route,
+    w_uv_base,
+)
 from vllm_ext.megakernel.kernel.shape import (
     GlobalSlot,
     KernelShape,
@@ -67,17 +76,23 @@ class KernelStandIn:
             slot_mapping=self._at(glob[GlobalSlot.SLOT_MAPPING]).long(),
             kv_caches=kv,
         )
-        interp.weights = self._moe_weights(table)
+        interp.weights = self._mla_weights(table, self._moe_weights(table))
         interp.step(inputs)
         buf = interp.buf
         for i in range(layers):
             row = table[i]
+            # An MLA layer has no q; its own buffers instead.
+            q = (LayerSlot.Q, "q") if "q" in buf else (LayerSlot.QKV_A, "qkv_a")
+            mla = []
+            if "q_lat" in buf:
+                mla = [(LayerSlot.Q_LAT, buf["q_lat"][i]),
+                       (LayerSlot.Q_PE, buf["q_pe"][i])]  # fmt: skip
             for slot, src in (
                 (LayerSlot.H_IN, buf["h"][i]), (LayerSlot.HMID, buf["hmid"][i]),
-                (LayerSlot.Q, buf["q"][i]), (LayerSlot.ATTN, buf["attn"][i]),
+                (q[0], buf[q[1]][i]), (LayerSlot.ATTN, buf["attn"][i]),
                 (LayerSlot.ACT, buf["act"][i]), (LayerSlot.PART_O, buf["part_o"][i]),
                 (LayerSlot.PART_LSE, buf["part_lse"][i]),
-                (LayerSlot.H_OUT, buf["h"][i + 1]),
+                (LayerSlot.H_OUT, buf["h"][i + 1]), *mla,
             ):  # fmt: skip
                 self._at(row[slot]).copy_(src)
             if interp.routing[i] is not None:
@@ -108,6 +123,32 @@ class KernelStandIn:
             layers.append(lw)
         return dataclasses.replace(self.weights, layers=tuple(layers))
 
+    def _mla_weights(self, table, weights):
+        """The weights, each latent attention layer's read from the table
+        (kv_b_proj rebuilt from its W_UK and W_UV columns)."""
+        mla = self.program.spec.mla
+        layers = []
+        for i, lw in enumerate(weights.layers):
+            if lw.mla is not None:
+                row = table[i]
+
+                def at(slot, row=row):
+                    return self._at(row[slot]) if row[slot] else None
+
+                heads, rank = mla.num_heads, mla.kv_lora_rank
+                nope, v = mla.qk_nope_head_dim, mla.v_head_dim
+                stride = ((nope + v) * rank, rank, 1)
+                w_uk = at(LayerSlot.MLA_W_UK).as_strided((heads, nope, rank), stride)
+                w_uv = at(LayerSlot.MLA_W_UV).as_strided((heads, v, rank), stride)
+                kv_b = torch.cat([w_uk, w_uv], dim=1).reshape(-1, rank)
+                lw = dataclasses.replace(lw, mla=dataclasses.replace(
+                    lw.mla, q_a=at(LayerSlot.MLA_Q_A), kv_a=at(LayerSlot.MLA_KV_A),
+                    q_a_norm=at(LayerSlot.MLA_Q_A_NORM), q_b=at(LayerSlot.MLA_Q_B),
+                    kv_a_norm=at(LayerSlot.MLA_KV_A_NORM), kv_b=kv_b,
+                ))  # fmt: skip
+            layers.append(lw)
+        return dataclasses.replace(weights, layers=tuple(layers))
+
     def _write_moe(self, row, router, routing, xact) -> None:
         """A sparse layer's buffers where the table says, the routing in
         the kernel's layout (shape.route_layout)."""
@@ -133,7 +174,8 @@ def register_executor(standin: KernelStandIn, ex, kv_caches=()) -> None:
         # Per-layer buffers by layer (layer 0 shares the whole buffer's
         # address, and must resolve to the layer's view).
         per_layer = name in ("h", "hmid", "q", "attn", "act", "part_o", "part_lse",
-                             "router", "route", "xact")  # fmt: skip
+                             "router", "route", "xact", "qkv_a", "q_lat",
+                             "q_pe")  # fmt: skip
         standin.register(*(t.unbind(0) if per_layer else (t,)))
     # The mixtures' weights (the table is their only way in).
     for lw, bias in zip(ex.weights.layers, ex.correction_bias, strict=True):
@@ -142,3 +184,11 @@ def register_executor(standin: KernelStandIn, ex, kv_caches=()) -> None:
             standin.register(*(t for t in (m.router, m.w13, m.w2, bias,
                                            m.shared_gate_up, m.shared_down)
                                if t is not None))  # fmt: skip
+    # The latent attentions' weights, and kv_b_proj's W_UV view.
+    nope = ex.shape.qk_nope
+    for lw in ex.weights.layers:
+        if lw.mla is not None:
+            m = lw.mla
+            standin.register(*(t for t in (m.q_a, m.q_a_norm, m.q_b, m.kv_a,
+                                           m.kv_a_norm, m.kv_b) if t is not None),
+                             w_uv_base(m.kv_b, nope))  # fmt: skip

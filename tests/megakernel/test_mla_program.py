@@ -212,9 +212,10 @@ def test_real_shapes_fill_the_sms_at_batch_1(config, split):
     assert attn_bytes == (weights + norms) * e
 
 
-def test_the_kernel_refuses_mla_programs():
+def test_the_kernel_takes_mla_programs():
+    # (The kernel's MLA device functions: test_mla_kernel_aot.py.)
     from vllm_ext.megakernel.kernel.shape import KernelShape
 
     program = plan(mla_spec(torch.bfloat16, layers=1), 1, DEVICE)
-    with pytest.raises(ValueError, match="multi-head latent attention"):
-        KernelShape.from_program(program, 16)
+    shape = KernelShape.from_program(program, 16)
+    assert shape.mla and shape.mla_groups == program.mla_head_groups

@@ -118,6 +118,8 @@ class KernelExecutor:
         self.program, self.weights, self.launch = program, weights, launch
         self.max_spins = max_spins
         self.shape = shape = KernelShape.from_program(program, block_size)
+        if shape.mla:
+            _check_mla(shape, weights)
         dev = weights.embed.device
         self.device = dev
         _check_weights(weights)
@@ -175,7 +177,7 @@ class KernelExecutor:
                 LayerSlot.DOWN: lw.down,
                 LayerSlot.H_IN: ws["h"][i],
                 LayerSlot.HMID: ws["hmid"][i],
-                LayerSlot.Q: ws["q"][i],
+                LayerSlot.Q: ws["q"][i] if "q" in ws else None,
                 LayerSlot.ATTN: ws["attn"][i],
                 LayerSlot.ACT: ws["act"][i],
                 LayerSlot.PART_O: ws["part_o"][i],
@@ -195,6 +197,8 @@ class KernelExecutor:
                     LayerSlot.ROUTE: ws["route"][i],
                     LayerSlot.XACT: ws["xact"][i],
                 }
+            if lw.mla is not None:
+                row |= self._mla_row(i, lw.mla)
             for slot, t in row.items():
                 table[i, slot] = _address(t, f"layer {i} {slot.name.lower()}")
         glob = {
@@ -216,6 +220,30 @@ class KernelExecutor:
             table[layers, slot] = _address(t, slot.name.lower())
         return table
 
+    def _mla_row(self, i: int, m) -> dict:
+        """A latent attention layer's weights and buffers (shape.py)."""
+        s, ws = self.shape, self.ws
+        nope, rank = s.qk_nope, s.kv_lora_rank
+        kv_b = m.kv_b
+        if tuple(kv_b.shape) != (s.mla_heads * (nope + s.v_head_dim), rank):
+            raise MegakernelError(
+                f"megakernel: layer {i} kv_b_proj {tuple(kv_b.shape)}"
+            )
+        return {
+            LayerSlot.MLA_Q_A: m.q_a,
+            LayerSlot.MLA_KV_A: m.kv_a,
+            LayerSlot.MLA_Q_A_NORM: m.q_a_norm,
+            LayerSlot.MLA_Q_B: m.q_b,
+            LayerSlot.MLA_KV_A_NORM: m.kv_a_norm,
+            # The views MlaWeights.w_uk / w_uv take: each head's W_UK rows,
+            # then its W_UV rows (head stride (nope + v) * rank elements).
+            LayerSlot.MLA_W_UK: kv_b,
+            LayerSlot.MLA_W_UV: w_uv_base(kv_b, nope),
+            LayerSlot.QKV_A: ws["qkv_a"][i],
+            LayerSlot.Q_LAT: ws["q_lat"][i],
+            LayerSlot.Q_PE: ws["q_pe"][i],
+        }
+
     def _bind_kv(self, kv_caches: tuple[torch.Tensor, ...]) -> None:
         """Put each layer's cache address in the table (once: vLLM's caches
         do not move), after checking the view is the LBNHC the kernel reads."""
@@ -226,6 +254,22 @@ class KernelExecutor:
             raise MegakernelError(f"expected {layers} KV caches, got {len(kv_caches)}")
         strides = {c.stride(0) for c in kv_caches}
         for i, c in enumerate(kv_caches):
+            if s.mla:
+                # One latent row [kv_c | k_pe] per token (paged_kv.py).
+                w = s.latent_width
+                if not (
+                    c.dtype == torch.bfloat16
+                    and c.shape[1:] == (s.block_size, w)
+                    and c.stride()[1:] == (w, 1)
+                    and c.data_ptr() % 16 == 0
+                ):
+                    raise MegakernelError(
+                        f"megakernel: layer {i} latent cache {tuple(c.shape)} "
+                        f"strides {c.stride()} {c.dtype} is not the bf16 "
+                        f"[blocks, {s.block_size}, {w}] the kernel reads"
+                    )  # fmt: skip
+                self.ptrs_host[i, LayerSlot.KV_CACHE] = c.data_ptr()
+                continue
             ok = (
                 c.dtype == torch.bfloat16
                 and c.shape[1:] == (s.kv_heads, s.block_size, d2)
@@ -304,12 +348,39 @@ def _check_weights(w: DecodeWeights) -> None:
         if lw.moe is not None:
             for name in ("router", "w13", "w2", "shared_gate_up", "shared_down"):
                 tensors[f"layer {i} moe.{name}"] = getattr(lw.moe, name)
+        if lw.mla is not None:
+            for name in ("q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "kv_b"):
+                tensors[f"layer {i} mla.{name}"] = getattr(lw.mla, name)
     bad = [n for n, t in tensors.items() if t is not None and t.dtype != torch.bfloat16]
     if bad:
         raise MegakernelError(
             "the megakernel runs bf16 weights (--dtype bfloat16); not bf16: "
             + ", ".join(bad[:4])
         )
+
+
+def _check_mla(shape: KernelShape, w: DecodeWeights) -> None:
+    """What MLA_ATTN and the RoPE of MLA_Q / MLA_APPEND read besides the
+    table: the launch's scale and the cos/sin rows of qk_rope_head_dim."""
+    if abs(w.attn_scale - shape.mla_scale) > 1e-6 * shape.mla_scale:
+        raise MegakernelError(
+            f"megakernel: the weights' softmax scale {w.attn_scale} is not the "
+            f"model's MLA scale {shape.mla_scale}"
+        )
+    if w.cos_sin.shape[-1] != shape.qk_rope:
+        raise MegakernelError(
+            f"megakernel: cos/sin rows of {w.cos_sin.shape[-1]}, not the MLA "
+            f"rope dims {shape.qk_rope}"
+        )
+
+
+def w_uv_base(kv_b: torch.Tensor, nope: int) -> torch.Tensor:
+    """kv_b_proj from head 0's first W_UV row on, flat: the table's W_UV
+    address (MlaWeights.w_uv reads ``[heads, v, rank]`` at head stride
+    ``(nope + v) * rank`` from there)."""
+    if not kv_b.is_contiguous():
+        raise MegakernelError("megakernel: kv_b_proj must be contiguous")
+    return kv_b.view(-1)[nope * kv_b.shape[-1] :]
 
 
 def decode_route(words: torch.Tensor, shape: KernelShape):

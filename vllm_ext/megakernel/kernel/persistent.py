@@ -14,7 +14,9 @@ variants (``variants.py``) are ``KernelShape`` flags, compiled out when
 off: the default kernel's SASS does not change with them. So is the
 mixture of experts (ROUTE, TOPK, EXPERT_UP, EXPERT_DOWN and their shared
 scratch): compiled in only for a shape with one, so a dense model's cubin
-is the one built before they existed.
+is the one built before they existed; and so is the multi-head latent
+attention (MLA_QKV_A, MLA_Q, MLA_APPEND, MLA_ATTN, MLA_COMBINE and their
+scratch).
 """
 
 import cuda.bindings.driver as cuda
@@ -39,6 +41,16 @@ from vllm_ext.megakernel.kernel.ops.expert_down import expert_down
 from vllm_ext.megakernel.kernel.ops.expert_up import expert_up, gather_words
 from vllm_ext.megakernel.kernel.ops.final_norm import final_norm
 from vllm_ext.megakernel.kernel.ops.gemv_mma import red_floats
+from vllm_ext.megakernel.kernel.ops.mla_append import mla_append
+from vllm_ext.megakernel.kernel.ops.mla_attn import mla_attn
+from vllm_ext.megakernel.kernel.ops.mla_combine import mla_combine
+from vllm_ext.megakernel.kernel.ops.mla_q import (
+    mla_q,
+    q_input_width,
+    stages_q_input,
+    wuk_scratch_floats,
+)
+from vllm_ext.megakernel.kernel.ops.mla_qkv_a import mla_qkv_a
 from vllm_ext.megakernel.kernel.ops.prefetch import prefetch_weights
 from vllm_ext.megakernel.kernel.ops.projections import down, gate_up, lm_head, o_proj
 from vllm_ext.megakernel.kernel.ops.qkv import qkv
@@ -85,6 +97,29 @@ def _buffers(s: KernelShape) -> list[int]:
         red_floats(s.batch) * 4 if s.mma_gemv and not s.weight_pipe else 0,
         4 * moe_words(s),  # the mixture's int32 scratch
         4 * s.batch * s.top_k,  # EXPERT_DOWN's sorted weights
+        *mla_buffers(s),
+    ]
+
+
+def mla_stage_shape(s: KernelShape) -> tuple[int, int]:
+    """MLA_Q's normed input in shared memory (a placeholder vector when it
+    does not fit: the GEMV then norms on the fly)."""
+    return (s.batch, q_input_width(s)) if stages_q_input(s) else (1, VEC)
+
+
+def mla_buffers(s: KernelShape) -> list[int]:
+    """The latent attention's shared buffers, in bytes (none in a kernel
+    without one): MLA_Q's staged input, a head's q in fp32, the fp32
+    scratch of W_UK's partial sums (MLA_COMBINE's chunk weights too), and
+    MLA_COMBINE's merged latent rows."""
+    if not s.mla:
+        return []
+    rows, cols = mla_stage_shape(s)
+    return [
+        2 * rows * cols,
+        4 * s.batch * s.qk_head_dim,
+        4 * max(wuk_scratch_floats(), s.batch * (s.attn_chunks + 1)),
+        2 * s.batch * s.kv_lora_rank,
     ]
 
 
@@ -216,6 +251,31 @@ class Megakernel:
                 Float32, cute.make_layout(s.batch * s.top_k), 16
             )
 
+        # The latent attention's scratch (only in a kernel with one).
+        mla_x = mla_qb = mla_red = mla_lat = None
+        if cutlass.const_expr(s.mla):
+            rows, cols = mla_stage_shape(s)
+            mla_x = smem.allocate_tensor(
+                BFloat16, cute.make_layout((rows, cols), stride=(cols, 1)), 16
+            )
+            mla_qb = smem.allocate_tensor(
+                Float32,
+                cute.make_layout((s.batch, s.qk_head_dim), stride=(s.qk_head_dim, 1)),
+                16,
+            )
+            mla_red = smem.allocate_tensor(
+                Float32,
+                cute.make_layout(
+                    max(wuk_scratch_floats(), s.batch * (s.attn_chunks + 1))
+                ),
+                16,
+            )
+            mla_lat = smem.allocate_tensor(
+                BFloat16,
+                cute.make_layout((s.batch, s.kv_lora_rank), stride=(s.kv_lora_rank, 1)),
+                16,
+            )
+
         # Thread 0 tells the CTA whether its ATTN completed the head.
         tail = None
         if cutlass.const_expr(s.fused_combine):
@@ -322,19 +382,25 @@ class Megakernel:
             elif op == Op.LM_HEAD:
                 lm_head(s, ptrs, glob, a0, a1, rstd, w_stage)
             elif op != Op.NOP:
-                if cutlass.const_expr(s.moe):
-                    if op == Op.ROUTE:
-                        route(s, ptrs, layer, a0, a1, rstd, x_stage)
-                    elif op == Op.TOPK:
-                        topk(s, ptrs, layer, glob, moe_i)
-                    elif op == Op.EXPERT_UP:
-                        expert_up(s, ptrs, layer, a0, a1, rstd, x_stage, moe_i)
-                    elif op == Op.EXPERT_DOWN:
-                        expert_down(s, ptrs, layer, a0, a1, moe_i, moe_f)
+                if cutlass.const_expr(s.mla):
+                    if op == Op.MLA_QKV_A:
+                        mla_qkv_a(s, ptrs, layer, a0, a1, rstd, x_stage)
+                    elif op == Op.MLA_Q:
+                        mla_q(s, ptrs, layer, glob, a0, a1, rstd, mla_x, mla_qb,
+                              mla_red)  # fmt: skip
+                    elif op == Op.MLA_APPEND:
+                        mla_append(s, ptrs, layer, glob, kv_block_stride, rstd)
+                    elif op == Op.MLA_ATTN:
+                        mla_attn(s, ptrs, layer, glob, a0, a1, kv_block_stride,
+                                 block_table_stride, attn_scale)  # fmt: skip
+                    elif op == Op.MLA_COMBINE:
+                        mla_combine(s, ptrs, layer, a0, a1, rstd, mla_lat, mla_red)
                     else:
-                        _bad_opcode(op, sm, pc)
+                        _moe_op(s, ptrs, op, layer, glob, a0, a1, rstd, x_stage,
+                                moe_i, moe_f, sm, pc)  # fmt: skip
                 else:
-                    _bad_opcode(op, sm, pc)
+                    _moe_op(s, ptrs, op, layer, glob, a0, a1, rstd, x_stage, moe_i,
+                            moe_f, sm, pc)  # fmt: skip
 
             # Every thread's stores are issued before the release below.
             cute.arch.sync_threads()
@@ -347,6 +413,26 @@ class Megakernel:
                 if op == Op.ATTN:
                     # The tail: the last chunk of kv head a0 merges its partials.
                     run_tail(s, ptrs, counters, ins, layer, a0, tail)
+
+
+@cute.jit
+def _moe_op(s: cutlass.Constexpr, ptrs, op, layer, glob, a0, a1, rstd, x_stage,
+            moe_i, moe_f, sm, pc):  # fmt: skip
+    """The mixture-of-experts opcodes (compiled in only for a shape with a
+    mixture), or a bad opcode."""
+    if cutlass.const_expr(s.moe):
+        if op == Op.ROUTE:
+            route(s, ptrs, layer, a0, a1, rstd, x_stage)
+        elif op == Op.TOPK:
+            topk(s, ptrs, layer, glob, moe_i)
+        elif op == Op.EXPERT_UP:
+            expert_up(s, ptrs, layer, a0, a1, rstd, x_stage, moe_i)
+        elif op == Op.EXPERT_DOWN:
+            expert_down(s, ptrs, layer, a0, a1, moe_i, moe_f)
+        else:
+            _bad_opcode(op, sm, pc)
+    else:
+        _bad_opcode(op, sm, pc)
 
 
 @cute.jit

@@ -52,6 +52,25 @@ class LayerSlot(IntEnum):
     ROUTER_LOGITS = 24  # [B, router_stride] bf16
     ROUTE = 25  # route_words(shape) 4-byte words: see route_layout
     XACT = 26  # [xact_slots, B, xact_width] bf16
+    # A multi-head latent attention kernel's rows are MLA_SLOTS wide (the
+    # mixture's columns 0 without one). An MLA layer leaves QKV, QKV_BIAS,
+    # Q_NORM, K_NORM and Q at 0; KV_CACHE is its latent cache
+    # ``[blocks, block_size, latent_width]``, ATTN its o_proj input ``[B,
+    # heads, v_head_dim]`` and PART_O / PART_LSE MLA_ATTN's partials
+    # ``[chunks, groups, B, per_group, kv_lora_rank]`` / ``[.., per_group]``.
+    MLA_Q_A = 27  # [q_lora_rank, hidden]: rows [0, q_lora_rank) of the
+    # fused down projection (0 without a q LoRA)
+    MLA_KV_A = 28  # [latent_width, hidden]: the fused projection's next rows
+    MLA_Q_A_NORM = 29  # [q_lora_rank] (0 without a q LoRA)
+    MLA_Q_B = 30  # [heads * qk_head_dim, q_lora_rank or hidden]: q_b / q_proj
+    MLA_KV_A_NORM = 31  # [kv_lora_rank]
+    # kv_b_proj [heads * (nope + v), rank] read as two strided views, as
+    # MlaWeights.w_uk / w_uv: head h's rows start at h * (nope + v) * rank.
+    MLA_W_UK = 32  # kv_b_proj's address: [nope, rank] per head
+    MLA_W_UV = 33  # kv_b_proj's address + nope rows: [v_head_dim, rank] per head
+    QKV_A = 34  # [B, q_lora_rank + latent_width] bf16: the down projection
+    Q_LAT = 35  # [B, heads, kv_lora_rank] bf16: q_nope @ W_UK
+    Q_PE = 36  # [B, heads, qk_rope_head_dim] bf16, rotated
 
 
 class GlobalSlot(IntEnum):
@@ -74,10 +93,13 @@ class GlobalSlot(IntEnum):
 
 NUM_SLOTS = 18
 MOE_SLOTS = 27
+MLA_SLOTS = 37
 
 
 def table_width(shape: KernelShape) -> int:
     """Columns of the address table the kernel for ``shape`` reads."""
+    if shape.mla:
+        return MLA_SLOTS
     return MOE_SLOTS if shape.moe else NUM_SLOTS
 
 
@@ -95,6 +117,10 @@ PAGE_BYTES = 32 * 1024
 # lane) and picks its top_k by that many warp-wide argmax rounds.
 MAX_EXPERTS = 512
 MAX_TOP_K = 16
+# MLA_Q's q_nope @ W_UK: requests per pass over a head's W_UK (accumulators
+# of 8 latent columns each, partial over row slices reduced in shared
+# memory).
+WUK_GROUP = 4
 
 
 def page_rows(k: int, dual: bool = False) -> int:
@@ -177,6 +203,19 @@ class KernelShape:
     correction_bias: bool = False
     routed_scaling: float = 1.0
     shared_intermediate: int = 0
+    # Multi-head latent attention (model_spec.MlaSpec; all 0 in a GQA model),
+    # run by MLA_QKV_A, MLA_Q, MLA_APPEND, MLA_ATTN and MLA_COMBINE
+    # (ops/mla_*.py). The GQA fields then describe O_PROJ's input: q_heads =
+    # kv_heads = mla_heads, head_dim = v_head_dim (no QKV/ATTN runs).
+    mla_heads: int = 0
+    q_lora_rank: int = 0  # 0: q_proj on RMSNorm(h) in place of q_a / q_b
+    kv_lora_rank: int = 0
+    qk_nope: int = 0
+    qk_rope: int = 0
+    v_head_dim: int = 0
+    mla_scale: float = 0.0  # the softmax scale (the launch's attn_scale)
+    mla_groups: int = 0  # MLA_ATTN's head groups (the program's)
+    mla_v_parts: int = 0  # MLA_COMBINE's v parts per head (the program's)
     # Test only, never served: "" or one of PLANTED_BUGS, a deliberately
     # wrong kernel the GPU check must reject. Only the build CLI's
     # --plant-bug sets it (not from_program, not VLLM_MEGAKERNEL_VARIANTS).
@@ -190,7 +229,9 @@ class KernelShape:
         for name in ("hidden", "intermediate", "head_dim"):
             if getattr(self, name) % 8:
                 raise ValueError(f"{name} must be a multiple of 8 (128-bit loads)")
-        if self.head_dim not in (64, 128):
+        if self.mla:
+            self._check_mla()
+        elif self.head_dim not in (64, 128):
             raise ValueError("head_dim must be 64 or 128")
         if self.batch > BATCH_GROUP and self.batch % BATCH_GROUP:
             raise ValueError(
@@ -225,7 +266,7 @@ class KernelShape:
             if any(k % 32 for k in widths):
                 raise ValueError("mma_gemv needs every GEMV's K to be a multiple of 32")
 
-    def _check_moe(self) -> None:
+    def _variants(self) -> list[str]:
         variants = [
             name
             for name in (
@@ -241,6 +282,54 @@ class KernelShape:
         ]
         if self.qkv_parts > 1:
             variants.append("qkv_parts")
+        return variants
+
+    def _check_mla(self) -> None:
+        variants = self._variants()
+        if variants:
+            raise ValueError(
+                "the multi-head latent attention instructions run in the default "
+                f"kernel only, not with the experimental {', '.join(variants)}"
+            )
+        heads, rank, rope = self.mla_heads, self.kv_lora_rank, self.qk_rope
+        if (self.q_heads, self.kv_heads, self.head_dim) != (
+            heads, heads, self.v_head_dim
+        ):  # fmt: skip
+            raise ValueError(
+                "an MLA kernel's q_heads, kv_heads, head_dim are its heads, heads "
+                "and v_head_dim (O_PROJ's input)"
+            )
+        # MLA_ATTN: a lane holds rank / 32 latent dims (128-bit loads) and
+        # lanes [0, rope / 8) one 128-bit vector of k_pe each; MLA_Q splits
+        # W_UK's 128-bit column vectors over the CTA's threads.
+        if rank % 256 or not 256 <= rank <= 2048:
+            raise ValueError(f"kv_lora_rank {rank}: a multiple of 256, at most 2048")
+        if rope % 16 or rope > 256 or rope % (rank // 32):
+            raise ValueError(f"qk_rope_head_dim {rope}: a multiple of 16 and of "
+                             f"{rank // 32}, at most 256")  # fmt: skip
+        slices = 256 // (rank // 8)
+        if self.qk_nope % slices or self.qk_nope % 8:
+            raise ValueError(f"qk_nope_head_dim {self.qk_nope}: a multiple of "
+                             f"{max(slices, 8)}")  # fmt: skip
+        if self.v_head_dim % 8 or self.q_lora_rank % 8 or self.mla_width % 8:
+            raise ValueError("v_head_dim, q_lora_rank and q_lora_rank + "
+                             "latent width must be multiples of 8")  # fmt: skip
+        if self.mla_groups < 1 or heads % self.mla_groups:
+            raise ValueError(f"{self.mla_groups} head groups do not divide {heads}")
+        per_group = heads // self.mla_groups
+        if per_group > 8 and per_group % 8:
+            raise ValueError(f"{per_group} heads per group: at most 8 or a multiple "
+                             "of 8 (MLA_ATTN's warps)")  # fmt: skip
+        if per_group > 32:
+            raise ValueError(f"{per_group} heads per group: at most 32 (4 a warp)")
+        if self.mla_v_parts < 1 or self.v_head_dim % self.mla_v_parts:
+            raise ValueError(f"{self.mla_v_parts} v parts do not divide "
+                             f"v_head_dim {self.v_head_dim}")  # fmt: skip
+        if not self.mla_scale > 0:
+            raise ValueError("the MLA softmax scale must be positive")
+
+    def _check_moe(self) -> None:
+        variants = self._variants()
         if variants:
             raise ValueError(
                 "the mixture-of-experts instructions run in the default kernel "
@@ -278,6 +367,28 @@ class KernelShape:
         return self.num_experts > 0
 
     @property
+    def mla(self) -> bool:
+        return self.mla_heads > 0
+
+    @property
+    def latent_width(self) -> int:
+        """One latent cache row: ``[kv_c | k_pe]``."""
+        return self.kv_lora_rank + self.qk_rope
+
+    @property
+    def mla_width(self) -> int:
+        """Columns of the fused down projection's output (QKV_A)."""
+        return self.q_lora_rank + self.latent_width
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope + self.qk_rope
+
+    @property
+    def mla_per_group(self) -> int:
+        return self.mla_heads // self.mla_groups
+
+    @property
     def xact_slots(self) -> int:
         """Slots of xact: the routed ones, then the shared expert's."""
         return self.num_slots + (self.shared_intermediate > 0)
@@ -313,14 +424,23 @@ class KernelShape:
         l2_ahead: bool = False,
     ) -> KernelShape:
         s = program.spec
+        gqa = dict(q_heads=s.num_q_heads, kv_heads=s.num_kv_heads,
+                   head_dim=s.head_dim)  # fmt: skip
+        mla = {}
         if s.mla is not None:
-            # The program runs MLA (isa.py MLA_*); the kernel has no device
-            # functions for those opcodes yet.
-            raise ValueError(
-                f"{s.architecture}: the kernel has no multi-head latent "
-                "attention (MLA_*) device functions yet; the program runs only "
-                "in the interpreter"
-            )
+            m = s.mla
+            if not m.rope_interleaved:
+                raise ValueError("MLA's RoPE runs GPT-J (interleaved) style only")
+            # O_PROJ reads heads x v_head_dim columns (isa.py).
+            gqa = dict(q_heads=m.num_heads, kv_heads=m.num_heads,
+                       head_dim=m.v_head_dim)  # fmt: skip
+            mla = dict(
+                mla_heads=m.num_heads, q_lora_rank=m.q_lora_rank or 0,
+                kv_lora_rank=m.kv_lora_rank, qk_nope=m.qk_nope_head_dim,
+                qk_rope=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
+                mla_scale=float(m.softmax_scale),
+                mla_groups=program.mla_head_groups, mla_v_parts=program.mla_v_parts,
+            )  # fmt: skip
         moe = {}
         if s.moe is not None and any(s.moe.sparse_layers):
             m = s.moe
@@ -340,9 +460,6 @@ class KernelShape:
         return cls(
             hidden=s.hidden_size,
             intermediate=s.intermediate_size,
-            q_heads=s.num_q_heads,
-            kv_heads=s.num_kv_heads,
-            head_dim=s.head_dim,
             vocab=s.vocab_size,
             batch=program.batch,
             block_size=block_size,
@@ -358,7 +475,9 @@ class KernelShape:
             l2_ahead=l2_ahead,
             fused_combine=program.fuse_combine,
             qkv_parts=program.qkv_parts,
+            **gqa,
             **moe,
+            **mla,
         )
 
     def as_dict(self) -> dict:
@@ -387,6 +506,17 @@ def workspace_sizes(shape: KernelShape, num_layers: int) -> dict[str, tuple]:
         sizes["router"] = (num_layers, b, shape.router_stride)
         sizes["route"] = (num_layers, route_layout(shape).words)
         sizes["xact"] = (num_layers, shape.xact_slots, b, shape.xact_width)
+    if shape.mla:
+        # As the interpreter's buffers: no q; the partials per (chunk, head
+        # group); o_proj's input of heads x v_head_dim (attn, as sized above).
+        heads, rank, g = shape.mla_heads, shape.kv_lora_rank, shape.mla_groups
+        del sizes["q"]
+        sizes["qkv_a"] = (num_layers, b, shape.mla_width)
+        sizes["q_lat"] = (num_layers, b, heads, rank)
+        sizes["q_pe"] = (num_layers, b, heads, shape.qk_rope)
+        per = shape.mla_per_group
+        sizes["part_o"] = (num_layers, shape.attn_chunks, g, b, per, rank)
+        sizes["part_lse"] = (num_layers, shape.attn_chunks, g, b, per)
     return sizes
 
 

@@ -36,3 +36,14 @@ def kv_slot_entry(shape: KernelShape, cache: Int64, slot, kv_head, block_stride)
         # cache and only the KV checks can see it.
         slot = slot ^ 1
     return kv_entry(shape, cache, slot // bs, slot % bs, kv_head, block_stride)
+
+
+def latent_row(
+    shape: KernelShape, cache: Int64, block, offset, block_stride
+) -> cute.Tensor:
+    """The ``[latent_width]`` row ``[kv_c | k_pe]`` of (block, offset) in an
+    MLA layer's cache ``[blocks, block_size, latent_width]`` (one kv head;
+    block starts 16-byte aligned, rows too: latent_width % 8 == 0)."""
+    width = shape.latent_width
+    elem = Int64(block) * Int64(block_stride) + Int64(offset * width)
+    return gmem(BFloat16, cache + elem * 2, (width,))

@@ -64,6 +64,32 @@ def prefetch_weights(s: cutlass.Constexpr, ptrs: cute.Tensor, glob, op, layer, l
         prefetch_rows(ptrs[glob, GlobalSlot.LM_HEAD], h * 2, lo, hi)
     if cutlass.const_expr(shape.moe):
         _static_moe_rows(shape, ptrs, op, layer, lo, hi)
+    if cutlass.const_expr(shape.mla):
+        _mla_rows(shape, ptrs, op, layer, lo, hi)
+
+
+@cute.jit
+def _mla_rows(s: cutlass.Constexpr, ptrs: cute.Tensor, op, layer, a0, a1):
+    """The latent attention's weight rows: MLA_QKV_A's of the fused down
+    projection, MLA_Q's first head's q_b rows, MLA_COMBINE's W_UV rows."""
+    shape: KernelShape = s
+    h, lora, rank = shape.hidden, shape.q_lora_rank, shape.kv_lora_rank
+    if op == Op.MLA_QKV_A:
+        if cutlass.const_expr(lora > 0):
+            prefetch_rows(ptrs[layer, LayerSlot.MLA_Q_A], h * 2, a0,
+                          cutlass.min(a1, lora))  # fmt: skip
+        prefetch_rows(ptrs[layer, LayerSlot.MLA_KV_A], h * 2,
+                      cutlass.max(a0, lora) - lora, a1 - lora)  # fmt: skip
+    elif op == Op.MLA_Q:
+        d = shape.qk_head_dim
+        k = lora if lora > 0 else h
+        prefetch_rows(ptrs[layer, LayerSlot.MLA_Q_B], d * k * 2, a0, a0 + 1)
+    elif op == Op.MLA_COMBINE:
+        v = shape.v_head_dim
+        cols = v // shape.mla_v_parts
+        # Row r of head a0's W_UV is row a0 * (nope + v) + r of the W_UV view.
+        row0 = a0 * (shape.qk_nope + v) + a1 * cols
+        prefetch_rows(ptrs[layer, LayerSlot.MLA_W_UV], rank * 2, row0, row0 + cols)
 
 
 @cute.jit

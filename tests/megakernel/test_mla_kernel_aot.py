@@ -1,0 +1,233 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The kernel's multi-head latent attention instructions (MLA_QKV_A,
+MLA_Q, MLA_APPEND, MLA_ATTN, MLA_COMBINE; kernel/ops/mla_*.py).
+
+* Compiled ahead of time here, for Hopper and Blackwell, on the real
+  shapes (DeepSeek-V3: 128 heads, Kimi-K2: 64; q LoRA 1536, latent 512 +
+  rope 64, nope 128, v 128): zero spills, at most 255 registers, the SASS
+  facts of test_kernel_aot.py. CI time is tight, so the grid is four
+  builds (two at a time) that cover each model, each arch, batch 1 and 16
+  on each arch: DeepSeek-V3 cut to its first 2 layers (dense MLPs, as its
+  first_k_dense_replace = 3) at batch 1 on sm_90a and 16 on sm_100a;
+  Kimi-K2 cut to 2 layers (a dense layer, then a sparse one: the MLA and
+  mixture-of-experts opcodes in one kernel) at batch 1 on sm_100a, and to
+  its first (dense) layer at 16 on sm_90a (its mixture at batch 16 is the
+  costliest build, ~75 s: compiled by hand, docs/design.md, as were the
+  other cells of the product).
+* ``KernelShape.from_program`` takes an MLA program's constants, and
+  refuses them beside any experimental variant.
+* The address table of an MLA program round-trips through the CPU
+  stand-in (kernel_standin.py): the latent attention's weights are read
+  through the table, its buffers written where the table says, bit for
+  bit the interpreter's; a swapped entry fails.
+
+Nothing here has run on a GPU.
+"""
+
+import dataclasses
+import re
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_standin import KernelStandIn, register_executor
+from test_kernel_aot import check_sass
+from test_mla_program import mla_spec
+
+from vllm_ext.megakernel.cost import DEVICES
+from vllm_ext.megakernel.interpret import ProgramInterpreter, pad_inputs
+from vllm_ext.megakernel.kernel.aot import BuildResult, build, sass_tool
+from vllm_ext.megakernel.kernel.launcher import KernelExecutor
+from vllm_ext.megakernel.kernel.shape import (
+    MLA_SLOTS,
+    KernelShape,
+    LayerSlot,
+    table_width,
+    workspace_sizes,
+)
+from vllm_ext.megakernel.plan import spec_or_exit
+from vllm_ext.megakernel.planner import plan
+from vllm_ext.megakernel.variants import KERNEL
+from vllm_ext.model_spec import ModelSpec
+from vllm_ext.testing import BLOCK_SIZE, random_decode_inputs, random_weights
+
+H200 = DEVICES["h200"]
+SMALL = dataclasses.replace(H200, num_sms=16)
+
+
+def real_spec(model: str, batch: int, layers: int = 2) -> ModelSpec:
+    return spec_or_exit("test", model, "bfloat16", batch).with_layers(layers)
+
+
+def real_shape(model: str, batch: int, layers: int = 2) -> KernelShape:
+    program = plan(real_spec(model, batch, layers), batch, H200, with_lm_head=True)
+    return KernelShape.from_program(program, 16)
+
+
+# (model, batch, arch, layers): see the module docstring for why these four.
+GRID = [
+    ("kimi-k2", 1, "sm_100a", 2),
+    ("deepseek-v3", 1, "sm_90a", 2),
+    ("deepseek-v3", 16, "sm_100a", 2),
+    ("kimi-k2", 16, "sm_90a", 1),
+]
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory) -> dict[tuple, BuildResult]:
+    """Every build of the grid, two compiler processes at a time."""
+    root = tmp_path_factory.mktemp("mla")
+
+    def one(case):
+        model, batch, arch, layers = case
+        return build(arch, root / f"{model}-{batch}-{arch}",
+                     real_shape(model, batch, layers))  # fmt: skip
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(GRID, pool.map(one, GRID), strict=True))
+
+
+def sass_of(built: BuildResult) -> str:
+    cubin = sorted((Path(built.library).parent / "dump").glob("*.cubin"))[0]
+    tool = sass_tool("cuobjdump")
+    return subprocess.run([tool, "-sass", str(cubin)], capture_output=True,
+                          text=True, check=True).stdout  # fmt: skip
+
+
+@pytest.mark.parametrize("case", GRID, ids=lambda c: "-".join(map(str, c)))
+def test_real_shapes_compile_clean(builds, case):
+    built = builds[case]
+    print(f"{case}: {built.registers} registers, compile {built.compile_s} s")
+    check_sass(built)
+    assert built.async_copies == 0 and built.mma_ops == 0 and built.bulk_copies == 0
+    sass = sass_of(built)
+    # MLA_ATTN's online softmax (exp2 on the SFU) and its warp sums.
+    assert re.search(r"\bMUFU\.EX2\b", sass) and re.search(r"\bSHFL\.BFLY\b", sass)
+    if case[3] == 2 and case[0] == "kimi-k2":  # the sparse layer's TOPK too
+        assert re.search(r"\bVOTE\.ANY\b", sass) and re.search(r"\bPOPC\b", sass)
+
+
+@pytest.mark.parametrize("model", ["deepseek-v3", "kimi-k2"])
+def test_from_program_takes_mla(model):
+    spec = real_spec(model, 16)
+    shape = real_shape(model, 16)
+    m = spec.mla
+    assert shape.mla and table_width(shape) == MLA_SLOTS
+    assert (shape.mla_heads, shape.q_lora_rank, shape.kv_lora_rank) == (
+        m.num_heads, 1536, 512)  # fmt: skip
+    assert (shape.qk_nope, shape.qk_rope, shape.v_head_dim) == (128, 64, 128)
+    assert shape.mla_scale == m.softmax_scale
+    # O_PROJ reads heads x v_head_dim columns.
+    assert shape.q_size == m.num_heads * m.v_head_dim
+    assert (shape.mla_groups, shape.attn_chunks) == (8, 16)
+    assert shape.mla_v_parts == (2 if model == "kimi-k2" else 1)
+    assert shape.moe == (model == "kimi-k2")  # Kimi-K2's layer 1 is sparse
+    sizes = workspace_sizes(shape, 2)
+    per = m.num_heads // 8
+    assert "q" not in sizes and sizes["qkv_a"] == (2, 16, 1536 + 576)
+    assert sizes["q_lat"] == (2, 16, m.num_heads, 512)
+    assert sizes["q_pe"] == (2, 16, m.num_heads, 64)
+    assert sizes["part_o"] == (2, 16, 8, 16, per, 512)
+    assert sizes["part_lse"] == (2, 16, 8, 16, per)
+    assert sizes["attn"] == (2, 16, m.num_heads, 128)
+
+
+@pytest.mark.parametrize("flag", KERNEL + ("fused_combine", "qkv_parts"))
+def test_variants_refuse_mla(flag):
+    shape = real_shape("deepseek-v3", 1)
+    changes = {flag: 2 if flag == "qkv_parts" else True}
+    if flag == "l2_ahead":
+        changes["weight_pipe"] = True
+    with pytest.raises(ValueError, match="latent attention .* default kernel only"):
+        dataclasses.replace(shape, **changes)
+
+
+def test_shape_refuses_what_the_device_functions_cannot_run():
+    good = real_shape("deepseek-v3", 1)
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        dataclasses.replace(good, kv_lora_rank=384)
+    with pytest.raises(ValueError, match="qk_rope_head_dim"):
+        dataclasses.replace(good, qk_rope=40)
+    with pytest.raises(ValueError, match="head groups"):
+        dataclasses.replace(good, mla_groups=3)
+    with pytest.raises(ValueError, match="heads per group"):
+        dataclasses.replace(good, mla_groups=2)  # 64 heads a group
+    with pytest.raises(ValueError, match="O_PROJ"):
+        dataclasses.replace(good, head_dim=64)
+
+
+# ------------------------------------------------------------ the table
+
+
+def mla_executor(q_lora_rank: int | None, bucket: int = 4):
+    """A tiny DeepSeek-V3 (test_mla_program.py): layer 0 dense, layer 1 a
+    grouped-sigmoid mixture with a shared expert, both MLA."""
+    spec = mla_spec(torch.bfloat16, q_lora_rank)
+    weights = random_weights(spec, seed=1)
+    program = plan(spec, bucket, SMALL, with_lm_head=True)
+    standin = KernelStandIn(program, weights)
+    ex = KernelExecutor(program, weights, standin, block_size=BLOCK_SIZE,
+                        max_blocks=4)  # fmt: skip
+    return spec, weights, program, ex, standin
+
+
+def run_both(spec, weights, program, ex, standin, n: int, seed: int):
+    """A step through the executor and the stand-in, and the same step
+    straight through the interpreter (its own copy of the caches)."""
+    inputs = random_decode_inputs(spec, n, seed=seed)
+    mine = dataclasses.replace(
+        inputs, kv_caches=tuple(c.clone() for c in inputs.kv_caches)
+    )
+    register_executor(standin, ex, mine.kv_caches)
+    got = ex.step(mine).clone()
+    interp = ProgramInterpreter(program, weights, seed=9)
+    want = interp.step(pad_inputs(inputs, program.batch))[:n]
+    return got, want, interp, mine, inputs
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8),
+                       b.contiguous().view(torch.uint8))  # fmt: skip
+
+
+@pytest.mark.parametrize("q_lora_rank", [96, None], ids=["q_lora", "q_proj"])
+def test_mla_table_round_trips_through_the_standin(q_lora_rank):
+    """3 real requests in a bucket of 4: the output, the latent caches and
+    every MLA buffer in the executor's workspace are bit for bit the
+    interpreter's (NaN where neither wrote)."""
+    spec, weights, program, ex, standin = mla_executor(q_lora_rank)
+    assert ex.shape.mla and ex.ptrs_host.shape[1] == MLA_SLOTS
+    got, want, interp, mine, theirs = run_both(spec, weights, program, ex, standin,
+                                               3, seed=5)  # fmt: skip
+    assert not got.isnan().any() and bits_equal(got, want)
+    for a, b in zip(mine.kv_caches, theirs.kv_caches, strict=True):
+        assert bits_equal(a, b)
+    for name in ("qkv_a", "q_lat", "q_pe", "part_o", "part_lse", "attn"):
+        for layer in range(spec.num_layers):
+            torch.testing.assert_close(ex.ws[name][layer], interp.buf[name][layer],
+                                       rtol=0, atol=0, equal_nan=True)  # fmt: skip
+    row = ex.ptrs_host[0]
+    assert row[LayerSlot.Q] == 0 and row[LayerSlot.QKV] == 0
+    assert (row[LayerSlot.MLA_Q_A] != 0) == (q_lora_rank is not None)
+    nope, rank = spec.mla.qk_nope_head_dim, spec.mla.kv_lora_rank
+    assert row[LayerSlot.MLA_W_UV] - row[LayerSlot.MLA_W_UK] == nope * rank * 2
+
+
+@pytest.mark.parametrize(
+    "slot",
+    [LayerSlot.MLA_KV_A, LayerSlot.MLA_W_UK, LayerSlot.MLA_W_UV, LayerSlot.Q_LAT],
+    ids=lambda s: s.name,
+)  # fmt: skip
+def test_a_swapped_mla_entry_fails(slot):
+    """The two layers' entries of one column swapped (a weight, or a
+    buffer): the step or a layer's buffer is wrong."""
+    spec, weights, program, ex, standin = mla_executor(96)
+    ex.ptrs_host[[0, 1], slot] = ex.ptrs_host[[1, 0], slot]
+    ex.ptrs.copy_(ex.ptrs_host)
+    got, want, interp, _, _ = run_both(spec, weights, program, ex, standin, 4, seed=6)
+    if slot == LayerSlot.Q_LAT:
+        assert not bits_equal(ex.ws["q_lat"][0], interp.buf["q_lat"][0])
+    else:
+        assert not bits_equal(got, want)
