@@ -76,19 +76,27 @@ class MegakernelDecodeBackend(DecodeBackend):
         spec = model_spec(vllm_config)  # raises UnsupportedModelError
         _check_deployment(vllm_config, spec)
         interpret = envs.VLLM_MEGAKERNEL_INTERPRET
-        attention = _attention_backend_for_platform(interpret)
-        chosen = vllm_config.attention_config.backend
-        if chosen is not None and chosen != attention:
-            raise ValueError(
-                f"--decode-backend megakernel reads the KV cache as the "
-                f"{attention.get_class().__name__} attention backend writes "
-                f"it, but --attention-backend {chosen.name} was given; drop "
-                "--attention-backend."
+        if spec.mla is not None:
+            # vLLM's own MLA backend writes the latent cache the program reads
+            # (one row per token, no heads: no layout to record).
+            vllm_config.attention_config.backend = _check_mla_attention(
+                vllm_config, spec
             )
-        vllm_config.attention_config.backend = attention
-        # The layout the kernel reads, for every attention backend and every
-        # process (vLLM would otherwise resolve it later, by preference).
-        record_kv_cache_layout(vllm_config.cache_config, KV_CACHE_LAYOUT.name)
+        else:
+            attention = _attention_backend_for_platform(interpret)
+            chosen = vllm_config.attention_config.backend
+            if chosen is not None and chosen != attention:
+                raise ValueError(
+                    f"--decode-backend megakernel reads the KV cache as the "
+                    f"{attention.get_class().__name__} attention backend writes "
+                    f"it, but --attention-backend {chosen.name} was given; drop "
+                    "--attention-backend."
+                )
+            vllm_config.attention_config.backend = attention
+            # The layout the kernel reads, for every attention backend and
+            # every process (vLLM would otherwise resolve it later, by
+            # preference).
+            record_kv_cache_layout(vllm_config.cache_config, KV_CACHE_LAYOUT.name)
         if current_platform.is_cuda() and not interpret:
             _check_gpu_kernel(vllm_config)
         if interpret and current_platform.is_cuda():
@@ -121,7 +129,10 @@ class MegakernelDecodeBackend(DecodeBackend):
     ) -> None:
         self.spec = model_spec(vllm_config)
         self.vllm_config = vllm_config
-        attentions = [layer.self_attn.attn for layer in model.model.layers]
+        if self.spec.mla is not None:
+            attentions = _mla_attention_layers(model, self.spec)
+        else:
+            attentions = [layer.self_attn.attn for layer in model.model.layers]
         max_len = vllm_config.model_config.max_model_len
         for attn in attentions:
             # The layers as vLLM built them (FlashAttention would run a
@@ -134,6 +145,7 @@ class MegakernelDecodeBackend(DecodeBackend):
                     f"({attn.layer_name})."
                 )
         self.attentions = attentions
+        self._caches_checked = False
         max_batch, why = decode_batches(self.spec, device)
         if max_batch:
             logger.info(
@@ -204,6 +216,9 @@ class MegakernelDecodeBackend(DecodeBackend):
         # The caches vLLM bound to the layers (read per step: they are
         # allocated after the backend is made).
         kv_caches = tuple(attn.kv_cache for attn in self.attentions)
+        if not self._caches_checked and self.spec.mla is not None:
+            _check_latent_caches(self.attentions, kv_caches, self.spec)
+            self._caches_checked = True
         inputs = decode_inputs(batch, kv_caches)
         hidden = self.executor.step(inputs)
         if self.stats.steps == 0:
@@ -258,6 +273,142 @@ def _attention_backend_for_platform(interpret: bool) -> AttentionBackendEnum:
         f"{current_platform.device_name!r} platform; it needs {SUPPORTED_GPUS}, "
         "or a CPU with VLLM_MEGAKERNEL_INTERPRET=1."
     )
+
+
+# vLLM's MLA attention backend whose latent cache the program reads (the
+# rows of paged_kv.write_latent: [num_blocks, block_size, kv_lora_rank +
+# qk_rope_head_dim], token t at block_table[t // block_size], offset
+# t % block_size), and the block size the CPU platform forces for it.
+MLA_ATTENTION_BACKEND = AttentionBackendEnum.CPU_MLA
+MLA_BLOCK_SIZE = 16
+
+
+def _check_mla_attention(
+    vllm_config: VllmConfig, spec: ModelSpec
+) -> AttentionBackendEnum:
+    """The attention backend of a multi-head latent attention model: vLLM's
+    CPU_MLA, whose prefill writes the latent rows the program's decode steps
+    read and append to (reference mode on a CPU only: backend_refusal
+    refuses MLA on the GPU route)."""
+    why = _mla_attention_refusal(vllm_config, spec)
+    if why is not None:
+        raise ValueError(
+            f"--decode-backend megakernel on {spec.architecture} (multi-head "
+            f"latent attention): {why}"
+        )
+    return MLA_ATTENTION_BACKEND
+
+
+def _mla_attention_refusal(vllm_config: VllmConfig, spec: ModelSpec) -> str | None:
+    name = MLA_ATTENTION_BACKEND.name
+    if not current_platform.is_cpu():
+        return (
+            "reference mode runs MLA models on a CPU only, over vLLM's "
+            f"{name} latent cache; this is the {current_platform.device_name!r} "
+            "platform"
+        )
+    if not vllm_config.model_config.use_mla:
+        # VLLM_MLA_DISABLE: vLLM builds per-head K/V attention instead.
+        return (
+            "vLLM was told not to use MLA (VLLM_MLA_DISABLE=1), and the "
+            "backend runs the latent form only; unset VLLM_MLA_DISABLE"
+        )
+    chosen = vllm_config.attention_config.backend
+    if chosen is not None and chosen != MLA_ATTENTION_BACKEND:
+        return (
+            f"the backend reads the latent cache as vLLM's {name} attention "
+            f"backend writes it, but --attention-backend {chosen.name} was "
+            f"given; pass --attention-backend {name} or drop it"
+        )
+    if chosen is None and _cpu_has_amx():
+        # vLLM prefers AMX_MLA there (bf16 only, blocks of 32): not checked
+        # against the program; the platform decided its block size and
+        # scheduling before this hook, so only the user can pin CPU_MLA.
+        return (
+            "on a CPU with AMX vLLM picks its AMX_MLA attention backend, whose "
+            "cache the backend does not read; pass --attention-backend "
+            f"{name} (its block size {MLA_BLOCK_SIZE} is then forced)"
+        )
+    block_size = vllm_config.cache_config.block_size
+    if block_size != MLA_BLOCK_SIZE:
+        return (
+            f"vLLM's {name} backend runs blocks of {MLA_BLOCK_SIZE} tokens, "
+            f"not {block_size}"
+        )
+    widths = MLA_ATTENTION_BACKEND.get_class().get_supported_head_sizes()
+    if spec.mla.latent_width not in widths:
+        # (Its decode kernel; vLLM itself would fail later, in a step.)
+        return (
+            f"vLLM's {name} backend takes latent rows of {widths} "
+            f"(kv_lora_rank + qk_rope_head_dim), not {spec.mla.latent_width}"
+        )
+    return None
+
+
+def _cpu_has_amx() -> bool:
+    # The condition vLLM's CPU platform prefers AMX_MLA under.
+    from vllm.platforms.interface import CpuArchEnum
+
+    return (
+        current_platform.get_cpu_architecture() == CpuArchEnum.X86
+        and torch.cpu._is_amx_tile_supported()
+    )
+
+
+def _mla_attention_layers(
+    model: torch.nn.Module, spec: ModelSpec
+) -> list[torch.nn.Module]:
+    """Each layer's ``MLAAttention`` (inside ``DeepseekV2MLAAttention``),
+    checked to run the backend the start-up check chose: its ``kv_cache``
+    is the latent cache the program reads."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    name = MLA_ATTENTION_BACKEND.get_class().get_name()
+    found = []
+    for i, layer in enumerate(model.model.layers):
+        attns = [m for m in layer.self_attn.modules() if isinstance(m, MLAAttention)]
+        if len(attns) != 1:
+            raise ValueError(
+                f"--decode-backend megakernel: layer {i} of {spec.architecture} "
+                f"has {len(attns)} MLA attention modules, expected one"
+            )
+        (attn,) = attns
+        backend = attn.attn_backend.get_name()
+        unexpected = {
+            f"attention backend {backend} (expected {name})": backend != name,
+            f"latent rows of {attn.head_size} (expected "
+            f"{spec.mla.latent_width})": attn.head_size != spec.mla.latent_width,
+            f"KV cache dtype {attn.kv_cache_dtype}": attn.kv_cache_dtype != "auto",
+        }
+        named = [what for what, present in unexpected.items() if present]
+        if named:
+            raise ValueError(
+                f"--decode-backend megakernel: {attn.layer_name} was built with "
+                f"{', '.join(named)}."
+            )
+        found.append(attn)
+    return found
+
+
+def _check_latent_caches(
+    attentions: list[torch.nn.Module],
+    kv_caches: tuple[torch.Tensor, ...],
+    spec: ModelSpec,
+) -> None:
+    """vLLM binds the caches after the backend is made: check, at the first
+    step, that each is the latent layout the program reads."""
+    for attn, cache in zip(attentions, kv_caches, strict=True):
+        shape = tuple(cache.shape)
+        if (
+            cache.dim() != 3
+            or shape[1:] != (MLA_BLOCK_SIZE, spec.mla.latent_width)
+            or cache.dtype != spec.dtype
+        ):
+            raise ValueError(
+                f"--decode-backend megakernel: {attn.layer_name}'s latent cache "
+                f"is {shape} {cache.dtype}, expected [num_blocks, "
+                f"{MLA_BLOCK_SIZE}, {spec.mla.latent_width}] {spec.dtype}."
+            )
 
 
 def _check_gpu_kernel(vllm_config: VllmConfig) -> None:

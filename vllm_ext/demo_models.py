@@ -12,6 +12,7 @@ yet each one exercises a feature of the architecture it is named for.
 from __future__ import annotations
 
 import argparse
+import copy
 import inspect
 import json
 from dataclasses import dataclass, field
@@ -46,6 +47,44 @@ _COMMON: dict[str, Any] = dict(
     bos_token_id=1,
     eos_token_id=2,
     pad_token_id=0,
+)
+
+# DeepSeek-V3's attention and MoE fields, small. vLLM reads topk_method and
+# scoring_func (without them it creates no correction bias); its CPU MoE
+# needs the hidden size a multiple of 32.
+_MLA: dict[str, Any] = dict(
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    n_group=4,
+    topk_group=2,
+    n_shared_experts=1,
+    topk_method="noaux_tc",
+    scoring_func="sigmoid",
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    tie_word_embeddings=False,
+    # DeepSeek-V3's YaRN (frequencies, and mscale in the softmax scale).
+    # Not the default rope: vLLM's CPU rotary op misrotates the [tokens,
+    # heads, 64] q_pe the MLA layer hands it (it is right on [tokens,
+    # heads * 64] or one head), so vLLM's own decode of such a model is not
+    # HF's; YaRN's rope runs in PyTorch (docs/design.md).
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 512,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.8,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
 )
 
 DEMO_ARCHS: dict[str, DemoArch] = {
@@ -122,6 +161,24 @@ DEMO_ARCHS: dict[str, DemoArch] = {
                 sliding_window=None,
             ),
         ),
+        # Multi-head latent attention: kv_lora_rank 512 and rope dims 64 (a
+        # 576-wide latent row) are what vLLM's CPU MLA decode kernel takes.
+        DemoArch(
+            "deepseek_v3",
+            "DeepseekV3Config",
+            "multi-head latent attention (4 heads, q_proj without a q LoRA, "
+            "YaRN, 576-wide latent cache rows), every layer's MLP dense",
+            dict(_MLA, q_lora_rank=None, first_k_dense_replace=2),
+        ),
+        DemoArch(
+            "deepseek_v3_moe",
+            "DeepseekV3Config",
+            "multi-head latent attention with a q LoRA (fused with kv_a), YaRN, "
+            "a dense first layer then a mixture (8 experts in 4 groups, top 2 "
+            "of the best 2 groups, sigmoid scores, correction bias, a shared "
+            "expert)",
+            dict(_MLA, q_lora_rank=96, first_k_dense_replace=1),
+        ),
     )
 }
 
@@ -174,8 +231,10 @@ def hf_config(arch: str, vocab_size: int = VOCAB_SIZE):
 
     spec = DEMO_ARCHS[arch]
     model_cls = spec.config_cls.replace("Config", "ForCausalLM")
+    # (A copy: a config class may normalise nested dicts in place.)
+    overrides = copy.deepcopy(spec.overrides)
     return getattr(transformers, spec.config_cls)(
-        **{**_COMMON, **spec.overrides, "vocab_size": vocab_size},
+        **{**_COMMON, **overrides, "vocab_size": vocab_size},
         architectures=[model_cls],
     )
 
@@ -217,6 +276,11 @@ def build_model(
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
+        # DeepSeek's routing correction bias starts at 0: draw it, so that
+        # selecting with it and weighting without it are both exercised.
+        for name, b in [*model.named_buffers(), *model.named_parameters()]:
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.05)
     model.save_pretrained(out)
     build_tokenizer(out, vocab_size)
     stamp.write_text(json.dumps(meta))

@@ -26,8 +26,8 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "Qwen3MoeForCausalLM": (False, True),
     "MixtralForCausalLM": (False, False),
     # Multi-head latent attention (MlaSpec) and DeepSeek's MoE (Kimi-K2
-    # loads as DeepSeek-V3): the reference forward runs them; the backend
-    # refuses them in every mode until the program does (backend_refusal).
+    # loads as DeepSeek-V3): the reference forward and the program run them,
+    # reference mode on a CPU; the GPU route refuses them (backend_refusal).
     "DeepseekV2ForCausalLM": (False, False),
     "DeepseekV3ForCausalLM": (False, False),
 }
@@ -337,17 +337,19 @@ def _deepseek_moe(c: Any, need) -> MoeSpec | None:
 def backend_refusal(spec: ModelSpec, interpret: bool) -> str | None:
     """Why the decode backend cannot serve the model yet (a sentence for
     the start-up error), or None. Multi-head latent attention runs in
-    neither mode (``interpret``: reference mode) yet, so a DeepSeek model
-    fails at start-up, never in a step. (Mixtures of experts run in both:
-    on a GPU, through the kernel for the batches a GPU check measured it
-    faster on, ``backend.decode_batches``.)"""
-    if spec.mla is not None:
+    reference mode only (``interpret``; on a CPU, over vLLM's CPU_MLA latent
+    cache: ``backend._check_mla_attention``): the GPU kernel's MLA device
+    functions have not run on a GPU yet, nor has the binding of vLLM's GPU
+    latent caches been checked, so on the GPU route a DeepSeek model fails
+    at start-up, never in a step. (Mixtures of experts run in both: on a GPU,
+    through the kernel for the batches a GPU check measured it faster on,
+    ``backend.decode_batches``.)"""
+    if spec.mla is not None and not interpret:
         return (
             f"{spec.architecture}: multi-head latent attention (MLA) is not "
-            "yet supported by the megakernel decode backend, in any mode "
-            "(neither the GPU kernel nor reference mode, "
-            "VLLM_MEGAKERNEL_INTERPRET=1, runs it yet); use vLLM's default "
-            "decode path"
+            "yet supported on the megakernel's GPU route (not yet checked on a "
+            "GPU); reference mode, VLLM_MEGAKERNEL_INTERPRET=1, "
+            "runs MLA models on a CPU; or use vLLM's default decode path"
         )
     return None
 
