@@ -115,17 +115,7 @@ class DecodeWeights:
         rotary = inner.layers[0].self_attn.rotary_emb
         if not rotary.is_neox_style or rotary.rotary_dim != spec.head_dim:
             raise ValueError("megakernel: only full NeoX-style rotary embedding")
-        lm_head = inner.embed_tokens.weight if spec.tie_word_embeddings else None
-        if lm_head is None:
-            lm_head = model.lm_head.weight
-        return cls(
-            embed=inner.embed_tokens.weight,
-            layers=tuple(layers),
-            final_norm=inner.norm.weight,
-            lm_head=lm_head,
-            cos_sin=rotary.cos_sin_cache,
-            attn_scale=float(inner.layers[0].self_attn.scaling),
-        )
+        return _model_weights(cls, model, spec, layers)
 
 
 def _from_vllm_mla_model(cls, model: torch.nn.Module, spec: ModelSpec):
@@ -192,6 +182,12 @@ def _from_vllm_mla_model(cls, model: torch.nn.Module, spec: ModelSpec):
     rotary = inner.layers[0].self_attn.rotary_emb
     if rotary.is_neox_style or rotary.rotary_dim != mla.qk_rope_head_dim:
         raise ValueError("megakernel: MLA expects GPT-J-style rotary on the rope dims")
+    return _model_weights(cls, model, spec, layers)
+
+
+def _model_weights(cls, model: torch.nn.Module, spec: ModelSpec, layers):
+    """The model-wide tensors around ``layers``, in place."""
+    inner = model.model
     lm_head = inner.embed_tokens.weight if spec.tie_word_embeddings else None
     if lm_head is None:
         lm_head = model.lm_head.weight
@@ -200,7 +196,7 @@ def _from_vllm_mla_model(cls, model: torch.nn.Module, spec: ModelSpec):
         layers=tuple(layers),
         final_norm=inner.norm.weight,
         lm_head=lm_head,
-        cos_sin=rotary.cos_sin_cache,
+        cos_sin=inner.layers[0].self_attn.rotary_emb.cos_sin_cache,
         attn_scale=float(inner.layers[0].self_attn.scaling),
     )
 

@@ -8,6 +8,53 @@ is fixed, the chunks are sized at run time."""
 import torch
 
 
+def chunk_tokens(
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    chunk: int,
+    chunks: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Chunk ``chunk`` of each sequence's tokens in a paged cache: (blocks,
+    offsets in their block, valid), each ``[B, T]`` (invalid entries point
+    at token 0), or None when the chunk is empty for every request."""
+    n = seq_lens.long()
+    size = (n + chunks - 1) // chunks
+    lo = torch.minimum(chunk * size, n)
+    hi = torch.minimum(lo + size, n)
+    width = int((hi - lo).max()) if len(n) else 0
+    if width == 0:
+        return None
+    pos = lo[:, None] + torch.arange(width, device=n.device)  # [B, T]
+    valid = pos < hi[:, None]
+    pos = torch.where(valid, pos, torch.zeros_like(pos))
+    blocks = torch.gather(block_table.long(), 1, pos // block_size)
+    return blocks, pos % block_size, valid
+
+
+def partial_softmax(
+    scores: torch.Tensor,
+    valid: torch.Tensor,
+    values: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled ``scores`` ``[B, G, T]`` over a chunk's tokens (``valid``) and
+    their ``values`` ``[B, T, D]`` -> (o, lse) in fp32, keeping ``o`` and
+    ``lse`` (zeros, -inf) for a request with no token in the chunk."""
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    m = scores.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = torch.exp(scores - m)  # masked -> 0
+    total = p.sum(dim=-1, keepdim=True)
+    has = total > 0
+    o = torch.where(
+        has, torch.einsum("bgt,btd->bgd", p, values) / total.clamp_min(1e-30), o
+    )
+    lse = torch.where(has.squeeze(-1), (m + torch.log(total)).squeeze(-1), lse)
+    return o, lse
+
+
 def reference(
     q: torch.Tensor,  # [B, group, head_dim] the kv head's q heads
     kv_cache: torch.Tensor,
@@ -21,29 +68,13 @@ def reference(
     """(o ``[B, group, head_dim]``, lse ``[B, group]``), fp32. An empty chunk
     (or a padded row, of length 0) gives o = 0 and lse = -inf."""
     batch, group, d = q.shape
-    block_size = kv_cache.shape[2]
-    n = seq_lens.long()
-    size = (n + chunks - 1) // chunks
-    lo = torch.minimum(chunk * size, n)
-    hi = torch.minimum(lo + size, n)
-    width = int((hi - lo).max()) if batch else 0
     o = torch.zeros(batch, group, d, dtype=torch.float32, device=q.device)
     lse = torch.full((batch, group), float("-inf"), device=q.device)
-    if width == 0:
+    tokens = chunk_tokens(block_table, seq_lens, kv_cache.shape[2], chunk, chunks)
+    if tokens is None:
         return o, lse
-    pos = lo[:, None] + torch.arange(width, device=q.device)  # [B, T]
-    valid = pos < hi[:, None]
-    pos = torch.where(valid, pos, torch.zeros_like(pos))
-    blocks = torch.gather(block_table.long(), 1, pos // block_size)
-    kv = kv_cache[blocks, kv_head, pos % block_size].float()  # [B, T, 2d]
+    blocks, offsets, valid = tokens
+    kv = kv_cache[blocks, kv_head, offsets].float()  # [B, T, 2d]
     k, v = kv[..., :d], kv[..., d:]
     scores = torch.einsum("bgd,btd->bgt", q.float(), k) * scale
-    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    m = scores.amax(dim=-1, keepdim=True)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    p = torch.exp(scores - m)  # masked -> 0
-    total = p.sum(dim=-1, keepdim=True)
-    has = total > 0
-    o = torch.where(has, torch.einsum("bgt,btd->bgd", p, v) / total.clamp_min(1e-30), o)
-    lse = torch.where(has.squeeze(-1), (m + torch.log(total)).squeeze(-1), lse)
-    return o, lse
+    return partial_softmax(scores, valid, v, o, lse)
