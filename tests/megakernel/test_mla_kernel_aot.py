@@ -26,19 +26,18 @@ Nothing here has run on a GPU.
 
 import dataclasses
 import re
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
 from kernel_standin import KernelStandIn, register_executor
 from test_kernel_aot import check_sass
 from test_mla_program import mla_spec
+from test_moe_kernel_aot import sass_of
 
 from vllm_ext.megakernel.cost import DEVICES
 from vllm_ext.megakernel.interpret import ProgramInterpreter, pad_inputs
-from vllm_ext.megakernel.kernel.aot import BuildResult, build, sass_tool
+from vllm_ext.megakernel.kernel.aot import BuildResult, build
 from vllm_ext.megakernel.kernel.launcher import KernelExecutor
 from vllm_ext.megakernel.kernel.shape import (
     MLA_SLOTS,
@@ -87,13 +86,6 @@ def builds(tmp_path_factory) -> dict[tuple, BuildResult]:
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         return dict(zip(GRID, pool.map(one, GRID), strict=True))
-
-
-def sass_of(built: BuildResult) -> str:
-    cubin = sorted((Path(built.library).parent / "dump").glob("*.cubin"))[0]
-    tool = sass_tool("cuobjdump")
-    return subprocess.run([tool, "-sass", str(cubin)], capture_output=True,
-                          text=True, check=True).stdout  # fmt: skip
 
 
 @pytest.mark.parametrize("case", GRID, ids=lambda c: "-".join(map(str, c)))
