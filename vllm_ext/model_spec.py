@@ -22,7 +22,8 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
     # Mixture-of-experts MLPs (MoeSpec): the reference forward, the program
-    # and reference mode run them, and the GPU kernel.
+    # and reference mode run them; the GPU kernel has their device functions
+    # (compiled, not yet run on a GPU).
     "Qwen3MoeForCausalLM": (False, True),
     "MixtralForCausalLM": (False, False),
     # Multi-head latent attention (MlaSpec) and DeepSeek's MoE (Kimi-K2
