@@ -14,7 +14,12 @@ from vllm_ext.megakernel.interpret import (
     ProgramInterpreter,
 )
 from vllm_ext.megakernel.isa import Op
-from vllm_ext.megakernel.planner import batch_buckets, plan, qkv_parts_to_fill
+from vllm_ext.megakernel.planner import (
+    batch_buckets,
+    plan,
+    qkv_group_tiles,
+    qkv_parts_to_fill,
+)
 from vllm_ext.model_spec import ModelSpec
 from vllm_ext.reference import ReferenceExecutor
 from vllm_ext.testing import random_decode_inputs, random_weights
@@ -92,8 +97,11 @@ def test_program_variants_give_the_plain_programs_bits(arch, batch, fuse, split)
     ops = [i.op for q in other.queues for i in q]
     if fuse:
         assert Op.COMBINE not in ops and other.attn_chunks > 1
+    # QKV tiles: whole kv groups' units, at most one per SM (planner.py).
+    tiles = sum(len(t) for t in qkv_group_tiles(spec, parts, 16))
+    assert ops.count(Op.QKV) == tiles * spec.num_layers
     heads = spec.num_q_heads + 2 * spec.num_kv_heads
-    assert ops.count(Op.QKV) == min(heads * parts, 16) * spec.num_layers
+    assert tiles == min(heads * parts, 16) or heads * parts > 16
     tails = spec.num_layers * spec.num_kv_heads if fuse else 0
     assert len(ops) == plain.num_instructions - tails + ops.count(Op.QKV) - (
         min(heads, 16) * spec.num_layers)  # fmt: skip
@@ -112,6 +120,47 @@ def test_program_variants_give_the_plain_programs_bits(arch, batch, fuse, split)
         for (o, lg, kv), (wo, wlg, wkv) in zip(run(other, seed), want, strict=True):
             assert torch.equal(o, wo) and torch.equal(lg, wlg)
             assert all(torch.equal(a, b) for a, b in zip(kv, wkv, strict=True))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_group_attends_before_other_groups_qkv_with_the_same_bits(arch):
+    """Each kv group's ATTN waits for its own QKV tiles only (planner.py), so
+    some interleavings run a group's attention while another group's QKV
+    tiles are still to run (never, were the dependency the whole phase);
+    the results are bit for bit the same under every interleaving."""
+    spec = make_spec(arch, torch.float32)
+    weights = random_weights(spec, seed=1)
+    device = dataclasses.replace(DEVICES["h200"], num_sms=16)
+    program = plan(spec, 2, device, with_lm_head=True)
+
+    def inputs():
+        return random_decode_inputs(spec, 2, seed=7)
+
+    want = ProgramInterpreter(program, weights, seed=0).step(inputs())
+
+    def group_of(i) -> int:
+        """The kv group of a QKV tile (the planner keeps one per tile)."""
+        head, nq = i.arg0, spec.num_q_heads
+        return head // (nq // spec.num_kv_heads) if head < nq else (
+            (head - nq) % spec.num_kv_heads)  # fmt: skip
+
+    class Recording(ProgramInterpreter):
+        def _execute(self, i) -> None:
+            self.ran.append(i)
+            super()._execute(i)
+
+    early = 0
+    for seed in range(8):
+        interp = Recording(program, weights, seed=seed)
+        interp.ran = ran = []
+        assert torch.equal(interp.step(inputs()), want)
+        for k, i in enumerate(ran):
+            if i.op == Op.ATTN:
+                early += any(
+                    j.op == Op.QKV and j.layer == i.layer and group_of(j) != i.arg0
+                    for j in ran[k + 1 :]
+                )
+    assert early > 0
 
 
 def test_counters_need_no_reset_between_steps():

@@ -146,6 +146,10 @@ def _rewire(program, op, **changes):
     return dataclasses.replace(program, queues=queues)
 
 
+def signallers(program, counter: int) -> int:
+    return sum(1 for q in program.queues for i in q if i.signal_counter == counter)
+
+
 def test_missing_dependencies_are_caught():
     """MLA_ATTN made to wait for the down projection instead of the latent
     queries: it reads q before MLA_Q is known to have run. MLA_APPEND
@@ -158,9 +162,8 @@ def test_missing_dependencies_are_caught():
     for _, _, i in program.in_global_order():
         first.setdefault(i.op, i)
     qkv_a, attn = first[Op.MLA_QKV_A], first[Op.MLA_ATTN]
-    tiles = sum(1 for _, _, i in program.in_global_order() if i.op == Op.MLA_QKV_A)
     early = _rewire(program, Op.MLA_ATTN, wait_counter=qkv_a.signal_counter,
-                    wait_count=tiles)  # fmt: skip
+                    wait_count=signallers(program, qkv_a.signal_counter))  # fmt: skip
     with pytest.raises(VerificationError, match="reads q"):
         verify(early)
     unsignalled = _rewire(
@@ -169,6 +172,34 @@ def test_missing_dependencies_are_caught():
     )  # fmt: skip
     with pytest.raises(VerificationError, match="reads latent"):
         verify(unsignalled)
+
+
+def test_q_a_and_kv_a_tiles_signal_their_readers_only():
+    """With a q LoRA, the down projection's q_a tiles and kv_a tiles signal
+    counters of their own (planner.py): MLA_Q waits for q_a's, MLA_APPEND
+    for kv_a's. Swapped, each reads columns not known to be written."""
+    program = plan(mla_spec(torch.bfloat16, layers=1), 1, DEVICE)
+    verify(program)
+    names = program.counter_names
+    tiles = {}
+    for _, _, i in program.in_global_order():
+        if i.op == Op.MLA_QKV_A:
+            tiles.setdefault(names[i.signal_counter], []).append((i.arg0, i.arg1))
+    lora, width = 96, 96 + 576
+    assert set(tiles) == {"L0.q_a", "L0.kv_a"}
+    assert {c for r in tiles["L0.q_a"] for c in range(*r)} == set(range(lora))
+    assert {c for r in tiles["L0.kv_a"] for c in range(*r)} == set(range(lora, width))
+    q, append = (next(i for _, _, i in program.in_global_order() if i.op == op)
+                 for op in (Op.MLA_Q, Op.MLA_APPEND))  # fmt: skip
+    assert names[q.wait_counter] == "L0.q_a"
+    assert names[append.wait_counter] == "L0.kv_a"
+    swapped = _rewire(
+        _rewire(program, Op.MLA_Q, wait_counter=append.wait_counter,
+                wait_count=append.wait_count),
+        Op.MLA_APPEND, wait_counter=q.wait_counter, wait_count=q.wait_count,
+    )  # fmt: skip
+    with pytest.raises(VerificationError, match="reads qkv_a.*before"):
+        verify(swapped)
 
 
 @pytest.mark.parametrize("config, split", [("deepseek-v3", (8, 16, 1)),

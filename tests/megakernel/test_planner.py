@@ -10,7 +10,14 @@ from vllm_ext import configs
 from vllm_ext.megakernel.calibrate import probe
 from vllm_ext.megakernel.cost import DEVICES, predict
 from vllm_ext.megakernel.isa import Op, decode
-from vllm_ext.megakernel.planner import batch_buckets, plan, qkv_parts_to_fill, split
+from vllm_ext.megakernel.planner import (
+    batch_buckets,
+    plan,
+    qkv_group_tiles,
+    qkv_parts_to_fill,
+    split,
+    split_within,
+)
 from vllm_ext.megakernel.verify import verify
 from vllm_ext.model_spec import ModelSpec
 
@@ -119,6 +126,115 @@ def test_qkv_parts_refused_where_heads_cannot_split():
     with pytest.raises(ValueError, match="multiples of 16"):  # d = 64: 8 per half
         plan(spec_of("llama-3.2-1b"), 1, DEVICES["h200"], qkv_parts=4)
     assert qkv_parts_to_fill(spec_of("qwen3-8b"), 132) == 1
+
+
+@pytest.mark.parametrize(
+    "segments, parts, multiple",
+    [([(0, 96), (96, 672)], 16, 16), ([(0, 4), (4, 5), (9, 10)], 132, 1),
+     ([(0, 40), (40, 41), (41, 42), (60, 61)], 3, 1)],
+)  # fmt: skip
+def test_split_within_keeps_ranges_inside_their_segment(segments, parts, multiple):
+    tiles = split_within(segments, parts, multiple)
+    assert len(tiles) == len(segments)
+    assert sum(len(t) for t in tiles) <= max(parts, len(segments))
+    for (lo, hi), ranges in zip(segments, tiles, strict=True):
+        assert ranges[0][0] == lo and ranges[-1][1] == hi
+        for (_, end), (start, _) in zip(ranges, ranges[1:], strict=False):
+            assert end == start and (start - lo) % multiple == 0
+
+
+def unit_group(spec: ModelSpec, parts: int, unit: int) -> int:
+    """The kv group a QKV unit (isa.py) belongs to."""
+    head, nq, nkv = unit // parts, spec.num_q_heads, spec.num_kv_heads
+    return head // (nq // nkv) if head < nq else (head - nq) % nkv
+
+
+@pytest.mark.parametrize("name", [*REAL, "qwen3-30b-a3b", "mixtral-8x7b",
+                                  "qwen2.5-0.5b"])  # fmt: skip
+@pytest.mark.parametrize("num_sms", [132, 16, 5])
+def test_qkv_tiles_lie_within_one_kv_group(name, num_sms):
+    """Each tile covers units of one kv group; together they cover every
+    unit once; at most one tile per SM (the groups' three segments
+    allowing), one per unit where the units are fewer than the SMs."""
+    spec = spec_of(name)
+    for parts in sorted({1, qkv_parts_to_fill(spec, num_sms)}):
+        tiles = qkv_group_tiles(spec, parts, num_sms)
+        assert len(tiles) == spec.num_kv_heads
+        covered = []
+        for g, ranges in enumerate(tiles):
+            for lo, hi in ranges:
+                assert {unit_group(spec, parts, u) for u in range(lo, hi)} == {g}
+                covered += range(lo, hi)
+        units = (spec.num_q_heads + 2 * spec.num_kv_heads) * parts
+        assert sorted(covered) == list(range(units))
+        count = sum(len(t) for t in tiles)
+        assert count <= max(num_sms, 3 * spec.num_kv_heads)
+        if units <= num_sms:
+            assert count == units
+
+
+def qkv_signallers(program) -> dict[int, list]:
+    by_counter: dict[int, list] = {}
+    for _, _, i in program.in_global_order():
+        if i.op == Op.QKV:
+            by_counter.setdefault(i.signal_counter, []).append(i)
+    return by_counter
+
+
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "qwen3-8b"])
+@pytest.mark.parametrize("fuse, parts", [(False, 1), (True, 2)])
+def test_attn_waits_for_its_own_groups_qkv_only(name, fuse, parts):
+    """ATTN(l, g) waits for a counter that exactly the QKV tiles of layer l
+    holding kv group g's units signal, all of them."""
+    spec = spec_of(name)
+    parts = min(parts, qkv_parts_to_fill(spec, 132))
+    program = plan(spec, 1, DEVICES["h200"], fuse_combine=fuse, qkv_parts=parts)
+    signallers = qkv_signallers(program)
+    nq, nkv = spec.num_q_heads, spec.num_kv_heads
+    per_group = (nq // nkv + 2) * parts
+    for _, _, i in program.in_global_order():
+        if i.op != Op.ATTN:
+            continue
+        tiles = signallers[i.wait_counter]
+        assert i.wait_count == len(tiles)
+        assert program.counter_names[i.wait_counter] == f"L{i.layer}.qkv.g{i.arg0}"
+        units = [u for t in tiles for u in range(t.arg0, t.arg1)]
+        assert all(t.layer == i.layer for t in tiles)
+        assert len(units) == per_group
+        assert {unit_group(spec, parts, u) for u in units} == {i.arg0}
+
+
+def whole_phase_qkv(program):
+    """``program`` with each layer's QKV tiles signalling one counter that
+    every ATTN of the layer waits for: the dependency before kv groups had
+    counters of their own (still a valid program)."""
+    first: dict[int, int] = {}
+    count: dict[int, int] = {}
+    for _, _, i in program.in_global_order():
+        if i.op == Op.QKV:
+            first.setdefault(i.layer, i.signal_counter)
+            count[i.layer] = count.get(i.layer, 0) + 1
+
+    def coarse(i):
+        if i.op == Op.QKV:
+            return dataclasses.replace(i, signal_counter=first[i.layer])
+        if i.op == Op.ATTN:
+            return dataclasses.replace(i, wait_counter=first[i.layer],
+                                       wait_count=count[i.layer])  # fmt: skip
+        return i
+
+    queues = tuple(tuple(coarse(i) for i in q) for q in program.queues)
+    return dataclasses.replace(program, queues=queues)
+
+
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.1-8b"])
+def test_group_counters_shorten_the_predicted_step(name):
+    """By the cost model (docs/design.md, the table): a group's attention
+    no longer waits for the slowest QKV tile of every group."""
+    program = plan(spec_of(name), 1, DEVICES["h200"], with_lm_head=True)
+    before = whole_phase_qkv(program)
+    verify(before)
+    assert predict(program).step_s < predict(before).step_s - 20e-6
 
 
 @pytest.mark.parametrize("device", ["h100", "h200", "b200"])

@@ -208,3 +208,51 @@ def test_head_parts_verify_and_a_part_written_twice_is_caught():
     instr = split.queues[where[0]][where[1]]
     with pytest.raises(VerificationError, match="written twice"):
         verify(replace_instr(split, where, arg1=instr.arg1 + 1))
+
+
+# ------------------------------------------------- QKV -> ATTN per kv group
+
+
+def attn_of(program, layer: int, group: int) -> list[tuple[int, int]]:
+    return [
+        (sm, i)
+        for sm, q in enumerate(program.queues)
+        for i, instr in enumerate(q)
+        if instr.op == Op.ATTN and (instr.layer, instr.arg0) == (layer, group)
+    ]
+
+
+def at(program, where):
+    return program.queues[where[0]][where[1]]
+
+
+def test_attn_waiting_for_another_groups_qkv_is_a_race(program):
+    # Group 1's chunks waiting for group 0's QKV tiles: as many as group
+    # 1's, so the counts match and nothing deadlocks, but group 1's q, k
+    # and v are read before their tiles are known to have run.
+    other = at(program, attn_of(program, 0, 0)[0])
+    bad = replace_all(program, attn_of(program, 0, 1),
+                      wait_counter=other.wait_counter,
+                      wait_count=other.wait_count)  # fmt: skip
+    with pytest.raises(VerificationError, match=r"reads [qkv]\[layer 0\].*before"):
+        verify(bad)
+
+
+def test_qkv_tile_signalling_another_groups_counter_is_caught(program):
+    # A tile of group 0 signals group 1's counter: group 0's chunks wait for
+    # one signal more than its counter gets. With both counts made to
+    # match, group 0's chunks read that tile's heads unordered.
+    g0, g1 = (at(program, attn_of(program, 0, g)[0]) for g in (0, 1))
+    tile = next(
+        (sm, i)
+        for sm, q in enumerate(program.queues)
+        for i, instr in enumerate(q)
+        if instr.op == Op.QKV and instr.signal_counter == g0.wait_counter
+    )
+    moved = replace_instr(program, tile, signal_counter=g1.wait_counter)
+    with pytest.raises(VerificationError, match="waits for .* but .* signal it"):
+        verify(moved)
+    bad = replace_all(moved, attn_of(program, 0, 0), wait_count=g0.wait_count - 1)
+    bad = replace_all(bad, attn_of(program, 0, 1), wait_count=g1.wait_count + 1)
+    with pytest.raises(VerificationError, match=r"reads [qkv]\[layer 0\].*before"):
+        verify(bad)

@@ -6,8 +6,12 @@ topological order (embedding; per layer QKV, ATTN, COMBINE, O_PROJ, GATE_UP,
 DOWN; final norm; LM head) and deals each to the SM with the fewest bytes so
 far. Every queue is therefore a subsequence of the global order, which is
 what makes the program deadlock-free when all CTAs are co-resident (see
-verify.py). Each phase waits for the whole previous phase through one
-counter; tiles are sized from bytes so every phase spreads over all SMs.
+verify.py). An instruction waits through one counter for the instructions
+that write what it reads: the whole previous phase, except where the data
+allows finer (a kv group's ATTN waits for that group's QKV tiles only, an
+MLA layer's MLA_Q for q_a's tiles of the down projection and MLA_APPEND
+for kv_a's). Tiles are sized from bytes so every phase spreads over all
+SMs.
 
 With ``fuse_combine`` there are no COMBINE instructions: the last ATTN chunk
 of each kv head merges the head's partials itself (``tail`` in isa.py), which
@@ -295,6 +299,47 @@ def mla_split(spec: ModelSpec, num_sms: int) -> tuple[int, int, int]:
     return groups, chunks, parts
 
 
+def split_within(
+    segments: list[tuple[int, int]], parts: int, multiple: int = 1
+) -> list[list[tuple[int, int]]]:
+    """Each segment ``[lo, hi)`` in ranges that stay inside it (so each range
+    can signal its segment's counter): at most ``parts`` ranges in all (or
+    one per segment, if there are more), as even as that allows, in
+    multiples of ``multiple`` (a segment's last range may be shorter);
+    segments must start at multiples of ``multiple``."""
+    units = [math.ceil((hi - lo) / multiple) for lo, hi in segments]
+    size = max(1, math.ceil(sum(units) / max(1, parts)))
+    while sum(math.ceil(n / size) for n in units) > max(parts, len(segments)):
+        size += 1
+    tiles = []
+    for (lo, hi), n in zip(segments, units, strict=True):
+        ranges = split(hi - lo, math.ceil(n / size), multiple)
+        tiles.append([(lo + a, lo + b) for a, b in ranges])
+    return tiles
+
+
+def qkv_group_tiles(
+    spec: ModelSpec, qkv_parts: int, num_sms: int
+) -> list[list[tuple[int, int]]]:
+    """QKV's tiles per kv group g: ranges of fused-head units (isa.py) within
+    g's units alone, its q heads then k head g then v head g. Those are not
+    contiguous in the fused order (q heads, then k, then v), so a group has
+    at least three tiles; in all at most one per SM (unless the groups are
+    more than a third of the SMs), one per unit where the units are fewer
+    than the SMs (every real shape on 132 SMs: as before)."""
+    p, nq, nkv = qkv_parts, spec.num_q_heads, spec.num_kv_heads
+    group = nq // nkv
+    segments = []
+    for g in range(nkv):
+        segments += [
+            (g * group * p, (g + 1) * group * p),  # its q heads
+            ((nq + g) * p, (nq + g + 1) * p),  # k head g
+            ((nq + nkv + g) * p, (nq + nkv + g + 1) * p),  # v head g
+        ]
+    tiles = split_within(segments, num_sms)
+    return [tiles[3 * g] + tiles[3 * g + 1] + tiles[3 * g + 2] for g in range(nkv)]
+
+
 def expert_slots(spec: ModelSpec, batch: int) -> int:
     """Expert slots per sparse layer (isa.py): as many as the batch's
     requests can select, at most every expert (0 without a mixture)."""
@@ -364,13 +409,19 @@ def plan(
         return (c, len(tiles))
 
     def grouped_query_attention(layer: int, prev) -> tuple[int, int]:
-        qkv_tiles = split(heads * qkv_parts, n_sm, 1)
-        qkv = phase(Op.QKV, layer, qkv_tiles, prev, f"L{layer}.qkv")
+        # Each kv group's QKV tiles signal the group's counter, and its ATTN
+        # chunks wait for that counter alone (they read nothing else QKV
+        # writes): a group's attention starts once its own heads are in.
+        ready = [
+            phase(Op.QKV, layer, tiles, prev, f"L{layer}.qkv.g{g}")
+            for g, tiles in enumerate(qkv_group_tiles(spec, qkv_parts, n_sm))
+        ]
         combine_c = counter(f"L{layer}.combine")
         for g in range(spec.num_kv_heads):
             attn_tiles = [(g, c) for c in range(chunks)]
             tail = combine_c if fuse_combine else NO_COUNTER
-            a = phase(Op.ATTN, layer, attn_tiles, qkv, f"L{layer}.attn.g{g}", tail)
+            a = phase(Op.ATTN, layer, attn_tiles, ready[g], f"L{layer}.attn.g{g}",
+                      tail)  # fmt: skip
             if not fuse_combine:
                 phases.append((Op.COMBINE, layer, [(g, 0)], a, combine_c, NO_COUNTER))
         return (combine_c, spec.num_kv_heads)
@@ -378,16 +429,31 @@ def plan(
     def latent_attention(layer: int, prev) -> tuple[int, int]:
         assert mla is not None
         lora = mla.q_lora_rank or 0
-        down = phase(Op.MLA_QKV_A, layer, gemv_tiles(lora + mla.latent_width),
-                     prev, f"L{layer}.qkv_a")  # fmt: skip
+        width = lora + mla.latent_width
+        if not lora:
+            q_a, kv_a = None, phase(Op.MLA_QKV_A, layer, gemv_tiles(width), prev,
+                                    f"L{layer}.kv_a")  # fmt: skip
+        elif lora % COL_MULTIPLE == 0:
+            # q_a's tiles and kv_a's signal counters of their own: MLA_Q
+            # reads q_a's columns only, MLA_APPEND kv_a's.
+            q_tiles, kv_tiles = split_within(
+                [(0, lora), (lora, width)], n_sm, COL_MULTIPLE
+            )
+            q_a = phase(Op.MLA_QKV_A, layer, q_tiles, prev, f"L{layer}.q_a")
+            kv_a = phase(Op.MLA_QKV_A, layer, kv_tiles, prev, f"L{layer}.kv_a")
+        else:  # a tile would straddle q_a and kv_a: one counter for both
+            q_a = kv_a = phase(Op.MLA_QKV_A, layer, gemv_tiles(width), prev,
+                               f"L{layer}.qkv_a")  # fmt: skip
         # MLA_Q (one tile per head) and MLA_APPEND signal one counter: the
-        # attention reads both. Without a q LoRA, MLA_Q reads h[l] only and
-        # runs beside the down projection.
+        # attention reads both (an instruction signals one counter, and the
+        # one latent row serves every head group, so a group cannot wait for
+        # its own heads' MLA_Q alone). Without a q LoRA, MLA_Q reads h[l]
+        # only and runs beside the down projection.
         q_c = counter(f"L{layer}.q_latent")
         q_tiles = split(mla.num_heads, n_sm, 1)
-        q_wait = down if lora else prev
+        q_wait = q_a if lora else prev
         phases.append((Op.MLA_Q, layer, q_tiles, q_wait, q_c, NO_COUNTER))
-        phases.append((Op.MLA_APPEND, layer, [(0, 0)], down, q_c, NO_COUNTER))
+        phases.append((Op.MLA_APPEND, layer, [(0, 0)], kv_a, q_c, NO_COUNTER))
         ready = (q_c, len(q_tiles) + 1)
         per_group = mla.num_heads // groups
         combine_c = counter(f"L{layer}.combine")
@@ -405,7 +471,6 @@ def plan(
     h = spec.hidden_size
     moe, slots = spec.moe, expert_slots(spec, batch)
     small = split(h, max(1, h // 512), COL_MULTIPLE)  # embed / final norm
-    heads = spec.num_q_heads + 2 * spec.num_kv_heads
     chunks = max(1, min(max_attn_chunks, n_sm // spec.num_kv_heads))
     mla = spec.mla
     groups, v_parts = 1, 1
