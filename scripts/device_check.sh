@@ -37,26 +37,20 @@ COVERAGE=${DEVICE_CHECK_COVERAGE-"qwen2.5-0.5b:1 qwen3-0.6b:1"}
 # The GPU side runs the cases smallest shape first, each default before its
 # variants, and the variants of a shape in the order listed here: what the
 # call's deadline cuts is the end of this list.
-VARIANTS=${DEVICE_CHECK_VARIANTS-"llama-3.2-1b:1:deep llama-3.2-1b:1:fast llama-3.2-1b:1:split llama-3.2-1b:1:pipe llama-3.2-1b:1:tail llama-3.2-1b:16:mma llama-3.2-1b:16:fast llama-3.1-8b:1:deep llama-3.1-8b:1:split llama-3.1-8b:1:pipe llama-3.1-8b:16:mma llama-3.1-8b:16:fast"}
+VARIANTS=${DEVICE_CHECK_VARIANTS-"llama-3.2-1b:1:legacy llama-3.2-1b:1:fast llama-3.2-1b:1:split llama-3.2-1b:1:tail llama-3.2-1b:16:mma llama-3.2-1b:16:fast llama-3.1-8b:1:legacy llama-3.1-8b:1:split llama-3.1-8b:16:mma llama-3.1-8b:16:fast"}
 variant_flags() {
     case $1 in
-        # weights into shared memory before each wait; the queue at launch
-        staged) echo --stage-weights --stage-queue ;;
-        # the weight pipeline (a ring of pages kept full by bulk copies)
-        pipe) echo --weight-pipe --stage-queue ;;
-        # pipe, with each head's COMBINE run by its last ATTN chunk
-        tail) echo --weight-pipe --stage-queue --fused-combine ;;
+        # the previous control (thread 0 waits, CTA barriers, GEMVs from
+        # global memory), timed beside the warp roles (the default)
+        legacy) echo --legacy-control ;;
+        # each head's COMBINE run by its last ATTN chunk
+        tail) echo --fused-combine ;;
         # tail, with QKV tiles of head parts (96 instead of 48 per layer)
-        split) echo --weight-pipe --stage-queue --fused-combine --split-qkv ;;
-        # split, with the ring's next pages hinted into L2 ahead of it
-        deep) echo --weight-pipe --l2-ahead --stage-queue --fused-combine \
-            --split-qkv ;;
-        # deep and the wide attention
-        fast) echo --weight-pipe --l2-ahead --wide-attn --stage-queue \
-            --fused-combine --split-qkv ;;
-        # fast, with the GEMVs on tensor cores reading the pipeline's pages
-        mma) echo --mma-gemv --weight-pipe --l2-ahead --wide-attn --stage-queue \
-            --fused-combine --split-qkv ;;
+        split) echo --fused-combine --split-qkv ;;
+        # split and the wide attention
+        fast) echo --wide-attn --fused-combine --split-qkv ;;
+        # fast, with the GEMVs on tensor cores reading the ring's pages
+        mma) echo --mma-gemv --wide-attn --fused-combine --split-qkv ;;
         *) echo "device_check: unknown variant $1" >&2; exit 2 ;;
     esac
 }
@@ -72,6 +66,29 @@ PLANTED_MODEL=llama-3.2-1b
 # fused-MoE Triton path, carried as moe_baseline/ (its kernel source copied
 # from the installed vLLM at build time). Empty: none.
 MOE=${DEVICE_CHECK_MOE-"qwen3-30b-a3b:1:8 qwen3-30b-a3b:16:8"}
+# ---- multi-head latent attention (MLA) ----
+# MODEL:BATCH:LAYERS, built and run like the mixtures above: the model's
+# real widths, random weights, its first LAYERS layers; each instruction
+# checked (MLA_QKV_A, MLA_Q, MLA_APPEND, MLA_ATTN per head group and chunk,
+# MLA_COMBINE; a sparse layer's mixture too), the attention also unsplit
+# against the torch absorbed attention, the step timed at a 4k-token
+# context against a per-op step (scripts/baseline/mla_per_op.py; vLLM's
+# fused MoE for a sparse layer, prepared below when LAYERS reach one) and
+# the attention's roofline. FlashInfer's MLA decode (vLLM's FLASHINFER_MLA
+# kernel; DEVICE_CHECK_FLASHINFER=0 skips it, ~30 s and 1.2 MB) is built
+# for the per-op attention and compared with the kernel's in the timing.
+# Each case: DeepSeek-V3's three dense layers and its first sparse one
+# (256 experts), Kimi-K2's dense layer and its first sparse one (384).
+# Random weights drawn on the GPU (bf16 parameters; the LM head is the
+# embedding): DeepSeek-V3 0.93 G embedding + 3 x 0.58 G + 11.5 G = 14.2 G,
+# 28 GB; Kimi-K2 1.17 G + 0.50 G + 17.1 G = 18.7 G, 37 GB; the experts'
+# list and its stack both live while one is drawn: ~51 and ~71 GB at the
+# peak, of the H200's 139 GiB. The draw is a few passes over those bytes
+# (seconds), once for the correctness and once for the timing. A case's
+# program is 4 and 2 layers (~4000 and ~2000 instructions for the
+# interpreter's pass). Empty: none.
+MLA=${DEVICE_CHECK_MLA-"deepseek-v3:1:4 kimi-k2:1:2"}
+# ---- end MLA ----
 rm -rf "$BUNDLE"
 mkdir -p "$BUNDLE"
 cd "$ROOT"
@@ -112,6 +129,27 @@ for triple in $MOE; do
     moe_models[$model]=1
     moe_batches[$batch]=1
 done
+# ---- MLA cases (DEVICE_CHECK_MLA, above) ----
+for triple in $MLA; do
+    IFS=: read -r model batch depth <<<"$triple"
+    build_case "$model" "$batch" "$BUNDLE/$model-b$batch"
+    layers="$layers $model-b$batch=$depth"
+    # A sparse layer among the first LAYERS: the MoE baseline's shapes too.
+    dense=$("$VENV/bin/python" -c 'import json, sys
+c = json.load(open(sys.argv[1]))
+print(c.get("first_k_dense_replace", 0) if c.get("n_routed_experts") else 1 << 30)' \
+        "$ROOT/vllm_ext/configs/$model.json")
+    if ((depth > dense)); then
+        moe_models[$model]=1
+        moe_batches[$batch]=1
+    fi
+done
+if [[ -n ${MLA// /} && ${DEVICE_CHECK_FLASHINFER:-1} == 1 ]]; then
+    "$VENV/bin/python" "$ROOT/scripts/baseline/build_flashinfer_mla.py" \
+        "$BUNDLE" >/dev/null
+fi
+# ---- end MLA ----
+# vLLM's fused-MoE Triton path for every mixture above, MLA cases' included.
 if ((${#moe_models[@]})); then
     args=()
     for model in "${!moe_models[@]}"; do args+=(--model "$model"); done

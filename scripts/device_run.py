@@ -31,6 +31,9 @@ captured, against the per-op step that stands for vLLM's default decode
 (scripts/baseline: compiled pieces, cuBLAS GEMMs, one KV-append kernel,
 FlashInfer's split-KV paged decode, one CUDA graph), the GEMMs and attention
 alone, and the weight-read floor; then a breakdown of the step.
+A multi-head latent attention case (DeepSeek-V3, Kimi-K2: device_mla.py)
+has its own instructions checked, its attention held to the torch
+absorbed attention, and its per-op step from scripts/baseline/mla_per_op.py.
 Writes OUT_DIR/device_check.json and .md as each part ends, with a verdict:
 passed, incomplete (a required check did not run) or failed.
 """
@@ -50,10 +53,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts" / "baseline"))
+sys.path.insert(0, str(ROOT / "scripts"))
 
+import device_mla  # noqa: E402
 import flashinfer_baseline  # noqa: E402
+import mla_per_op  # noqa: E402
 import torch  # noqa: E402
 from flashinfer_baseline import flashinfer_attend  # noqa: E402
+from flashinfer_mla import FlashInferMla, flashinfer_attention  # noqa: E402
 from per_op import per_op_step  # noqa: E402
 
 from vllm_ext.megakernel.calibrate import probe  # noqa: E402
@@ -83,7 +90,7 @@ from vllm_ext.megakernel.ops import (  # noqa: E402
 )
 from vllm_ext.megakernel.planner import plan  # noqa: E402
 from vllm_ext.megakernel.variants import KERNEL  # noqa: E402
-from vllm_ext.model_spec import ModelSpec, MoeSpec  # noqa: E402
+from vllm_ext.model_spec import MlaSpec, ModelSpec, MoeSpec  # noqa: E402
 from vllm_ext.runner import DecodeInputs  # noqa: E402
 from vllm_ext.testing import BLOCK_SIZE, random_decode_inputs, random_weights  # noqa: E402
 
@@ -104,7 +111,13 @@ TOLERANCE = {"bf16": 2**-5, "fp32": 1e-3}
 # rounded values (RoPE in QKV and the K half of KV_APPEND, SiLU-mul in
 # GATE_UP), whose error scales with the larger input: there magnitudes do
 # not allow it, and the bound is the max-based one.
-ELEMENT_FLOOR = {"QKV": 1.0, "KV_APPEND": 1.0, "GATE_UP": 1.0, "EXPERT_UP": 1.0}
+ELEMENT_FLOOR = {
+    "QKV": 1.0,
+    "KV_APPEND": 1.0,
+    "GATE_UP": 1.0,
+    "EXPERT_UP": 1.0,
+    **device_mla.ELEMENT_FLOOR,
+}
 # TOPK's choices are integers: a request whose experts (or their slots)
 # differ from the reference's on the kernel's own logits fails, unless the
 # reference's selection scores put the choice within this of a tie (the
@@ -148,6 +161,8 @@ def load_case(case_dir: Path, layers: int | None = None):
     if fields.get("moe") is not None:  # saved as a dict (build.save_program)
         moe = dict(fields["moe"], sparse_layers=tuple(fields["moe"]["sparse_layers"]))
         fields["moe"] = MoeSpec(**moe)
+    if fields.get("mla") is not None:
+        fields["mla"] = MlaSpec(**fields["mla"])
     spec = ModelSpec(**fields)
     if layers is not None:
         spec = spec.with_layers(layers)
@@ -284,14 +299,18 @@ def correctness(case_dir: Path) -> dict:
         interp.step(pad_inputs(inputs, program.batch))
         ref = interp.buf
         drift = {}
-        for name in ("h", "hmid", "q", "attn", "act", "part_o", "part_lse"):
+        for name in DRIFT_BUFFERS:
+            if name not in ex.ws:  # (an MLA program has no q, a dense no q_lat)
+                continue
             per_layer = [
                 rel_err(a[:n], b[:n]) for a, b in _pairs(ex.ws[name], ref[name], name)
             ]
             worst = max(range(len(per_layer)), key=per_layer.__getitem__)
             drift[name] = {"max": per_layer[worst], "layer": worst}
         drift["logits"] = {"max": rel_err(ex.logits[:n], interp.logits[:n])}
-        if flashinfer is not None:
+        if spec.mla is not None:
+            errs.update(mla_attention_check(ex, spec, mine, n))
+        elif flashinfer is not None:
             errs.update(flashinfer_checks(flashinfer, ex, interp, mine, inputs, n))
         top_k = ex.logits[:n].argmax(-1)
         top_r = interp.logits[:n].argmax(-1)
@@ -324,6 +343,10 @@ def correctness(case_dir: Path) -> dict:
     return result
 
 
+# The buffers whose drift from the interpreter is reported (those the
+# case's program has).
+DRIFT_BUFFERS = ("h", "hmid", "q", "qkv_a", "q_lat", "q_pe", "attn", "act",
+                 "part_o", "part_lse")  # fmt: skip
 GRAPH_REPLAYS = 2
 
 
@@ -404,6 +427,51 @@ def flashinfer_checks(flashinfer, ex, interp, mine, ref, n: int) -> dict:
     return errs
 
 
+def mla_attention_check(ex, spec: ModelSpec, inputs: DecodeInputs, n: int) -> dict:
+    """An MLA case's attention (MLA_ATTN + MLA_COMBINE) on the first and last
+    layer against the unsplit torch absorbed attention on the kernel's own
+    queries and cache: what flashinfer_checks is for the dense cases.
+    FlashInfer's MLA decode is compared in the timing (flashinfer_mla_check),
+    after this verdict is printed: a library never run on a GPU must not
+    cost it."""
+    worst = 0.0
+    for layer in (0, spec.num_layers - 1):
+        got, want = device_mla.unsplit_attention(ex, spec, inputs, n, layer)
+        worst = max(worst, rel_err(got, want))
+    check = {"max": worst, "tol": ATTN_TOLERANCE}
+    return {"mla_attn_vs_torch": {**check, "reference": device_mla.ATTENTION_REFERENCE}}
+
+
+def flashinfer_mla_check(flashinfer, ex, spec: ModelSpec, inputs: DecodeInputs,
+                         n: int) -> dict:  # fmt: skip
+    """FlashInfer's MLA decode on the kernel's own queries and cache (first
+    and last layer) against the kernel's attention (``mla_attn_vs_flashinfer``)
+    and its latent output against the torch reference's
+    (``flashinfer_mla_vs_torch``, which vouches for the library). Reported
+    beside the verdict, not in it: the library has not run on a GPU yet."""
+    kernel = library = 0.0
+    try:
+        for layer in (0, spec.num_layers - 1):
+            outputs = device_mla.flashinfer_outputs(
+                flashinfer, ex, spec, inputs, n, layer
+            )
+            got, out, o, ref = outputs
+            kernel, library = (
+                max(kernel, rel_err(got, out)),
+                max(library, rel_err(o, ref)),
+            )
+        sync()
+    except (RuntimeError, ValueError) as e:
+        return {"ok": None, "error": repr(e)[:500]}
+    return {
+        "mla_attn_vs_flashinfer": {"max": kernel, "tol": ATTN_TOLERANCE},
+        "flashinfer_mla_vs_torch": {"max": library, "tol": ATTN_TOLERANCE},
+        # The kernel agrees with FlashInfer, and FlashInfer with the torch
+        # reference (else its verdict on the kernel means nothing).
+        "ok": kernel <= ATTN_TOLERANCE if library <= ATTN_TOLERANCE else None,
+    }
+
+
 def local_errors(
     ex, spec: ModelSpec, inputs: DecodeInputs, n: int, before: StepGuard
 ) -> dict:
@@ -414,12 +482,8 @@ def local_errors(
     over layers, and a write to a wrong cache slot cannot reach a
     reference. Then what the step must not have written (``before``).
     ``{op: {max, layer, tol, ...}}``; ``passes`` judges each."""
-    w, ws, dt = ex.weights, ex.ws, spec.dtype
-    nq, nkv = spec.num_q_heads, spec.num_kv_heads
-    g, hidden = nq // nkv, spec.hidden_size
-    chunks = ex.program.attn_chunks
+    w, ws, dt, hidden = ex.weights, ex.ws, spec.dtype, spec.hidden_size
     cos, sin = w.cos_sin[inputs.positions[:n].long()].chunk(2, -1)
-    table, lens = inputs.block_table[:n], inputs.seq_lens[:n]
     out: dict = {}
     attn_layers = {0, spec.num_layers // 2, spec.num_layers - 1}
 
@@ -435,23 +499,14 @@ def local_errors(
     note("EMBED", 0, ws["h"][0][:n],
          embed.reference(w.embed, inputs.input_ids[:n], 0, hidden, dt))  # fmt: skip
     for i, lw in enumerate(w.layers):
-        h, hmid, q = ws["h"][i][:n], ws["hmid"][i][:n], ws["q"][i][:n]
-        heads = qkv.reference(h, lw, spec, 0, nq + 2 * nkv, cos, sin)
-        note("QKV", i, q, heads[:, :nq])
-        new_kv = torch.cat((heads[:, nq : nq + nkv], heads[:, nq + nkv :]), -1)
-        note("KV_APPEND", i, _new_kv(inputs.kv_caches[i], inputs, n), new_kv.float())
-        cache = before.cache_after_step(i, inputs.kv_caches[i], inputs, n)
-        for a in range(nkv):
-            part_o, part_lse = ws["part_o"][i][:, a, :n], ws["part_lse"][i][:, a, :n]
-            # Every chunk of the first, middle and last layer: the same code
-            # for every layer, and one reference call per (head, chunk).
-            for c in range(chunks if i in attn_layers else 0):
-                o, lse = attn.reference(q[:, a * g : (a + 1) * g], cache, a, table,
-                                        lens, c, chunks, w.attn_scale)  # fmt: skip
-                note("ATTN", i, part_o[c], o, "fp32")
-                note("ATTN_LSE", i, part_lse[c], lse, "fp32")
-            note("COMBINE", i, ws["attn"][i][:n, a * g : (a + 1) * g],
-                 combine.reference(part_o, part_lse, dt))  # fmt: skip
+        h, hmid = ws["h"][i][:n], ws["hmid"][i][:n]
+        if lw.mla is not None:
+            cache = before.cache_after_step(i, inputs.kv_caches[i], inputs, n)
+            device_mla.layer_errors(ex, spec, inputs, n, i, cache, cos, sin, note,
+                                    every_chunk=i in attn_layers)  # fmt: skip
+        else:
+            _attention_errors(ex, spec, inputs, n, i, before, cos, sin, note,
+                              every_chunk=i in attn_layers)  # fmt: skip
         attn_flat = ws["attn"][i][:n].reshape(n, -1)
         note("O_PROJ", i, hmid,
              o_proj.reference(attn_flat, h, lw.o_proj, 0, hidden, dt))  # fmt: skip
@@ -472,6 +527,35 @@ def local_errors(
          "fp32")  # fmt: skip
     out.update(before.stray_writes(ex, inputs, n))
     return out
+
+
+def _attention_errors(
+    ex, spec: ModelSpec, inputs: DecodeInputs, n: int, i: int, before: StepGuard,
+    cos, sin, note, every_chunk: bool,
+) -> None:  # fmt: skip
+    """A grouped-query layer's QKV, KV_APPEND, ATTN (every chunk with
+    ``every_chunk``) and COMBINE, recorded through ``note``."""
+    w, ws = ex.weights, ex.ws
+    lw, nq, nkv = w.layers[i], spec.num_q_heads, spec.num_kv_heads
+    g, chunks = nq // nkv, ex.program.attn_chunks
+    table, lens, dt = inputs.block_table[:n], inputs.seq_lens[:n], spec.dtype
+    h, q = ws["h"][i][:n], ws["q"][i][:n]
+    heads = qkv.reference(h, lw, spec, 0, nq + 2 * nkv, cos, sin)
+    note("QKV", i, q, heads[:, :nq])
+    new_kv = torch.cat((heads[:, nq : nq + nkv], heads[:, nq + nkv :]), -1)
+    note("KV_APPEND", i, _new_kv(inputs.kv_caches[i], inputs, n), new_kv.float())
+    cache = before.cache_after_step(i, inputs.kv_caches[i], inputs, n)
+    for a in range(nkv):
+        part_o, part_lse = ws["part_o"][i][:, a, :n], ws["part_lse"][i][:, a, :n]
+        # Every chunk of the first, middle and last layer: the same code
+        # for every layer, and one reference call per (head, chunk).
+        for c in range(chunks if every_chunk else 0):
+            o, lse = attn.reference(q[:, a * g : (a + 1) * g], cache, a, table,
+                                    lens, c, chunks, w.attn_scale)  # fmt: skip
+            note("ATTN", i, part_o[c], o, "fp32")
+            note("ATTN_LSE", i, part_lse[c], lse, "fp32")
+        note("COMBINE", i, ws["attn"][i][:n, a * g : (a + 1) * g],
+             combine.reference(part_o, part_lse, dt))  # fmt: skip
 
 
 def _mixture_errors(ex, spec: ModelSpec, i: int, n: int, note) -> dict:
@@ -550,12 +634,19 @@ def _pairs(mine: torch.Tensor, ref, name: str):
         yield m, r
 
 
+def _at_slots(cache: torch.Tensor, slots: torch.Tensor) -> tuple:
+    """The index of the slots' entries in a layer's cache: a grouped-query
+    one ``[blocks, kv heads, block, 2 * head_dim]`` (the LBNHC view), or a
+    latent one ``[blocks, block, width]`` (MLA: one row per token)."""
+    if cache.dim() == 3:
+        return slots // cache.shape[1], slots % cache.shape[1]
+    return slots // cache.shape[2], slice(None), slots % cache.shape[2]
+
+
 def _new_kv(cache: torch.Tensor, inputs: DecodeInputs, n: int) -> torch.Tensor:
     """The entries the step's real requests had to write ([n, kv heads,
-    2 * head_dim])."""
-    slots = inputs.slot_mapping[:n].long()
-    bs = cache.shape[2]
-    return cache[slots // bs, :, slots % bs].float()
+    2 * head_dim], or [n, width] in a latent cache)."""
+    return cache[_at_slots(cache, inputs.slot_mapping[:n].long())].float()
 
 
 def guard_workspace(ex) -> dict[str, torch.Tensor]:
@@ -604,9 +695,8 @@ class StepGuard:
         before it, with the kernel's entries at the step's slots (those are
         judged by KV_APPEND)."""
         ref = self.caches[layer].clone()
-        slots = inputs.slot_mapping[:n].long()
-        bs = cache.shape[2]
-        ref[slots // bs, :, slots % bs] = cache[slots // bs, :, slots % bs]
+        at = _at_slots(cache, inputs.slot_mapping[:n].long())
+        ref[at] = cache[at]
         return ref
 
     def stray_writes(self, ex, inputs: DecodeInputs, n: int) -> dict:
@@ -619,8 +709,7 @@ class StepGuard:
             zip(inputs.kv_caches, self.caches, strict=True)
         ):
             changed = _bits(cache) != _bits(old)
-            bs = cache.shape[2]
-            changed[slots // bs, :, slots % bs] = False
+            changed[_at_slots(cache, slots)] = False
             count = int(changed.sum().item())
             if count > worst:
                 worst, layer = count, i
@@ -673,6 +762,8 @@ def _weights(w):
             t = getattr(lw, name)
             if t is not None:
                 yield f"layer {i} {name}", t
+        for name, t in device_mla.mla_weights(lw):
+            yield f"layer {i} {name}", t
 
 
 def _to(inputs: DecodeInputs, dev, clone_kv: bool = False) -> DecodeInputs:
@@ -729,26 +820,30 @@ def timing(case_dir: Path) -> dict:
     spec, program = load_case(case_dir)
     b = program.batch
     weights = random_weights(spec, seed=1, device="cuda")
-    max_blocks = (BENCH_CONTEXT + BLOCK_SIZE - 1) // BLOCK_SIZE
+    # (An MLA case at the issue's 4k tokens: device_mla.py.)
+    context = BENCH_CONTEXT if spec.mla is None else device_mla.BENCH_CONTEXT
+    max_blocks = (context + BLOCK_SIZE - 1) // BLOCK_SIZE
     ex, _ = make_executor(case_dir, program, weights, max_blocks)
-    # Every request attends to BENCH_CONTEXT tokens in shuffled blocks.
+    # Every request attends to `context` tokens in shuffled blocks.
     blocks = torch.randperm(b * max_blocks, device="cuda", dtype=torch.int32)
     table = blocks.view(b, max_blocks)
-    last = BENCH_CONTEXT - 1
+    last = context - 1
     shape = (b * max_blocks, BLOCK_SIZE, spec.num_kv_heads, 2 * spec.head_dim)
     inputs = DecodeInputs(
         input_ids=torch.randint(0, spec.vocab_size, (b,), device="cuda"),
         positions=torch.full((b,), last, device="cuda"),
         block_table=table,
-        seq_lens=torch.full((b,), BENCH_CONTEXT, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.full((b,), context, dtype=torch.int32, device="cuda"),
         slot_mapping=table[:, last // BLOCK_SIZE].long() * BLOCK_SIZE
         + last % BLOCK_SIZE,
         kv_caches=tuple(
             torch.randn(shape, device="cuda", dtype=torch.bfloat16).permute(0, 2, 1, 3)
             for _ in range(spec.num_layers)
-        ),
+        )
+        if spec.mla is None
+        else device_mla.bench_caches(spec, b * max_blocks, BLOCK_SIZE, "cuda"),
     )
-    result = {"batch": b, "context": BENCH_CONTEXT, "layers": spec.num_layers,
+    result = {"batch": b, "context": context, "layers": spec.num_layers,
               # What the calibration re-plans, and the kernel it models
               # (vllm_ext/megakernel/calibrate.py).
               "program": {"fuse_combine": program.fuse_combine,
@@ -763,6 +858,10 @@ def timing(case_dir: Path) -> dict:
     result["megakernel_ms"] = time_ms(replay or mk)
     result["megakernel_eager_ms"] = time_ms(mk)
     result["weight_bytes"] = program.weight_bytes()
+    if spec.mla is not None:
+        result.update(mla_timing(case_dir, spec, weights, inputs, ex, program, mk,
+                                 result["megakernel_ms"]))  # fmt: skip
+        return result
     if is_variant(case_dir):
         # The baselines are its default twin's (same shapes, same weights);
         # the call's time goes to the rows of the breakdown the variants move.
@@ -821,6 +920,71 @@ def timing(case_dir: Path) -> dict:
     return result
 
 
+# torch.compile options of the MLA per-op step's pieces: Inductor, as vLLM
+# (the CPU tests trace them with aot_eager instead).
+MLA_PER_OP_COMPILE: dict = {}
+
+
+def mla_timing(case_dir: Path, spec: ModelSpec, weights, inputs: DecodeInputs, ex,
+               program, mk, full_ms: float) -> dict:  # fmt: skip
+    """An MLA case's figures beside the kernel's step: FlashInfer's MLA
+    decode against the kernel's attention of the last timed step (where the
+    bundle carries it); the per-op step (scripts/baseline/mla_per_op.py:
+    compiled pieces, cuBLAS GEMMs, W_UK/W_UV batched GEMMs, the attention
+    by FlashInfer's MLA decode, else in torch ops, vLLM's fused MoE for a
+    sparse layer) captured in one CUDA graph, its attention alone, the
+    attention's roofline (device_mla.roofline; the report takes the
+    bandwidth) and the breakdown's MLA rows. No eager-ops or GEMM-only
+    step: the call's time."""
+    b = program.batch
+    context = int(inputs.seq_lens[0])
+    out = {"per_op_baseline": "mla-per-op",
+           "roofline": device_mla.roofline(spec, b, context)}  # fmt: skip
+    flashinfer = FlashInferMla.load(case_dir.parent) if DEVICE == "cuda" else None
+    attentions = []
+    if flashinfer is not None:
+        out["flashinfer_mla"] = flashinfer_mla_check(flashinfer, ex, spec, inputs, b)
+        if out["flashinfer_mla"]["ok"] is not None:  # it ran, and agrees
+            attentions.append(("flashinfer-mla (FLASHINFER_MLA's Hopper kernel)",
+                               lambda: flashinfer_attention(flashinfer, spec, weights,
+                                                            inputs)))  # fmt: skip
+    attentions.append((mla_per_op.ATTENTION, None))  # (torch_mla_attend's)
+    mixture = None
+    if spec.moe is not None and any(spec.moe.sparse_layers):
+        try:
+            mixture, out["moe_layer"] = moe_mixture(case_dir, spec, weights, b)
+            out["per_op_moe"] = "vllm-fused-moe-triton"
+        except Exception as e:  # reported; no per-op baseline without it
+            out["per_op_error"] = f"MoE baseline: {e!r}"[:500]
+            attentions = []
+    for name, make in attentions:
+        try:
+            if make is None:
+                attend = mla_per_op.torch_mla_attend(spec, weights, inputs)
+            else:
+                attend = mla_per_op.absorbed_attend(spec, weights, inputs, make())
+            start = time.time()
+            base = mla_per_op.mla_per_op_step(spec, weights, inputs, attend,
+                                              compile_options=MLA_PER_OP_COMPILE,
+                                              mixture=mixture)  # fmt: skip
+            replay = graphed(base)
+            out["per_op_compile_s"] = round(time.time() - start, 1)
+            out["per_op_graph_ms"] = time_ms(replay) if replay else None
+            out["per_op_vs_megakernel"] = rel_err(base(), ex.logits[:b])
+            alone = graphed(mla_per_op.attention_only(spec, inputs, attend))
+            out["per_op_attention_ms"] = time_ms(alone) if alone else None
+            out["per_op_attention"] = name
+            out.pop("per_op_error", None)
+            break
+        except Exception as e:  # reported; the next attention, then the rest
+            out["per_op_error"] = f"{name}: {e!r}"[:500]
+    try:
+        out["breakdown"] = breakdown(ex, program, mk, full_ms, device_mla.ROWS)
+    except Exception as e:  # reported in the JSON
+        out["extras_error"] = repr(e)[:500]
+    return out
+
+
 def moe_mixture(case_dir: Path, spec: ModelSpec, weights, batch: int):
     """(mixture for per_op_step, one layer's figures): vLLM's fused-MoE
     Triton kernels as the bundle carries them (``moe_baseline.prepare``)."""
@@ -857,6 +1021,7 @@ BREAKDOWN = {
     "LM_HEAD": ((Op.LM_HEAD,), False),
     "NOP": ((), False),
     "NOP, waits": ((), True),
+    **device_mla.BREAKDOWN,
 }
 
 
@@ -880,8 +1045,8 @@ def breakdown(ex, program, step, full_ms: float, rows=tuple(BREAKDOWN)) -> dict:
     out = {}
     try:
         for name, (keep, waits) in BREAKDOWN.items():
-            if name not in rows:
-                continue
+            if name not in rows or (keep and not any(int(o) in by_op for o in keep)):
+                continue  # (not asked for, or no such instruction in the program)
             if program.fuse_combine and (name == "COMBINE" or waits):
                 # No COMBINE instructions: the merges run in ATTN's row. And
                 # a NOP'd ATTN runs no merge, so its tail never signals: the
@@ -1085,6 +1250,7 @@ def markdown(report: dict) -> str:
                 tbs = f" ({nbytes / ms / 1e9:.2f})" if ms and nbytes else ""
                 cells.append(f(ms) + tbs)
             lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    lines += device_mla.markdown_lines(report, bw)
     attention = {
         c["timing"].get("per_op_attention")
         for c in report["cases"].values()

@@ -79,8 +79,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
         os.environ.get("VLLM_MEGAKERNEL_CACHE_DIR") or None
     ),
     # Experimental kernel and program variants, comma-separated (names in
-    # megakernel/variants.py; e.g. "weight_pipe,stage_queue,fused_combine").
-    # Off by default: the default kernel is the one validated on a GPU.
+    # megakernel/variants.py; e.g. "fused_combine,split_qkv"). Off by default.
     "VLLM_MEGAKERNEL_VARIANTS": lambda: _variants("VLLM_MEGAKERNEL_VARIANTS"),
 }
 

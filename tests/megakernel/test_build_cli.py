@@ -34,39 +34,17 @@ def build(*args: str) -> subprocess.CompletedProcess:
         ("llama-3.1-8b", "sm_90a", 16, ()),
         ("llama-3.1-8b", "sm_100a", 1, ()),
         ("qwen3-8b", "sm_100a", 64, ()),
-        # The experimental variants at their largest shapes (registers).
+        # The experimental variants at their largest shapes (registers),
+        # and the legacy control beside the default.
         (
             "llama-3.1-8b",
             "sm_90a",
             64,
-            (
-                "--mma-gemv",
-                "--weight-pipe",
-                "--l2-ahead",
-                "--wide-attn",
-                "--stage-queue",
-                "--fused-combine",
-                "--split-qkv",
-            ),
+            ("--mma-gemv", "--wide-attn", "--fused-combine", "--split-qkv"),
         ),
-        (
-            "llama-3.1-8b",
-            "sm_100a",
-            64,
-            ("--weight-pipe", "--stage-queue", "--split-qkv"),
-        ),  # fmt: skip
-        (
-            "qwen3-8b",
-            "sm_90a",
-            64,
-            (
-                "--weight-pipe",
-                "--l2-ahead",
-                "--wide-attn",
-                "--stage-queue",
-                "--fused-combine",
-            ),
-        ),
+        ("llama-3.1-8b", "sm_100a", 64, ("--split-qkv",)),
+        ("qwen3-8b", "sm_90a", 64, ("--wide-attn", "--fused-combine")),
+        ("llama-3.1-8b", "sm_100a", 1, ("--legacy-control",)),
     ],
 )
 def test_build_real_shape(tmp_path, name, arch, batch, variant):
@@ -77,19 +55,19 @@ def test_build_real_shape(tmp_path, name, arch, batch, variant):
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["arch"] == arch and summary["compile_s"] > 0
-    check_sass(aot.BuildResult(**{k: summary[k] for k in BUILD_FIELDS}))
+    legacy = "--legacy-control" in variant
+    check_sass(aot.BuildResult(**{k: summary[k] for k in BUILD_FIELDS}), legacy)
     assert (tmp_path / f"libmegakernel_{arch}.so").exists()
     program = torch.load(summary["program"])
     assert int(program["lengths"].sum()) == summary["num_instructions"]
     assert json.loads((tmp_path / "manifest.json").read_text()) == summary
     assert (summary["mma_ops"] > 0) == ("--mma-gemv" in variant)
-    assert (summary["async_copies"] > 0) == ("--stage-weights" in variant)
-    assert (summary["bulk_copies"] > 0) == ("--weight-pipe" in variant)
-    if "--weight-pipe" in variant:
-        # The L2 cursor hints what the ring copies, through the same code: a
-        # prefetch beside each bulk-copy site.
-        hints = summary["l2_prefetches"] >= summary["bulk_copies"]
-        assert hints == ("--l2-ahead" in variant)
+    assert summary["async_copies"] == 0
+    # The ring's bulk copies (none in the legacy control); the L2 cursor
+    # hints what the ring copies, through the same code: a prefetch beside
+    # each bulk-copy site.
+    assert (summary["bulk_copies"] > 0) != legacy
+    assert summary["l2_prefetches"] >= summary["bulk_copies"]
     # Fused COMBINE: no COMBINE instructions (opcode 4); the tail's acq_rel
     # and release atomics beside the one signal of the default kernel.
     fused = "--fused-combine" in variant
@@ -144,8 +122,10 @@ def test_bad_config_exits_2(tmp_path, capsys):
     one = ("--config", "llama-3.2-1b", "--batch", "1")
     assert "multiple of 16" in refused(*one, "--block-size", "24")
     assert "multiple of 8" in refused("--config", "llama-3.2-1b", "--batch", "12")
-    # Head parts: not with QK-norm, not with the weight stage.
+    # Head parts: not with QK-norm.
     qwen3 = ("--config", "qwen3-8b", "--batch", "1")
     assert "cannot be split" in refused(*qwen3, "--split-qkv")
-    assert "weight stage" in refused(*one, "--split-qkv", "--stage-weights")
+    # The legacy control (and any variant) refuses a mixture of experts.
+    moe = ("--config", "qwen3-30b-a3b", "--batch", "1")
+    assert "default kernel only" in refused(*moe, "--legacy-control")
     assert not any((tmp_path / n).exists() for n in ("program.pt", "manifest.json"))

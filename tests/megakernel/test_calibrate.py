@@ -69,9 +69,10 @@ def test_recovers_the_figures_a_model_report_was_made_with(overhead, latency):
 
 def test_the_model_runs_each_case_with_its_kernels_lookahead():
     """A report that records the kernel's shape is modelled with that
-    kernel's lookahead: the ring plus the L2 cursor's 6 pages with
-    --l2-ahead, plus the next instruction's prefetch without; the default
-    kernel prefetches only that. More lookahead, a shorter modelled step."""
+    kernel's lookahead: the default kernel's ring plus the L2 cursor's 6
+    pages; the legacy control's next-instruction prefetch (also what a
+    record from before the warp roles ran). More lookahead, a shorter
+    modelled step."""
     from vllm_ext.megakernel.kernel.ops.weight_pipe import L2_AHEAD_PAGES
     from vllm_ext.megakernel.kernel.persistent import ring_slots
     from vllm_ext.megakernel.kernel.shape import PAGE_BYTES, KernelShape
@@ -81,17 +82,19 @@ def test_the_model_runs_each_case_with_its_kernels_lookahead():
     program = plan(spec, 1, device, with_lm_head=True)
     shape = KernelShape.from_program(program, 16)
     kernels = {
+        "legacy": dataclasses.replace(shape, legacy_control=True),
         "default": shape,
-        "pipe": dataclasses.replace(shape, weight_pipe=True, stage_queue=True),
-        "deep": dataclasses.replace(shape, weight_pipe=True, stage_queue=True,
-                                    l2_ahead=True),
     }  # fmt: skip
-    ring = ring_slots(kernels["pipe"]) * PAGE_BYTES
-    assert ring_slots(kernels["deep"]) * PAGE_BYTES == ring
+    ring = ring_slots(kernels["default"]) * PAGE_BYTES
     look = {k: kernel_lookahead_bytes(v.as_dict()) for k, v in kernels.items()}
-    assert look["deep"] == ring + L2_AHEAD_PAGES * PAGE_BYTES
-    assert look["default"] < look["pipe"] < look["deep"]
+    assert look["default"] == ring + L2_AHEAD_PAGES * PAGE_BYTES
+    assert look["legacy"] < look["default"]
     assert kernel_lookahead_bytes(None) is None
+    # Records from before the warp roles: their default was the legacy
+    # control; their staging variants' kernels no longer exist.
+    old = {k: v for k, v in shape.as_dict().items() if k != "legacy_control"}
+    assert kernel_lookahead_bytes({**old, "weight_pipe": False}) == look["legacy"]
+    assert kernel_lookahead_bytes({**old, "weight_pipe": True}) is None
     rows = {"NOP": {"ms": 0.074}, "no waits": {"ms": 0.8}}
     ms = {}
     for name, kernel in (*kernels.items(), ("unrecorded", None)):
@@ -99,7 +102,7 @@ def test_the_model_runs_each_case_with_its_kernels_lookahead():
                   "shape": kernel.as_dict() if kernel else None}  # fmt: skip
         ms[name] = fit_case("llama-3.2-1b-b1", timing, device, None,
                             program=program).predicted_ms  # fmt: skip
-    assert ms["default"] > ms["pipe"] > ms["deep"]
+    assert ms["legacy"] > ms["default"]
     # Without a recorded kernel: the device's lookahead (the design's).
     assert ms["unrecorded"] == pytest.approx(predict(program, dataclasses.replace(
         device, instruction_overhead_s=0.074e-3 / max(map(len, program.queues)))

@@ -59,7 +59,9 @@ def test_dry_run_builds_a_small_bundle():
            "DEVICE_CHECK_BATCHES": "1", "DEVICE_CHECK_FLASHINFER": "0",
            "DEVICE_CHECK_VARIANTS": "",
            "DEVICE_CHECK_PLANTED": "kv-slot", "DEVICE_CHECK_COVERAGE": "",
-           "DEVICE_CHECK_MOE": "qwen3-30b-a3b:1:2"}  # fmt: skip
+           "DEVICE_CHECK_MOE": "qwen3-30b-a3b:1:2",
+           # DeepSeek-V3's first two layers: dense, so no MoE baseline shape.
+           "DEVICE_CHECK_MLA": "deepseek-v3:1:2"}  # fmt: skip
     proc = subprocess.run(
         [str(ROOT / "scripts" / "device_check.sh"), "--dry-run"],
         capture_output=True, text=True, timeout=600, env=env,
@@ -73,33 +75,36 @@ def test_dry_run_builds_a_small_bundle():
     # (No variant: each is a build of its own, and CI time is short; their
     # flags are test_build_cli.py's.)
     assert set(manifest["builds"]) == {"llama-3.2-1b-b1", "qwen3-30b-a3b-b1",
-                                       *planted}  # fmt: skip
+                                       "deepseek-v3-b1", *planted}  # fmt: skip
     # The mixture runs its first two layers, beside vLLM's fused-MoE kernel
-    # (copied from the installed vLLM, not from this repository).
-    assert manifest["layers"] == {"qwen3-30b-a3b-b1": 2}
+    # (copied from the installed vLLM, not from this repository); so does
+    # the latent attention case.
+    assert manifest["layers"] == {"qwen3-30b-a3b-b1": 2, "deepseek-v3-b1": 2}
     moe = json.loads((bundle / "moe_baseline" / "manifest.json").read_text())
     assert list(moe["shapes"]) == ["E=128,N=768,K=2048,top_k=8,dtype=bfloat16"]
     assert (bundle / "moe_baseline" / "vllm_fused_moe_kernel.py").exists()
-    # stage_weights, stage_queue, mma_gemv, weight_pipe, wide_attn,
-    # fused_combine, qkv_parts, l2_ahead
-    flags = {"llama-3.2-1b-b1": (0, 0, 0, 0, 0, 0, 1, 0),
-             "llama-3.2-1b-b1-plant-kv-slot": (0, 0, 0, 0, 0, 0, 1, 0),
-             "qwen3-30b-a3b-b1": (0, 0, 0, 0, 0, 0, 1, 0)}  # fmt: skip
+    # legacy_control, mma_gemv, wide_attn, fused_combine, qkv_parts
+    flags = {"llama-3.2-1b-b1": (0, 0, 0, 0, 1),
+             "llama-3.2-1b-b1-plant-kv-slot": (0, 0, 0, 0, 1),
+             "qwen3-30b-a3b-b1": (0, 0, 0, 0, 1),
+             "deepseek-v3-b1": (0, 0, 0, 0, 1)}  # fmt: skip
     for name, build in manifest["builds"].items():
         assert build["spill_bytes"] == 0 and build["arch"] == "sm_90a"
         meta = torch.load(bundle / name / "program.pt")
         shape = meta["shape"]
-        got = (shape["stage_weights"], shape["stage_queue"], shape["mma_gemv"],
-               shape["weight_pipe"], shape["wide_attn"],
-               shape["fused_combine"], shape["qkv_parts"],
-               shape["l2_ahead"])  # fmt: skip
+        got = (shape["legacy_control"], shape["mma_gemv"], shape["wide_attn"],
+               shape["fused_combine"], shape["qkv_parts"])  # fmt: skip
         assert got == flags[name]
         # A planted bug is the default kernel but for the bug it names.
         assert shape["planted_bug"] == planted.get(name, "")
-        # A fused program has no COMBINE instructions (opcode 4).
-        assert (meta["queues"][..., 0] == 4).any() != shape["fused_combine"]
-        assert (build["async_copies"] > 0) == shape["stage_weights"]
-        assert (build["bulk_copies"] > 0) == shape["weight_pipe"]
+        # A fused program has no COMBINE instructions (opcode 4); nor has
+        # an MLA one (MLA_COMBINE instead).
+        combines = (meta["queues"][..., 0] == 4).any()
+        assert combines != (shape["fused_combine"] or shape["mla_heads"] > 0)
+        assert (shape["mla_heads"] == 128) == (name == "deepseek-v3-b1")
+        assert build["async_copies"] == 0
+        # The default kernel's ring: bulk copies (the legacy control has none).
+        assert (build["bulk_copies"] > 0) != shape["legacy_control"]
     case = bundle / "llama-3.2-1b-b1"
     assert {p.name for p in case.iterdir()} == {
         "libmegakernel_sm_90a.so", "program.pt", "manifest.json", "build.json",
@@ -325,7 +330,7 @@ def test_a_default_case_at_another_batch_runs_the_local_checks(harness, monkeypa
 def test_a_variant_case_is_judged_by_the_local_checks_alone(harness):
     d, case, corrupt = harness
     meta = torch.load(case / "program.pt")
-    meta["shape"].update(weight_pipe=True, stage_queue=True)
+    meta["shape"].update(legacy_control=True)
     torch.save(meta, case / "program.pt")
     result = d.correctness(case)
     assert result["ok"] and len(result["steps"]) == d.STEPS
@@ -464,12 +469,12 @@ def _bundle(tmp_path: Path) -> Path:
     spec = make_spec("llama", torch.bfloat16)
     bundle = tmp_path / "bundle"
     for name, batch, fuse in (("m-b2", 2, False), ("m-b1-tail", 1, True),
-                              ("m-b1", 1, False), ("m-b1-pipe", 1, False),
+                              ("m-b1", 1, False), ("m-b1-legacy", 1, False),
                               ("m-b1-plant-kv-slot", 1, False)):  # fmt: skip
         program = plan(spec, batch, DEVICES["h200"], with_lm_head=True,
                        fuse_combine=fuse)  # fmt: skip
-        shape = KernelShape.from_program(program, BLOCK_SIZE,
-                                         weight_pipe=name.endswith("pipe"))  # fmt: skip
+        legacy = name.endswith("legacy")
+        shape = KernelShape.from_program(program, BLOCK_SIZE, legacy_control=legacy)
         (bundle / name).mkdir(parents=True)
         save_program(bundle / name / "program.pt", program, shape)
     meta = torch.load(bundle / "m-b1-plant-kv-slot" / "program.pt")
@@ -480,7 +485,7 @@ def _bundle(tmp_path: Path) -> Path:
     meta["spec"]["num_layers"] = 1
     (bundle / "s-b1").mkdir()
     torch.save(meta, bundle / "s-b1" / "program.pt")
-    manifest = {"commit": "abc", "variant_order": ["m-b1-pipe", "m-b1-tail"],
+    manifest = {"commit": "abc", "variant_order": ["m-b1-legacy", "m-b1-tail"],
                 "first": "m-b1"}  # fmt: skip
     (bundle / "manifest.json").write_text(json.dumps(manifest))
     return bundle
@@ -535,7 +540,7 @@ def test_driver_order_and_verdict(tmp_path, monkeypatch):
         ("bandwidth", "m-b1", None), ("case", "m-b1", None), ("trap", "m-b1", None),
         ("correctness", "m-b1-plant-kv-slot", None),
         ("sanitize", "m-b1", "memcheck"), ("sanitize", "m-b1", "racecheck"),
-        ("case", "s-b1", None), ("case", "m-b1-pipe", None),
+        ("case", "s-b1", None), ("case", "m-b1-legacy", None),
         ("case", "m-b1-tail", None), ("case", "m-b2", None),
     ]  # fmt: skip
     assert rc == 0 and report["verdict"] == "passed" and report["ok"]

@@ -13,10 +13,15 @@ import torch
 from vllm_ext.demo_models import DEMO_ARCHS, hf_config
 from vllm_ext.megakernel.build import spec_or_exit
 from vllm_ext.megakernel.cost import DEVICES
+from vllm_ext.megakernel.isa import Op
 from vllm_ext.megakernel.kernel.aot import ARCHS, BuildResult, build
-from vllm_ext.megakernel.kernel.ops.weight_pipe import MIN_SLOTS, warps_per_row
+from vllm_ext.megakernel.kernel.ops.weight_pipe import (
+    MIN_SLOTS,
+    geometry,
+    warps_per_row,
+)
 from vllm_ext.megakernel.kernel.persistent import (
-    QUEUE_STAGE,
+    CONSUMER_REGS,
     SMEM_LIMIT,
     Megakernel,
     ring_slots,
@@ -26,28 +31,52 @@ from vllm_ext.megakernel.kernel.shape import KernelShape, page_rows
 from vllm_ext.megakernel.planner import plan
 from vllm_ext.model_spec import ModelSpec
 
-# One 256-thread CTA per SM must fit the 64K-register file (a cooperative
-# launch needs every CTA resident): at most 255 registers per thread.
+# One CTA per SM must fit the 64K-register file (a cooperative launch needs
+# every CTA resident): 255 registers per thread at 256 threads (legacy), 168
+# at 384 (the launch's grant; setmaxnreg then moves registers between the
+# warpgroups: persistent.CONSUMER_REGS).
 REGISTER_BUDGET = 255
+ROLES_BUDGET = 168
 
 
-def demo_shape(arch: str, batch: int, stage_weights: bool = False) -> KernelShape:
+def demo_shape(arch: str, batch: int, **flags) -> KernelShape:
     spec = ModelSpec.from_hf_config(hf_config(arch), torch.bfloat16)
     program = plan(spec, batch, DEVICES["h200"], with_lm_head=True)
-    return KernelShape.from_program(program, 16, stage_weights=stage_weights)
+    return KernelShape.from_program(program, 16, **flags)
 
 
-def check_sass(built: BuildResult) -> None:
+def check_sass(built: BuildResult, legacy: bool = False) -> None:
     # Spills live in the stack frame (printf's arguments do too): a spill
-    # shows as a local load.
-    assert built.spill_bytes == 0 and built.local_loads == 0, "register spills"
-    assert 0 < built.registers <= REGISTER_BUDGET
+    # shows as a local load. The only ones allowed are on printf's paths
+    # (its frame address and arguments kept across the ABI call where
+    # registers are short: only a failing wait prints).
+    assert built.spill_bytes == 0 and built.hot_local_loads == 0, "register spills"
+    assert 0 < built.registers <= (REGISTER_BUDGET if legacy else ROLES_BUDGET)
     assert built.ldg128 > 0, "the weight streams lost their 128-bit loads"
     # Waits end with an acquire load (strong load + L1 invalidate); signals
     # are a GPU-scope fence then a strong atomic add.
     assert built.acquire_loads >= 1
     assert built.release_fences >= 1 and built.release_atomics >= 1
     assert built.l2_prefetches >= 1, "weight tiles are no longer prefetched"
+    if legacy:
+        # No roles: barriers of all 256 threads (the consumers' barrier is
+        # then the CTA's) around each instruction, no register split.
+        assert built.setmaxnreg == 0
+        assert built.cta_barriers + built.consumer_barriers >= 2
+    else:
+        check_roles(built)
+
+
+def check_roles(built: BuildResult) -> None:
+    """The warp roles' SASS: one CTA-wide barrier (start-up), the rest
+    consumer-only; the register split (one decrease, one increase); the
+    rings' mbarrier tests and arrivals (ready, empty, full)."""
+    assert built.cta_barriers == 1, "a CTA-wide barrier past start-up"
+    assert built.consumer_barriers >= 1
+    assert built.setmaxnreg == 2
+    assert built.page_waits >= 2 and built.mbarrier_arrives >= 2
+    # The code fits the consumers' share after setmaxnreg.
+    assert built.max_register <= CONSUMER_REGS
 
 
 # The dense demo architectures; the mixtures of experts compile on real
@@ -68,46 +97,77 @@ def built(request, tmp_path_factory):
 
 def test_demo_shapes_compile_clean(built):
     check_sass(built)
-    # No weight staging, tensor cores or weight pipe unless asked for.
-    assert built.async_copies == 0 and built.mma_ops == 0
-    assert built.bulk_copies == 0 and built.page_waits == 0
+    # The paged GEMVs' bulk copies; no tensor cores unless asked for.
+    assert built.bulk_copies > 0 and built.async_copies == 0 and built.mma_ops == 0
 
 
 @pytest.mark.parametrize("batch", [1, 8, 16, 64])
 @pytest.mark.parametrize("config", ["llama-3.2-1b", "llama-3.1-8b", "qwen3-8b"])
-def test_staged_variants_fit_shared_memory(config, batch):
+def test_rings_fit_shared_memory(config, batch):
     spec = spec_or_exit("test", config, "bfloat16", batch)
     program = plan(spec, batch, DEVICES["h200"], with_lm_head=True)
-    shape = KernelShape.from_program(program, 16, True, True)
-    assert shared_bytes(shape) <= SMEM_LIMIT
-    mma = KernelShape.from_program(program, 16, False, True, True)
-    assert shared_bytes(mma) <= SMEM_LIMIT
-    pipe = KernelShape.from_program(program, 16, stage_queue=True, weight_pipe=True)
-    assert ring_slots(pipe) >= MIN_SLOTS
-    assert shared_bytes(pipe) <= SMEM_LIMIT
-    # The staged queue covers every SM's whole queue for these models.
-    assert max(len(q) for q in program.queues) <= QUEUE_STAGE
+    for flags in ({}, {"mma_gemv": True}, {"legacy_control": True}):
+        shape = KernelShape.from_program(program, 16, **flags)
+        assert shared_bytes(shape) <= SMEM_LIMIT
+        if not shape.legacy_control:
+            assert ring_slots(shape) >= MIN_SLOTS
+            # Every projection of these models reads pages.
+            assert len(geometry(shape)) == 5
+    assert ring_slots(KernelShape.from_program(program, 16, legacy_control=True)) == 0
 
 
 def test_a_kernel_over_the_shared_memory_limit_is_refused():
     # 64 q heads per kv head: the attention merge scratch alone is 256 KiB.
-    big = dataclasses.replace(demo_shape("llama", 4, stage_weights=True),
-                              head_dim=128, q_heads=64, kv_heads=1)  # fmt: skip
+    big = dataclasses.replace(demo_shape("llama", 4), head_dim=128, q_heads=64,
+                              kv_heads=1)  # fmt: skip
     with pytest.raises(ValueError, match="shared memory"):
         Megakernel(big)
+
+
+def real_shape(config: str, batch: int, **flags) -> KernelShape:
+    spec = spec_or_exit("test", config, "bfloat16", batch)
+    program = plan(spec.with_layers(2), batch, DEVICES["h200"], with_lm_head=True)
+    return KernelShape.from_program(program, 16, **flags)
+
+
+@pytest.mark.parametrize("gpu", ARCHS)
+def test_warp_roles_in_the_sass(gpu, tmp_path):
+    """Llama-3.2-1B at batch 1, the default kernel: exactly one CTA-wide
+    barrier (start-up), the consumers' named barrier per instruction and
+    around the ops' shared buffers, one setmaxnreg each way, the rings'
+    mbarrier tests and arrivals, the bulk copies, one acquire load (the
+    controller) and one release atomic (the signal), no spill. (The
+    mixture's shapes: test_moe_kernel_aot.py, through check_sass.)"""
+    built = build(gpu, tmp_path, real_shape("llama-3.2-1b", 1))
+    check_sass(built)
+    assert built.cta_barriers == 1 and built.setmaxnreg == 2
+    assert built.consumer_barriers >= 4
+    assert built.acquire_loads == 1 and built.release_atomics == 1
+    # Tests: ready, full (several GEMV paths), empty (controller, producer).
+    assert built.page_waits >= 4 and built.mbarrier_arrives >= 4
+    assert built.bulk_copies > 0 and built.local_loads == 0
+    print(f"{gpu}: {built.registers} at launch, {built.max_register} used")
 
 
 # The variants compile for one arch each here, the other in
 # test_build_cli.py's real-shape grid or the GPU check's bundle (CI time).
 @pytest.mark.parametrize("gpu", ["sm_90a"])
-def test_weight_staging_variant_compiles_clean(gpu, tmp_path):
-    """The experimental variant (weights copied into shared memory before
-    each wait): the same checks, plus its cp.async copies."""
-    shape = dataclasses.replace(demo_shape("qwen3", 4, True), stage_queue=True)
-    built = build(gpu, tmp_path, shape)
-    check_sass(built)
-    assert built.async_copies > 0
-    assert built.mma_ops == 0
+def test_legacy_control_compiles_clean(gpu, tmp_path):
+    """The previous control, kept for the side-by-side GPU comparison:
+    thread 0 waits between CTA barriers, the GEMVs read global memory (no
+    bulk copies, no mbarriers), 256 threads with no register split."""
+    built = build(gpu, tmp_path, demo_shape("qwen3", 4, legacy_control=True))
+    check_sass(built, legacy=True)
+    assert built.bulk_copies == 0 and built.page_waits == 0
+
+
+def test_rows_wider_than_a_page_read_global_memory():
+    # A 20480-wide DOWN row (40 KiB) does not fit a page: DOWN has no pages
+    # (the producer skips it, its GEMV reads global memory), the rest keep
+    # theirs.
+    shape = dataclasses.replace(demo_shape("llama", 4), intermediate=20480)
+    assert Op.DOWN not in geometry(shape) and Op.GATE_UP in geometry(shape)
+    assert Op.DOWN in geometry(dataclasses.replace(shape, mma_gemv=True))
 
 
 @pytest.mark.parametrize("gpu", ["sm_100a"])
@@ -121,19 +181,17 @@ def test_tensor_core_variant_compiles_clean(gpu, tmp_path):
 
 @pytest.mark.parametrize("gpu", ["sm_90a"])
 @pytest.mark.parametrize("mma", [False, True], ids=["rows", "mma"])
-def test_weight_pipe_variant_compiles_clean(gpu, mma, tmp_path):
-    """The experimental weight pipeline, read by the CUDA-core GEMV (pages
-    of whole rows) or the tensor-core one (pages of 16 rows): the same
-    checks, plus its bulk copies and page waits. Qwen2 has the QKV bias; an
+def test_split_rows_and_mma_pages_compile_clean(gpu, mma, tmp_path):
+    """The weight pipeline read by the CUDA-core GEMV with split rows or the
+    tensor-core one (pages of 16 rows): Qwen2 has the QKV bias; an
     8192-wide MLP (compiled, never run) puts two rows of DOWN on a page, so
     warps split each row as well, and needs eight k pages per MMA row block."""
-    shape = dataclasses.replace(demo_shape("qwen2", 4), weight_pipe=True,
-                                stage_queue=True, intermediate=8192,
+    shape = dataclasses.replace(demo_shape("qwen2", 4), intermediate=8192,
                                 mma_gemv=mma)  # fmt: skip
     assert warps_per_row(page_rows(shape.intermediate)) > 1
     built = build(gpu, tmp_path, shape)
     check_sass(built)
-    assert built.bulk_copies > 0 and built.page_waits > 0
+    assert built.bulk_copies > 0
     assert built.async_copies == 0 and (built.mma_ops > 0) == mma
 
 
@@ -141,13 +199,12 @@ def test_weight_pipe_variant_compiles_clean(gpu, mma, tmp_path):
 def test_wide_attention_variant_compiles_clean(gpu, model, tmp_path):
     """The experimental wide attention, alone: head dim 128 with 2 q heads
     per kv head (Mistral) and 64 with one (Qwen2), at batch 4 (two warps per
-    request) and beside the weight pipeline at batch 16 (one per request)."""
+    request) and at batch 16 (one per request)."""
     shape = dataclasses.replace(demo_shape(model, 4), wide_attn=True)
     built = build(gpu, tmp_path / "b4", shape)
     check_sass(built)
-    assert built.bulk_copies == 0 and built.async_copies == 0
-    both = dataclasses.replace(demo_shape(model, 16), wide_attn=True,
-                               weight_pipe=True, stage_queue=True)  # fmt: skip
+    assert built.async_copies == 0
+    both = dataclasses.replace(demo_shape(model, 16), wide_attn=True)
     check_sass(build(gpu, tmp_path / "b16", both))
 
 
@@ -169,11 +226,6 @@ def test_fused_combine_variant_compiles_clean(gpu, tmp_path):
 @pytest.mark.parametrize(
     "changes, match",
     [
-        (dict(weight_pipe=True, stage_weights=True), "pick one"),
-        (dict(l2_ahead=True), "needs weight_pipe"),
-        # A 20480-wide row (40 KiB) does not fit a page of whole rows.
-        (dict(weight_pipe=True, intermediate=20480), "page"),
-        (dict(mma_gemv=True, stage_weights=True), "pick one"),
         (dict(mma_gemv=True, intermediate=344), "multiple of 32"),
     ],
 )

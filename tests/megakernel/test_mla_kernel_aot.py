@@ -4,8 +4,9 @@ MLA_Q, MLA_APPEND, MLA_ATTN, MLA_COMBINE; kernel/ops/mla_*.py).
 
 * Compiled ahead of time here, for Hopper and Blackwell, on the real
   shapes (DeepSeek-V3: 128 heads, Kimi-K2: 64; q LoRA 1536, latent 512 +
-  rope 64, nope 128, v 128): zero spills, at most 255 registers, the SASS
-  facts of test_kernel_aot.py. CI time is tight, so the grid is four
+  rope 64, nope 128, v 128): no spill in running code, within the
+  consumers' register share, the SASS facts of test_kernel_aot.py (the
+  warp roles' too). CI time is tight, so the grid is four
   builds (two at a time) that cover each model, each arch, batch 1 and 16
   on each arch: DeepSeek-V3 cut to its first 2 layers (dense MLPs, as its
   first_k_dense_replace = 3) at batch 1 on sm_90a and 16 on sm_100a;
@@ -91,9 +92,13 @@ def builds(tmp_path_factory) -> dict[tuple, BuildResult]:
 @pytest.mark.parametrize("case", GRID, ids=lambda c: "-".join(map(str, c)))
 def test_real_shapes_compile_clean(builds, case):
     built = builds[case]
-    print(f"{case}: {built.registers} registers, compile {built.compile_s} s")
-    check_sass(built)
-    assert built.async_copies == 0 and built.mma_ops == 0 and built.bulk_copies == 0
+    print(f"{case}: {built.registers} registers at launch, {built.max_register} "
+          f"used, {built.local_loads} printf-path local loads, compile "
+          f"{built.compile_s} s")  # fmt: skip
+    check_sass(built)  # (the warp roles' SASS facts too: check_roles)
+    # O_PROJ, the dense GATE_UP and LM_HEAD read the ring's pages (DOWN's
+    # 18432-wide rows do not fit one); the MLA ops do not.
+    assert built.async_copies == 0 and built.mma_ops == 0 and built.bulk_copies > 0
     sass = sass_of(built)
     # MLA_ATTN's online softmax (exp2 on the SFU) and its warp sums.
     assert re.search(r"\bMUFU\.EX2\b", sass) and re.search(r"\bSHFL\.BFLY\b", sass)
@@ -130,8 +135,6 @@ def test_from_program_takes_mla(model):
 def test_variants_refuse_mla(flag):
     shape = real_shape("deepseek-v3", 1)
     changes = {flag: 2 if flag == "qkv_parts" else True}
-    if flag == "l2_ahead":
-        changes["weight_pipe"] = True
     with pytest.raises(ValueError, match="latent attention .* default kernel only"):
         dataclasses.replace(shape, **changes)
 

@@ -3,7 +3,8 @@
 EXPERT_DOWN; kernel/ops/{route,topk,expert_up,expert_down}.py).
 
 * Compiled ahead of time here, for Hopper and Blackwell, on real shapes:
-  zero spills, at most 255 registers, the SASS facts of test_kernel_aot.py,
+  no spill in running code, within the consumers' register share, the
+  SASS facts of test_kernel_aot.py (the warp roles' too),
   plus TOPK's ballot and population counts. CI time is tight, so the grid
   is not the full product but four builds (made two at a time) that cover
   every op on each arch (the DeepSeek-V3 mixture, which has every code
@@ -123,9 +124,12 @@ def sass_of(built: BuildResult) -> str:
 @pytest.mark.parametrize("case", GRID, ids=lambda c: "-".join(map(str, c)))
 def test_real_shapes_compile_clean(builds, case):
     built = builds[case]
-    print(f"{case}: {built.registers} registers, compile {built.compile_s} s")
-    check_sass(built)
-    assert built.async_copies == 0 and built.mma_ops == 0 and built.bulk_copies == 0
+    print(f"{case}: {built.registers} registers at launch, {built.max_register} "
+          f"used, {built.local_loads} printf-path local loads, compile "
+          f"{built.compile_s} s")  # fmt: skip
+    check_sass(built)  # (the warp roles' SASS facts too: check_roles)
+    # The dense projections read the ring's pages; the experts do not.
+    assert built.async_copies == 0 and built.mma_ops == 0 and built.bulk_copies > 0
     sass = sass_of(built)
     # TOPK's distinct-expert prefix count: a ballot and population counts.
     assert re.search(r"\bVOTE\.ANY\b", sass) and re.search(r"\bPOPC\b", sass)
@@ -156,8 +160,6 @@ def test_variants_refuse_the_mixture(flag):
     shape = real_shape("qwen3-30b-a3b", 1)
     value = 2 if flag == "qkv_parts" else True
     changes = {flag: value}
-    if flag == "l2_ahead":
-        changes["weight_pipe"] = True
     with pytest.raises(ValueError, match="default kernel only"):
         dataclasses.replace(shape, **changes)
 

@@ -19,20 +19,20 @@ def spec_of(name: str) -> ModelSpec:
 
 
 def test_names_to_options_and_flags():
-    v = Variants.parse(" weight_pipe, fused_combine,split_qkv ,stage_queue")
-    assert str(v) == "stage_queue,weight_pipe,fused_combine,split_qkv"
+    v = Variants.parse(" legacy_control, fused_combine,split_qkv ,wide_attn")
+    assert str(v) == "legacy_control,wide_attn,fused_combine,split_qkv"
     program = plan(spec_of("llama-3.2-1b"), 1, DEVICES["h200"],
                    **v.plan_options(spec_of("llama-3.2-1b"), 132))  # fmt: skip
     assert program.fuse_combine and program.qkv_parts == 2
     shape = KernelShape.from_program(program, 16, **v.kernel_flags())
-    assert shape.weight_pipe and shape.stage_queue and not shape.mma_gemv
+    assert shape.legacy_control and shape.wide_attn and not shape.mma_gemv
     assert shape.fused_combine and shape.qkv_parts == 2
     # QK-norm heads stay whole (a build that asked for parts is refused);
     # no names, no change.
     assert v.plan_options(spec_of("qwen3-8b"), 132)["qkv_parts"] == 1
     with pytest.raises(ValueError, match="cannot be split"):
         v.plan_options(spec_of("qwen3-8b"), 132, strict=True)
-    flags = argparse.Namespace(split_qkv=True, wide_attn=True, stage_queue=False)
+    flags = argparse.Namespace(split_qkv=True, wide_attn=True, legacy_control=False)
     assert Variants.from_flags(flags) == Variants.parse("wide_attn,split_qkv")
     assert Variants.parse("").plan_options(spec_of("llama-3.2-1b"), 132) == {
         "fuse_combine": False, "qkv_parts": 1}  # fmt: skip
@@ -40,9 +40,13 @@ def test_names_to_options_and_flags():
 
 
 def test_unknown_name_is_refused_through_envs(monkeypatch):
-    monkeypatch.setenv("VLLM_MEGAKERNEL_VARIANTS", "weight_pipe,turbo")
+    monkeypatch.setenv("VLLM_MEGAKERNEL_VARIANTS", "wide_attn,turbo")
     with pytest.raises(ValueError, match="VLLM_MEGAKERNEL_VARIANTS: unknown "
-                       "variant 'turbo'; choose from stage_queue"):  # fmt: skip
+                       "variant 'turbo'; choose from legacy_control"):  # fmt: skip
+        _ = envs.VLLM_MEGAKERNEL_VARIANTS
+    # The variants the warp roles subsumed are gone (their kernels with them).
+    monkeypatch.setenv("VLLM_MEGAKERNEL_VARIANTS", "weight_pipe")
+    with pytest.raises(ValueError, match="unknown variant 'weight_pipe'"):
         _ = envs.VLLM_MEGAKERNEL_VARIANTS
     monkeypatch.delenv("VLLM_MEGAKERNEL_VARIANTS")
     assert Variants() == envs.VLLM_MEGAKERNEL_VARIANTS

@@ -1,4 +1,3 @@
-# SPDX-License-Identifier: Apache-2.0
 """The weight pipeline's page schedule (kernel/ops/weight_pipe.py and its
 readers in gemv_paged.py), replayed in Python for real programs: the kernel
 cannot run on this machine, so the schedule it follows is checked here the
@@ -10,17 +9,21 @@ way it is written there.
   instruction reads (as ``isa.py`` defines them) exactly once.
 - Every page fits its slot and obeys the bulk-copy rules (16-byte sizes
   and addresses).
-- A ring of ``ring_slots`` pages, topped up where the kernel tops it up,
-  never has a consumer wait on a page not yet issued, never refills a slot
-  before its page is released, and waits on each page with the mbarrier
-  parity its copy completes.
-- With ``l2_ahead``, the L2 cursor hints every page once, in order, before
-  the ring copies it (all but the ring's first fill), and never more than
-  ``L2_AHEAD_PAGES`` past the ring. (Hints and copies of a page are one
-  code path in the kernel, ``_issue_rows``, so they name the same rows.)
+- The producer warp (``produce``) and the eight consumer warps run
+  concurrently over a model of the ring's mbarriers (phases, parities,
+  arrival counts, transaction bytes), under random interleavings: every
+  page is issued once, in queue order across instructions and layers; a
+  slot is refilled only once every consumer warp released its page
+  (``pages_empty``); a consumer's wait passes only on its own page, landed
+  (``pages_full``'s parity); nothing deadlocks; the L2 hints are each page
+  once, in order, past the ring and at most ``L2_AHEAD_PAGES`` ahead.
+  Mutations of the protocol (no empty wait, wrong parities, an empty
+  barrier that counts one warp) must fail the replay. The instruction
+  ring (control.py) replays through the same model.
 """
 
 import dataclasses
+import random
 
 import pytest
 
@@ -28,8 +31,11 @@ from vllm_ext.megakernel.build import spec_or_exit
 from vllm_ext.megakernel.cost import DEVICES
 from vllm_ext.megakernel.interpret import head_part_dims
 from vllm_ext.megakernel.isa import Op
+from vllm_ext.megakernel.kernel.control import QUEUE_SLOTS
+from vllm_ext.megakernel.kernel.ops.common import NUM_WARPS
 from vllm_ext.megakernel.kernel.ops.weight_pipe import (
     L2_AHEAD_PAGES,
+    MIN_SLOTS,
     PAGE_ELEMS,
     geometry,
     head_pages,
@@ -108,8 +114,7 @@ def real_shape(config: str, batch: int, mma: bool = False, split: bool = False):
     spec = spec_or_exit("test", config, "bfloat16", batch)
     parts = qkv_parts_to_fill(spec, DEVICES["h200"].num_sms) if split else 1
     program = plan(spec, batch, DEVICES["h200"], with_lm_head=True, qkv_parts=parts)
-    shape = KernelShape.from_program(program, 16, stage_queue=True, weight_pipe=True,
-                                     mma_gemv=mma)  # fmt: skip
+    shape = KernelShape.from_program(program, 16, mma_gemv=mma)
     assert shape.qkv_parts == (2 if split else 1)
     return program, shape
 
@@ -170,116 +175,244 @@ def test_pages_cover_each_instruction_once_and_fit(config, mma, split):
             assert all(k0 + c <= t.k and (c * 2) % 16 == 0 for _, _, k0, c in made)
 
 
-class Ring:
-    """One SM's producer (thread 0's cursors and the slots' state)."""
+class MBarrier:
+    """An mbarrier as PTX defines it: a phase completes when its pending
+    arrivals reach 0 and its transaction count is 0; ``test_wait(parity)``
+    is true once the phase of that parity before the current one has
+    completed (a fresh barrier: parity 1 passes, parity 0 does not)."""
 
-    def __init__(self, counts: list[int], slots: int, l2_ahead: bool = False) -> None:
-        self.counts, self.slots, self.l2_ahead = counts, slots, l2_ahead
-        self.cursor = self.cursor_page = self.issued = 0
-        self.slot_page: list = [None] * slots  # the page last copied into it
-        self.completed = [0] * slots  # mbarrier phases completed per slot
+    def __init__(self, count: int) -> None:
+        self.count, self.pending, self.tx, self.phase = count, count, 0, 0
+
+    def arrive(self, expect_tx: int = 0) -> None:
+        assert self.pending > 0
+        self.tx += expect_tx
+        self.pending -= 1
+        self._complete()
+
+    def complete_tx(self, n: int) -> None:
+        self.tx -= n
+        assert self.tx >= 0
+        self._complete()
+
+    def _complete(self) -> None:
+        if self.pending == 0 and self.tx == 0:
+            self.phase += 1
+            self.pending = self.count
+
+    def test_wait(self, parity: int) -> bool:
+        return self.phase % 2 != parity
+
+
+# Protocol mutations the replay must reject.
+MUTATIONS = ("no_empty_wait", "empty_parity", "full_parity", "empty_counts_one")
+
+
+class PipeReplay:
+    """One SM: the producer lane, a copy engine that lands copies in any
+    order, and ``NUM_WARPS`` consumer warps, stepped in a random order."""
+
+    def __init__(self, counts: list[int], slots: int, seed: int,
+                 mutation: str = "", consumer_counts: list[int] | None = None,
+                 consumers: int = NUM_WARPS) -> None:  # fmt: skip
+        self.counts, self.slots, self.mutation = counts, slots, mutation
+        self.consumers = consumers
+        # (The consumers' view of the queue: the producer's unless a test
+        # makes them disagree.)
+        self.consumer_counts = consumer_counts or counts
+        self.rng = random.Random(seed)
+        empty_count = 1 if mutation == "empty_counts_one" else consumers
+        self.full = [MBarrier(1) for _ in range(slots)]
+        self.empty = [MBarrier(empty_count) for _ in range(slots)]
+        self.content: list = [None] * slots  # (page, landed)
+        self.unread: list[set] = [set() for _ in range(slots)]
+        self.in_flight: list[tuple[int, int]] = []  # (slot, page)
+        self.issued: list[int] = []
+        self.hints: list[int] = []
         self.l2 = [0, 0, 0]  # the L2 cursor: instruction, page, pages hinted
-        self.hints: list[int] = []  # pages hinted, in order
-        self.hinted: set[int] = set()
-        self.copied_unhinted: list[int] = []
 
-    def top_up(self, released: int) -> None:
-        while self.cursor < len(self.counts) and self.issued - released < self.slots:
-            if self.cursor_page < self.counts[self.cursor]:
-                slot = self.issued % self.slots
-                # The slot's previous page was released before the refill.
-                last = self.slot_page[slot]
-                assert last is None or last < released
-                assert self.completed[slot] == self.issued // self.slots
-                if self.l2_ahead and self.issued not in self.hinted:
-                    self.copied_unhinted.append(self.issued)
-                self.slot_page[slot] = self.issued
-                self.issued += 1
-                self.cursor_page += 1
-            else:
-                self.cursor += 1
-                self.cursor_page = 0
-        if self.l2_ahead:
-            self.hint_ahead()
+    def producer(self):
+        """As ``produce``: page g into slot g % slots once page g - slots
+        was released; the pages past the ring hinted while blocked."""
+        g = 0
+        for pc, n in enumerate(self.counts):
+            for kp in range(n):
+                slot = g % self.slots
+                if g >= self.slots and self.mutation != "no_empty_wait":
+                    parity = (g // self.slots + 1) % 2
+                    if self.mutation == "empty_parity":
+                        parity = (g // self.slots) % 2
+                    if not self.empty[slot].test_wait(parity):
+                        self.hint_ahead(pc, kp, g)
+                        while not self.empty[slot].test_wait(parity):
+                            yield False
+                assert not self.unread[slot], (
+                    f"page {g} refilled slot {slot} before every consumer warp "
+                    f"released page {self.content[slot][0]}"
+                )
+                self.content[slot] = (g, False)
+                self.unread[slot] = set(range(self.consumers))
+                self.full[slot].arrive(expect_tx=1)
+                self.in_flight.append((slot, g))
+                self.issued.append(g)
+                g += 1
+                yield True
 
-    def hint_ahead(self) -> None:
-        """As ``_hint_ahead``: from the ring's cursor if behind it, up to
-        ``L2_AHEAD_PAGES`` pages past the ring's."""
-        pc, kp, hinted = self.l2
-        if hinted < self.issued:
-            pc, kp, hinted = self.cursor, self.cursor_page, self.issued
-        while pc < len(self.counts) and hinted - self.issued < L2_AHEAD_PAGES:
-            if kp < self.counts[pc]:
-                assert not self.hints or hinted > self.hints[-1]
+    def hint_ahead(self, pc: int, kp: int, g: int) -> None:
+        """As ``_hint_ahead`` and ``_walk``: pages [g, g + L2_AHEAD_PAGES),
+        each once."""
+        hpc, hkp, hinted = self.l2
+        if hinted < g:
+            hpc, hkp, hinted = pc, kp, g
+        while hpc < len(self.counts) and hinted - g < L2_AHEAD_PAGES:
+            if hkp < self.counts[hpc]:
+                assert not self.hints or hinted > self.hints[-1], (
+                    "a page hinted twice or out of order"
+                )
+                assert g <= hinted < g + L2_AHEAD_PAGES, "a hint not past the ring"
                 self.hints.append(hinted)
-                self.hinted.add(hinted)
-                hinted += 1
-                kp += 1
+                hinted, hkp = hinted + 1, hkp + 1
             else:
-                pc += 1
-                kp = 0
-        self.l2 = [pc, kp, hinted]
-        assert hinted - self.issued <= L2_AHEAD_PAGES
+                hpc, hkp = hpc + 1, 0
+        self.l2 = [hpc, hkp, hinted]
 
-    def consume(self, g: int) -> None:
-        slot = g % self.slots
-        assert g < self.issued, "a consumer waits on a page never issued"
-        assert self.slot_page[slot] == g, "the slot holds another page"
-        # The copy completes the slot's (g // slots)-th phase, the parity
-        # the consumer waits with.
-        assert self.completed[slot] == g // self.slots
-        self.completed[slot] += 1
+    def copy_engine(self):
+        while True:
+            if not self.in_flight:
+                yield None  # idle: neither progress nor blocked
+                continue
+            slot, g = self.in_flight.pop(self.rng.randrange(len(self.in_flight)))
+            self.content[slot] = (g, True)
+            self.full[slot].complete_tx(1)
+            yield True
 
-
-def replay_ring(program, s: KernelShape, slots: int, refill: bool = True) -> None:
-    """Every SM's queue through a ring of ``slots`` pages, topped up where
-    the kernel tops it up (``refill``: also after each page's release)."""
-    geo = geometry(s)
-    for queue in program.queues:
-        counts = [
-            len(producer_pages(s, i.op, i.arg0, i.arg1)) if i.op in geo else 0
-            for i in queue
-        ]
-        ring, base = Ring(counts, slots, s.l2_ahead), 0
-        for n in counts:
-            ring.top_up(base)  # before (and while) the instruction waits
+    def consumer(self, warp: int):
+        """As ``paged_gemv``: each instruction's pages from its base, wait
+        for the page's full phase, read, release (the warp's lane 0)."""
+        base = 0
+        for n in self.consumer_counts:
             for g in range(base, base + n):
-                ring.consume(g)
-                if refill:
-                    ring.top_up(g + 1)  # thread 0, after the page's CTA barrier
+                slot = g % self.slots
+                parity = (g // self.slots) % 2
+                if self.mutation == "full_parity":
+                    parity = 1 - parity
+                while not self.full[slot].test_wait(parity):
+                    yield False
+                assert self.content[slot] == (g, True), (
+                    f"warp {warp} passed its wait for page {g} but slot {slot} "
+                    f"holds {self.content[slot]}"
+                )
+                self.unread[slot].discard(warp)
+                yield True
+                self.empty[slot].arrive()
+                yield True
             base += n
-        assert ring.issued == base, "pages issued but never read"
-        if s.l2_ahead:
-            # Every page past the ring's first fill was hinted, once, before
-            # its copy.
-            assert ring.hints == list(range(min(slots, base), base))
-            assert ring.copied_unhinted == list(range(min(slots, base)))
+
+    def run(self) -> None:
+        actors = {"producer": self.producer(), "copies": self.copy_engine()}
+        for w in range(self.consumers):
+            actors[w] = self.consumer(w)
+        blocked: set = set()
+        while len(actors) > 1 or self.in_flight:
+            live = [a for a in actors if a != "copies" or self.in_flight]
+            name = self.rng.choice(live)
+            try:
+                progressed = next(actors[name])
+            except StopIteration:
+                del actors[name]
+                blocked.clear()
+                continue
+            if progressed:
+                blocked.clear()
+            elif progressed is False:
+                blocked.add(name)
+                waiting = {a for a in actors if a != "copies"}
+                assert not (waiting <= blocked and not self.in_flight), (
+                    f"deadlock: every warp waits (issued {len(self.issued)})"
+                )
+            if len(actors) == 1 and not self.in_flight:
+                break
+        total = sum(self.counts)
+        assert self.issued == list(range(total)), "pages issued out of order"
+        assert all(not u for u in self.unread), "a page never read"
 
 
-@pytest.mark.parametrize("l2_ahead", [False, True], ids=["ring", "l2_ahead"])
-@pytest.mark.parametrize("config, batch, mma, split", CASES)
-def test_ring_schedule_never_waits_on_an_unissued_or_reused_page(
-    config, batch, mma, split, l2_ahead
-):
-    program, s = real_shape(config, batch, mma, split)
-    s = dataclasses.replace(s, l2_ahead=l2_ahead)
-    assert ring_slots(s) >= 3
-    replay_ring(program, s, ring_slots(s))
+def sm_page_counts(program, s: KernelShape) -> list[list[int]]:
+    """Each SM's pages per instruction, as ``instr_pages`` counts them."""
+    geo = geometry(s)
+    return [
+        [len(producer_pages(s, i.op, i.arg0, i.arg1)) if i.op in geo else 0
+         for i in queue]
+        for queue in program.queues
+    ]  # fmt: skip
 
 
-def test_the_replay_catches_a_ring_never_refilled_mid_instruction():
-    # Without the refill after each page, a tile longer than the ring
-    # (1B's GATE_UP: 16 pages) would wait forever: the replay must say so.
+def busiest(counts: list[list[int]], n: int) -> list[list[int]]:
+    """The ``n`` SMs with the most pages (the replay is Python: a sample)."""
+    return sorted(counts, key=sum, reverse=True)[:n]
+
+
+# The real programs: dense 1B and 8B at batch 1, the mixture (its dense
+# projections page; ROUTE, TOPK and the experts do not), a batched bucket,
+# the tensor-core pages.
+REPLAYS = [("llama-3.2-1b", 1, False), ("llama-3.1-8b", 1, False),
+           ("qwen3-30b-a3b", 1, False), ("llama-3.2-1b", 16, False),
+           ("llama-3.2-1b", 1, True)]  # fmt: skip
+
+
+@pytest.mark.parametrize("config, batch, mma", REPLAYS)
+def test_producer_and_consumer_warps_replay_clean(config, batch, mma):
+    program, s = real_shape(config, batch, mma)
+    slots = ring_slots(s)
+    assert slots >= MIN_SLOTS
+    counts = sm_page_counts(program, s)
+    assert sum(map(sum, counts)) > 0
+    for seed, sm in enumerate(busiest(counts, 3)):
+        PipeReplay(sm, slots, seed).run()
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS)
+def test_the_replay_rejects_a_broken_protocol(mutation):
     program, s = real_shape("llama-3.2-1b", 1)
-    with pytest.raises(AssertionError, match="never issued"):
-        replay_ring(program, s, ring_slots(s), refill=False)
+    sm = busiest(sm_page_counts(program, s), 1)[0]
+    with pytest.raises(AssertionError):
+        for seed in range(4):  # any interleaving that shows it
+            PipeReplay(sm, ring_slots(s), seed, mutation).run()
+
+
+@pytest.mark.parametrize("config, batch", [("llama-3.2-1b", 1), ("qwen3-30b-a3b", 1)])
+def test_instruction_ring_replays_clean(config, batch):
+    """The instruction ring (control.py) is the same protocol with one
+    entry per instruction: the controller fills slot pc % QUEUE_SLOTS once
+    the consumers freed it (``queue_empty``: one arrival, consumer thread 0
+    after the consumers' barrier) and publishes it once the inputs are met
+    (``queue_ready``; here the "copy" landing late is the counter wait),
+    and the consumers, one actor since they pass their barrier together,
+    wait on ``queue_ready``'s parity."""
+    program, _ = real_shape(config, batch)
+    queue = max(program.queues, key=len)
+    PipeReplay([1] * len(queue), QUEUE_SLOTS, 0, consumers=1).run()
+    with pytest.raises(AssertionError):
+        PipeReplay([1] * len(queue), QUEUE_SLOTS, 0, "no_empty_wait", consumers=1).run()
+
+
+def test_the_replay_catches_a_deadlock():
+    # Consumers that expect one page more than the producer issues (the two
+    # sides counting an instruction's pages differently) wait forever: the
+    # replay must say so rather than spin.
+    program, s = real_shape("llama-3.2-1b", 1)
+    sm = busiest(sm_page_counts(program, s), 1)[0]
+    last = max(i for i, n in enumerate(sm) if n)
+    short = sm[:last] + [sm[last] - 1] + sm[last + 1 :]
+    with pytest.raises(AssertionError, match="deadlock"):
+        PipeReplay(short, ring_slots(s), 0, consumer_counts=sm).run()
 
 
 def test_ring_fits_beside_the_rest_of_shared_memory():
     # 1B at batch 16 stages its normed input (64 KiB): fewer slots than at
-    # batch 1, still at least three.
+    # batch 1, still at least three; the legacy control has none.
     _, small = real_shape("llama-3.2-1b", 1)
     _, staged = real_shape("llama-3.2-1b", 16)
-    assert ring_slots(small) > ring_slots(staged) >= 3
+    assert ring_slots(small) > ring_slots(staged) >= MIN_SLOTS
     assert shared_bytes(small) <= SMEM_LIMIT and shared_bytes(staged) <= SMEM_LIMIT
-    assert not ring_slots(KernelShape(**{**small.as_dict(), "weight_pipe": False}))
+    assert not ring_slots(dataclasses.replace(small, legacy_control=True))

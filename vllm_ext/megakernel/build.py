@@ -275,33 +275,16 @@ def main(argv: list[str] | None = None) -> int:
         help="KV cache block size (vLLM's, 16 by default)",
     )
     parser.add_argument(
-        "--stage-weights",
+        "--legacy-control",
         action="store_true",
-        help="experimental: copy each GEMV tile's weights into shared memory "
-        "before its wait (a variant to time against the default)",
-    )
-    parser.add_argument(
-        "--stage-queue",
-        action="store_true",
-        help="experimental: copy the SM's instruction queue into shared memory "
-        "at launch",
+        help="experimental: the previous control (thread 0 waits, CTA barriers, "
+        "GEMVs from global memory) instead of the warp roles, to time against "
+        "the default",
     )
     parser.add_argument(
         "--mma-gemv",
         action="store_true",
-        help="experimental: GEMVs on tensor cores (mma.sync); not with --stage-weights",
-    )
-    parser.add_argument(
-        "--weight-pipe",
-        action="store_true",
-        help="experimental: a ring of shared-memory pages kept filled with the "
-        "queue's weights by bulk copies, through waits; alone",
-    )
-    parser.add_argument(
-        "--l2-ahead",
-        action="store_true",
-        help="experimental: with --weight-pipe, hint the ring's next pages into "
-        "L2 ahead of it",
+        help="experimental: GEMVs on tensor cores (mma.sync)",
     )
     parser.add_argument(
         "--wide-attn",
@@ -319,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         "--split-qkv",
         action="store_true",
         help="experimental: QKV tiles are parts of heads (RoPE pairs), as many "
-        "parts as keep one tile per SM; not with --stage-weights",
+        "parts as keep one tile per SM",
     )
     parser.add_argument(
         "--plant-bug",

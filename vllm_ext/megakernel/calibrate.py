@@ -89,23 +89,28 @@ def solve_latency(program: Program, device: Device, measured_s: float) -> float 
 
 def kernel_lookahead_bytes(shape: dict | None) -> int | None:
     """How far ahead of its execution a kernel built for ``shape`` (a
-    ``KernelShape`` as a dict) streams an SM's weights: its shared-memory
-    ring (or weight stage) plus what it prefetches into L2 beyond that (the
-    L2 cursor's pages, or the next instruction's first rows: about one
-    ``PREFETCH_BYTES``). None for an unknown kernel."""
+    ``KernelShape`` as a dict) streams an SM's weights: the producer's
+    shared-memory ring plus the pages it hints into L2 past it; or (the
+    legacy control) the next instruction's first rows in L2, about one
+    ``PREFETCH_BYTES``. None for an unknown kernel."""
     if not shape:
         return None
     from vllm_ext.megakernel.kernel.ops.prefetch import PREFETCH_BYTES
     from vllm_ext.megakernel.kernel.ops.weight_pipe import L2_AHEAD_PAGES
-    from vllm_ext.megakernel.kernel.ops.weight_stage import W_STAGE_BYTES
     from vllm_ext.megakernel.kernel.persistent import ring_slots
     from vllm_ext.megakernel.kernel.shape import PAGE_BYTES, KernelShape
 
-    s = KernelShape(**shape)
-    if s.weight_pipe:
-        ahead = L2_AHEAD_PAGES * PAGE_BYTES if s.l2_ahead else PREFETCH_BYTES
-        return ring_slots(s) * PAGE_BYTES + ahead
-    return (W_STAGE_BYTES if s.stage_weights else 0) + PREFETCH_BYTES
+    known = {f.name for f in dataclasses.fields(KernelShape)}
+    if "legacy_control" not in shape:
+        # Recorded before the warp roles: its default was the legacy
+        # control; its staging variants no longer exist.
+        if any(shape.get(n) for n in ("weight_pipe", "stage_weights")):
+            return None
+        shape = {**shape, "legacy_control": True}
+    s = KernelShape(**{k: v for k, v in shape.items() if k in known})
+    if s.legacy_control:
+        return PREFETCH_BYTES
+    return ring_slots(s) * PAGE_BYTES + L2_AHEAD_PAGES * PAGE_BYTES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from vllm_ext.model_spec import ModelSpec
 
 # KernelShape flags, as the build CLI names them with dashes.
-KERNEL = ("stage_queue", "weight_pipe", "l2_ahead", "wide_attn", "mma_gemv",
-          "stage_weights")  # fmt: skip
+# legacy_control: the previous control (thread 0 waits, CTA barriers, direct
+# GEMVs), kept for the side-by-side GPU comparison with the warp roles.
+KERNEL = ("legacy_control", "wide_attn", "mma_gemv")
 # Planner options: the fused COMBINE (isa.py, tail) and QKV head parts.
 PROGRAM = ("fused_combine", "split_qkv")
 
@@ -41,7 +42,7 @@ class Variants:
 
     @classmethod
     def from_flags(cls, args) -> Variants:
-        """The variants a command's ``--stage-queue``-style flags select
+        """The variants a command's ``--legacy-control``-style flags select
         (argparse attributes named as the variants)."""
         return cls(frozenset(n for n in KERNEL + PROGRAM if getattr(args, n, False)))
 

@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_ext.megakernel.kernel.shape import KernelShape
+from vllm_ext.megakernel.kernel.shape import CONSUMERS_BARRIER, KernelShape
 
 ARCHS = ("sm_90a", "sm_100a")
 HERE = Path(__file__).resolve().parent
@@ -41,6 +41,27 @@ print(time.perf_counter() - t0)
 """
 
 
+def _hot_local_loads(sass: str, window: int = 24) -> int:
+    """LDLs not on a printf path: a local load with no ``vprintf`` call
+    (``CALL.ABS.NOINC``) within the next ``window`` instructions. Around
+    printf's ABI call ptxas keeps its frame address and arguments in the
+    stack when registers are short (cold: only a failing wait prints);
+    anything else is a spill in running code."""
+    ins = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
+    return sum(
+        1
+        for i, line in enumerate(ins)
+        if re.search(r"\bLDL\b", line)
+        and not any("CALL.ABS.NOINC" in x for x in ins[i + 1 : i + 1 + window])
+    )
+
+
+def _max_register(sass: str) -> int:
+    """Registers the SASS names (the highest Rn plus one): with setmaxnreg,
+    the consumers' peak, where cuobjdump reports the launch's grant."""
+    return max((int(r) for r in re.findall(r"\bR(\d+)\b", sass)), default=-1) + 1
+
+
 @dataclass(frozen=True)
 class BuildResult:
     library: str
@@ -48,6 +69,7 @@ class BuildResult:
     registers: int
     spill_bytes: int  # local memory per thread (cuobjdump LOCAL)
     local_loads: int  # LDL in the SASS: reloads of spilled registers
+    hot_local_loads: int  # those not on a printf path (_hot_local_loads)
     stack_bytes: int
     shared_bytes: int
     ldg128: int  # 128-bit global loads in the SASS
@@ -58,7 +80,12 @@ class BuildResult:
     async_copies: int  # cp.async into shared memory (LDGSTS): weight staging
     mma_ops: int  # tensor-core MMAs (HMMA): the tensor-core GEMV
     bulk_copies: int  # cp.async.bulk into shared memory (UBLKCP): the weight pipe
-    page_waits: int  # mbarrier waits (SYNCS.PHASECHK): the weight pipe's pages
+    page_waits: int  # mbarrier tests (SYNCS.PHASECHK): every ring's waits
+    mbarrier_arrives: int  # SYNCS.ARRIVE: full (expect-tx), empty, ready
+    cta_barriers: int  # BAR.SYNC of barrier 0: the whole CTA
+    consumer_barriers: int  # BAR.SYNC of CONSUMERS_BARRIER: consumers only
+    setmaxnreg: int  # USETMAXREG: the warpgroups' register split
+    max_register: int  # the highest register the SASS names, plus one
     compile_s: float
 
 
@@ -242,6 +269,7 @@ def build(arch: str, out: str | Path, shape: KernelShape) -> BuildResult:
         stack_bytes=field("STACK"),
         shared_bytes=field("SHARED"),
         local_loads=len(re.findall(r"\bLDL\b", sass)),
+        hot_local_loads=_hot_local_loads(sass),
         ldg128=len(re.findall(r"LDG\.E\.128", sass)),
         acquire_loads=sass.count("CCTL.IVALL"),
         release_atomics=len(
@@ -253,5 +281,12 @@ def build(arch: str, out: str | Path, shape: KernelShape) -> BuildResult:
         mma_ops=sass.count("HMMA"),
         bulk_copies=sass.count("UBLKCP"),
         page_waits=sass.count("SYNCS.PHASECHK"),
+        mbarrier_arrives=len(re.findall(r"\bSYNCS\.ARRIVE", sass)),
+        cta_barriers=len(re.findall(r"\bBAR\.SYNC\S* 0x0\b", sass)),
+        consumer_barriers=len(
+            re.findall(rf"\bBAR\.SYNC\S* {CONSUMERS_BARRIER:#x}\b", sass)
+        ),
+        setmaxnreg=sass.count("USETMAXREG"),
+        max_register=_max_register(sass),
         compile_s=round(compile_s, 3),
     )

@@ -1,46 +1,163 @@
 # SPDX-License-Identifier: Apache-2.0
 """The persistent kernel's control: what a CTA does around each instruction
-(``isa.py`` words), apart from executing it (``ops/``).
+(``isa.py`` words), apart from executing it (``ops/``) and streaming its
+weights (``ops/weight_pipe.py``).
 
-* ``queue.fetch``: the instruction's words into registers.
-* ``wait_inputs`` (thread 0): poll the wait counter with a bounded spin
+Roles (the default kernel; ``persistent.py`` assigns the warps):
+
+* The controller (one lane of the producer warpgroup, ``controller``):
+  walks the queue ahead of the consumers. Per instruction it waits for a
+  free slot of the instruction ring (``queue_empty``), copies the words into
+  it, hints the weights of an instruction without pages into L2, waits for
+  the instruction's inputs (``wait_inputs``), then arrives on the slot's
+  ``queue_ready`` mbarrier. So the fetch and the poll of the next
+  instruction's counter run while the consumers execute the current one.
+* The consumers (``NUM_THREADS`` threads): wait for ``queue_ready``
+  (``wait_instruction``), execute, meet at their named barrier (every
+  store issued), then thread 0 signals (``signal_done``) and frees the
+  slot (``release_instruction``).
+
+Memory model of a dependency: the producing SM's stores, its consumers'
+named barrier, its release atomic at GPU scope; this CTA's controller's
+acquire load at GPU scope that reads the count (it invalidates the SM's
+L1, so no stale line survives); program order to the controller's
+``mbarrier.arrive`` (release, CTA scope); the consumers' ``mbarrier``
+test-wait that sees the phase (acquire, CTA scope); their loads. PTX's
+causality order is transitive through release/acquire pairs of any scope
+that includes both threads, so the producer's stores happen before the
+consumers' loads without a further fence.
+
+* ``wait_inputs`` (one thread): poll the wait counter with a bounded spin
   until it reaches ``epoch * count``; past ``max_spins`` polls print the
   opcode, SM, pc, counter, expected and seen value, then trap (a broken
-  program ends the kernel, never hangs the GPU). The polls are relaxed,
-  then one acquire load once the count is met (the validated default), or
-  (``stage_queue``) every poll is an acquire load, so a wait already met
-  costs one L2 round trip, not two.
-* ``signal_done`` (thread 0, after a CTA barrier: every thread's stores are
-  issued): add 1 to the signal counter with a release atomic at GPU scope;
-  with ``fused_combine`` an ATTN's atomic is acq_rel and tells whether its
-  chunk completed the head, whose merge the CTA then runs (``run_tail``).
+  program ends the kernel, never hangs the GPU). Relaxed polls, then one
+  acquire load once the count is met.
+* ``signal_done`` (thread 0, after the consumers' barrier: every
+  consumer's stores are issued): add 1 to the signal counter with a release
+  atomic at GPU scope; with ``fused_combine`` an ATTN's atomic is acq_rel
+  and tells whether its chunk completed the head, whose merge the
+  consumers then run (``run_tail``).
+
+The legacy control (``KernelShape.legacy_control``) has no roles: thread 0
+fetches, waits and signals between CTA barriers (the consumers' barrier is
+then the whole CTA's).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Int32, Int64
 
-from vllm_ext.megakernel.isa import Op
+from vllm_ext.megakernel.isa import WORDS, Op
 from vllm_ext.megakernel.kernel.ops.combine import combine
-from vllm_ext.megakernel.kernel.ops.weight_pipe import BASE, top_up
-from vllm_ext.megakernel.kernel.sync import nanosleep, trap
+from vllm_ext.megakernel.kernel.ops.common import consumer_sync
+from vllm_ext.megakernel.kernel.ops.prefetch import prefetch_weights
+from vllm_ext.megakernel.kernel.ops.weight_pipe import instr_pages
+from vllm_ext.megakernel.kernel.queue import fetch
+from vllm_ext.megakernel.kernel.sync import nanosleep, trap, wait_mbarrier
 
 POLL_NS = 32
+# Instructions the controller may run ahead of the consumers (one being
+# executed, the next ones fetched and awaited).
+QUEUE_SLOTS = 4
+
+
+@dataclass(frozen=True)
+class InstrRing:
+    """The instruction ring in shared memory: slot ``pc % QUEUE_SLOTS``
+    holds instruction ``pc``'s words once its ``queue_ready`` phase of
+    parity ``(pc // QUEUE_SLOTS) % 2`` has completed; its ``queue_empty``
+    phase of the same parity completes when the consumers are done with it.
+    A trace-time bundle."""
+
+    words: cute.Tensor  # [QUEUE_SLOTS, WORDS] int32
+    ready: cute.Tensor  # [QUEUE_SLOTS] int64: queue_ready (the controller)
+    empty: cute.Tensor  # [QUEUE_SLOTS] int64: queue_empty (consumer thread 0)
+
+    @classmethod
+    def allocate(cls, smem) -> InstrRing:
+        return cls(
+            smem.allocate_tensor(
+                Int32, cute.make_layout((QUEUE_SLOTS, WORDS), stride=(WORDS, 1)), 32
+            ),
+            smem.allocate_tensor(Int64, cute.make_layout(QUEUE_SLOTS), 8),
+            smem.allocate_tensor(Int64, cute.make_layout(QUEUE_SLOTS), 8),
+        )
+
+
+def ring_bytes() -> list[int]:
+    return [4 * QUEUE_SLOTS * WORDS, 8 * QUEUE_SLOTS, 8 * QUEUE_SLOTS]
+
+
+@cute.jit
+def ring_init(r: cutlass.Constexpr):
+    """Thread 0, before the start-up CTA barrier: one arrival each."""
+    for i in cutlass.range_constexpr(QUEUE_SLOTS):
+        cute.arch.mbarrier_init(r.ready.iterator + i, 1)
+        cute.arch.mbarrier_init(r.empty.iterator + i, 1)
+    cute.arch.mbarrier_init_fence()
+
+
+@cute.jit
+def controller(s: cutlass.Constexpr, r: cutlass.Constexpr, q: cutlass.Constexpr,
+               length, counters: cute.Tensor, epoch, max_spins, ptrs: cute.Tensor,
+               glob, paged: cutlass.Constexpr):  # fmt: skip
+    """The controller lane: every instruction of the queue into the ring,
+    published once its inputs are ready. ``paged``: the kernel has a weight
+    ring (whose producer streams the paged instructions' weights)."""
+    ins = cute.make_rmem_tensor((WORDS,), Int32)
+    for pc in cutlass.range(length):
+        slot = pc % QUEUE_SLOTS
+        if pc >= QUEUE_SLOTS:
+            wait_mbarrier(r.empty.iterator + slot, (pc // QUEUE_SLOTS + 1) % 2,
+                          max_spins, True, "instruction slot", q.sm,
+                          pc)  # fmt: skip
+        fetch(q, pc, ins)
+        for w in cutlass.range_constexpr(WORDS):
+            r.words[slot, w] = ins[w]
+        # Weight streams start before the wait (see ops/prefetch.py); the
+        # producer streams those of instructions with pages.
+        if cutlass.const_expr(paged):
+            if instr_pages(s, ins[0], ins[2], ins[3]) == 0:
+                prefetch_weights(s, ptrs, glob, ins[0], ins[1], ins[2], ins[3])
+        else:
+            prefetch_weights(s, ptrs, glob, ins[0], ins[1], ins[2], ins[3])
+        wait_inputs(s, counters, ins, epoch, q.sm, pc, max_spins)
+        # Release at CTA scope: the words above and (through the acquire in
+        # wait_inputs) the producers' stores, to the consumers' wait.
+        cute.arch.mbarrier_arrive(r.ready.iterator + slot)
+
+
+@cute.jit
+def wait_instruction(r: cutlass.Constexpr, pc, ins: cute.Tensor, max_spins, sm):
+    """Every consumer thread: wait until instruction ``pc`` is published,
+    then its words into ``ins``."""
+    tidx, _, _ = cute.arch.thread_idx()
+    slot = pc % QUEUE_SLOTS
+    wait_mbarrier(r.ready.iterator + slot, (pc // QUEUE_SLOTS) % 2, max_spins,
+                  tidx == 0, "instruction", sm, pc)  # fmt: skip
+    cute.autovec_copy(r.words[slot, None], ins)
+
+
+@cute.jit
+def release_instruction(r: cutlass.Constexpr, pc):
+    """Consumer thread 0, after the consumers' barrier that ends
+    instruction ``pc`` (every consumer has read its words)."""
+    cute.arch.mbarrier_arrive(r.empty.iterator + pc % QUEUE_SLOTS)
 
 
 @cute.jit
 def wait_inputs(s: cutlass.Constexpr, counters: cute.Tensor, ins: cute.Tensor, epoch,
-                sm, pc, max_spins, pipe: cutlass.Constexpr):  # fmt: skip
-    """Thread 0: return once instruction ``ins``'s wait is met (at once
-    without one). With the weight pipeline (``pipe``, else None), pages keep
-    streaming while the inputs are awaited."""
-    poll = "acquire" if s.stage_queue else "relaxed"
+                sm, pc, max_spins):  # fmt: skip
+    """One thread: return once instruction ``ins``'s wait is met (at once
+    without one)."""
     if ins[4] >= 0:
         target = epoch * ins[5]
         ptr = counters.iterator + ins[4]
-        seen = cute.arch.load(ptr, Int32, sem=poll, scope="gpu")
+        seen = cute.arch.load(ptr, Int32, sem="relaxed", scope="gpu")
         spins = Int32(0)
         # Compared by difference: counters and targets wrap mod 2^32
         # together, so a server never overflows them.
@@ -53,25 +170,22 @@ def wait_inputs(s: cutlass.Constexpr, counters: cute.Tensor, ins: cute.Tensor, e
                     ins[0], sm, pc, ins[4], target, seen,
                 )  # fmt: skip
                 trap()
-            if cutlass.const_expr(s.weight_pipe):
-                top_up(pipe, pipe.state[BASE])
             nanosleep(Int32(POLL_NS))
-            seen = cute.arch.load(ptr, Int32, sem=poll, scope="gpu")
-        if cutlass.const_expr(poll == "relaxed"):
-            # Acquire: the producers' stores are visible from here on. (An
-            # acquire load whose value is unused is dropped by the compiler.)
-            seen = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
-            if seen - target < 0:
-                trap()
+            seen = cute.arch.load(ptr, Int32, sem="relaxed", scope="gpu")
+        # Acquire: the producers' stores are visible from here on. (An
+        # acquire load whose value is unused is dropped by the compiler.)
+        seen = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
+        if seen - target < 0:
+            trap()
 
 
 @cute.jit
 def signal_done(s: cutlass.Constexpr, counters: cute.Tensor, ins: cute.Tensor, op,
                 epoch, tail: cute.Tensor):  # fmt: skip
-    """Thread 0, after the CTA barrier that ends the instruction: signal
-    its counter. With ``fused_combine``, ``tail[0]`` becomes 1 when this
-    ATTN chunk completed its head (its atomic returned ``epoch * chunks -
-    1``), else 0."""
+    """Thread 0, after the consumers' barrier that ends the instruction:
+    signal its counter. With ``fused_combine``, ``tail[0]`` becomes 1 when
+    this ATTN chunk completed its head (its atomic returned ``epoch * chunks
+    - 1``), else 0."""
     if cutlass.const_expr(s.fused_combine):
         tail[0] = Int32(0)
         if op == Op.ATTN and ins[7] >= 0:
@@ -93,13 +207,14 @@ def signal_done(s: cutlass.Constexpr, counters: cute.Tensor, ins: cute.Tensor, o
 @cute.jit
 def run_tail(s: cutlass.Constexpr, ptrs: cute.Tensor, counters: cute.Tensor,
              ins: cute.Tensor, layer, g, tail: cute.Tensor):  # fmt: skip
-    """Every thread, after an ATTN with ``fused_combine``: the chunk that
-    completed kv head ``g`` merges its partials and signals ``ins[7]``."""
+    """Every consumer thread, after an ATTN with ``fused_combine``: the
+    chunk that completed kv head ``g`` merges its partials and signals
+    ``ins[7]``."""
     tidx, _, _ = cute.arch.thread_idx()
-    cute.arch.sync_threads()
+    consumer_sync()
     if tail[0] != 0:
         combine(s, ptrs, layer, g)
-        cute.arch.sync_threads()
+        consumer_sync()
         if tidx == 0:
             cute.arch.atomic_add(counters.iterator + ins[7], Int32(1),
                                  sem="release", scope="gpu")  # fmt: skip

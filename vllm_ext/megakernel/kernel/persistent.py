@@ -1,23 +1,34 @@
 # SPDX-License-Identifier: Apache-2.0
 """The persistent kernel: one CTA per SM runs its queue of instructions.
 
-Per instruction (words as in ``isa.py``): fetch it (``queue.py``); thread
-0 starts the next instruction's weight stream, then waits for the inputs
-(``control.wait_inputs``: a bounded spin that traps with a message); a CTA
-barrier; the CTA executes the instruction (``ops/``); a CTA barrier (all
-stores issued); thread 0 signals (``control.signal_done``: a release
-atomic at GPU scope).
+The default kernel's CTA is three roles in 384 threads (``control.py``):
+
+* warps 0-7, the consumers (``NUM_THREADS``): wait for the next
+  instruction (``queue_ready``), execute it (``ops/``), meet at their named
+  barrier, then thread 0 signals (a release atomic at GPU scope);
+* warp 8, lane 0, the producer (``ops/weight_pipe.produce``): keeps the
+  ring of weight pages full in queue order, never waiting on a counter;
+* warp 9, lane 0, the controller: fetches instructions into the
+  instruction ring and waits for their inputs ahead of the consumers.
+
+Warps 8-11 are one warpgroup, so ``setmaxnreg`` moves registers from it to
+the consumers (``PRODUCER_REGS``, ``CONSUMER_REGS``). The only CTA-wide
+barrier is the one after start-up init. ``KernelShape.legacy_control``
+builds the previous control instead (256 threads; thread 0 fetches, waits
+and signals between CTA barriers; the GEMVs read global memory), for the
+side-by-side GPU comparison.
 
 Model shape and batch bucket are compile-time (``KernelShape``); every
 address comes from the table ``ptrs`` (``shape.py``). The experimental
 variants (``variants.py``) are ``KernelShape`` flags, compiled out when
-off: the default kernel's SASS does not change with them. So is the
-mixture of experts (ROUTE, TOPK, EXPERT_UP, EXPERT_DOWN and their shared
-scratch): compiled in only for a shape with one, so a dense model's cubin
-is the one built before they existed; and so is the multi-head latent
-attention (MLA_QKV_A, MLA_Q, MLA_APPEND, MLA_ATTN, MLA_COMBINE and their
-scratch).
+off. So is the mixture of experts (ROUTE, TOPK, EXPERT_UP, EXPERT_DOWN and
+their shared scratch): compiled in only for a shape with one; and so is the
+multi-head latent attention (MLA_QKV_A, MLA_Q, MLA_APPEND, MLA_ATTN,
+MLA_COMBINE and their scratch).
 """
+
+import dataclasses
+from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -26,7 +37,17 @@ from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
 from vllm_ext.megakernel.isa import WORDS, Op
-from vllm_ext.megakernel.kernel.control import run_tail, signal_done, wait_inputs
+from vllm_ext.megakernel.kernel.control import (
+    InstrRing,
+    controller,
+    release_instruction,
+    ring_bytes,
+    ring_init,
+    run_tail,
+    signal_done,
+    wait_inputs,
+    wait_instruction,
+)
 from vllm_ext.megakernel.kernel.ops.attn import attn
 from vllm_ext.megakernel.kernel.ops.attn_wide import attn_wide
 from vllm_ext.megakernel.kernel.ops.combine import combine
@@ -34,6 +55,7 @@ from vllm_ext.megakernel.kernel.ops.common import (
     NUM_THREADS,
     NUM_WARPS,
     VEC,
+    consumer_sync,
     stages_input,
 )
 from vllm_ext.megakernel.kernel.ops.embed import embed
@@ -57,24 +79,30 @@ from vllm_ext.megakernel.kernel.ops.qkv import qkv
 from vllm_ext.megakernel.kernel.ops.route import route
 from vllm_ext.megakernel.kernel.ops.topk import topk, topk_words
 from vllm_ext.megakernel.kernel.ops.weight_pipe import (
-    BASE,
     MAX_SLOTS,
-    MIN_SLOTS,
     Pipe,
     instr_pages,
     pipe_bytes,
     pipe_init,
     pipe_slots,
-    top_up,
+    produce,
 )
-from vllm_ext.megakernel.kernel.ops.weight_stage import W_STAGE_ELEMS, stage_weights
 from vllm_ext.megakernel.kernel.queue import Queue, fetch
 from vllm_ext.megakernel.kernel.shape import KernelShape, table_width
 from vllm_ext.megakernel.kernel.sync import trap
 
-# Queue entries staged in shared memory with shape.stage_queue (8 KiB; a
-# 36-layer model plans under 180 per SM on 132 SMs).
-QUEUE_STAGE = 256
+# The producer warpgroup (warps 8-11): the producer's and the controller's
+# lanes; the other two warps idle. setmaxnreg is warpgroup-wide, so the
+# roles take a whole warpgroup to hand its registers to the consumers.
+PRODUCER_WARP = NUM_WARPS
+CONTROLLER_WARP = NUM_WARPS + 1
+ROLE_THREADS = 128
+# Registers per thread after setmaxnreg: 256 x 224 + 128 x 56 = 64512, the
+# launch's grant (65536 / 384 = 168 each). At 40 the roles' loops keep
+# values in the stack across printf's call (SASS: LDL); the consumers'
+# peak on the shapes built so far is 207 (DeepSeek-V3's MLA, batch 1).
+CONSUMER_REGS = 224
+PRODUCER_REGS = 56
 
 
 # Shared memory one Hopper/Blackwell CTA may use (227 KiB).
@@ -90,11 +118,10 @@ def _buffers(s: KernelShape) -> list[int]:
         2 * (s.batch * s.hidden if stages_input(s) else VEC),  # x_stage
         2 * 4 * NUM_WARPS * s.group,  # warp_m, warp_l
         4 * NUM_WARPS * s.group * s.head_dim,  # warp_o
-        W_STAGE_ELEMS * 2 if s.stage_weights else 0,
-        QUEUE_STAGE * WORDS * 4 if s.stage_queue else 0,
+        *([] if s.legacy_control else ring_bytes()),
         4 if s.fused_combine else 0,  # tail flag
         # (With the weight pipeline, the pipeline holds this scratch.)
-        red_floats(s.batch) * 4 if s.mma_gemv and not s.weight_pipe else 0,
+        red_floats(s.batch) * 4 if s.mma_gemv and s.legacy_control else 0,
         4 * moe_words(s),  # the mixture's int32 scratch
         4 * s.batch * s.top_k,  # EXPERT_DOWN's sorted weights
         *mla_buffers(s),
@@ -137,9 +164,10 @@ def _padded(buffers: list[int]) -> int:
 
 
 def ring_slots(s: KernelShape) -> int:
-    """Pages in the weight pipeline's ring: what the rest leaves (0: off,
-    or too little room)."""
-    if not s.weight_pipe:
+    """Pages in the weight pipeline's ring: what the rest leaves (0: the
+    legacy control, or too little room: the GEMVs then read global
+    memory)."""
+    if s.legacy_control:
         return 0
     # Everything but the pages, with the mbarriers of the largest ring.
     rest = _padded(_buffers(s) + pipe_bytes(MAX_SLOTS, s)[1:])
@@ -148,16 +176,20 @@ def ring_slots(s: KernelShape) -> int:
 
 def shared_bytes(s: KernelShape) -> int:
     """The CTA's shared memory, as the kernel allocates it."""
-    pipe = pipe_bytes(ring_slots(s), s) if s.weight_pipe else []
-    return _padded(_buffers(s) + pipe)
+    slots = ring_slots(s)
+    return _padded(_buffers(s) + (pipe_bytes(slots, s) if slots else []))
+
+
+def block_threads(s: KernelShape) -> int:
+    return NUM_THREADS if s.legacy_control else NUM_THREADS + ROLE_THREADS
 
 
 class Megakernel:
     def __init__(self, shape: KernelShape):
-        if shape.weight_pipe and ring_slots(shape) == 0:
+        if shape.mma_gemv and not shape.legacy_control and ring_slots(shape) == 0:
             raise ValueError(
-                f"the kernel for {shape} leaves no room in shared memory for "
-                f"the weight pipeline's {MIN_SLOTS} pages"
+                f"the kernel for {shape} leaves no room in shared memory for the "
+                "weight ring the tensor-core GEMV reads"
             )
         need = shared_bytes(shape)
         if need > SMEM_LIMIT:
@@ -187,10 +219,11 @@ class Megakernel:
             attn_scale, max_spins,
         ).launch(
             grid=(queue.shape[0], 1, 1),
-            block=(NUM_THREADS, 1, 1),
+            block=(block_threads(self.shape), 1, 1),
             stream=stream,
             cooperative=True,
-            # One CTA per SM: ptxas may then use up to 255 registers instead
+            # One CTA per SM: ptxas may then use up to 255 registers (legacy)
+            # or 168, raised by setmaxnreg to CONSUMER_REGS (default), instead
             # of spilling at 128. The carveout keeps most of the unified
             # L1/shared memory as L1 (activations and re-read weight rows);
             # the driver still grants the shared memory the kernel needs.
@@ -276,143 +309,202 @@ class Megakernel:
                 16,
             )
 
-        # Thread 0 tells the CTA whether its ATTN completed the head.
+        # Thread 0 tells the consumers whether its ATTN completed the head.
         tail = None
         if cutlass.const_expr(s.fused_combine):
             tail = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
-
-        # The weight stage (experimental, shape.stage_weights); without it
-        # the ops receive x_stage in its place and never read it.
+        # The legacy tensor-core GEMV's cross-warp reduction scratch (the
+        # weight pipeline holds its own); else the ops receive x_stage in its
+        # place and never read it.
         w_stage = x_stage
-        if cutlass.const_expr(s.stage_weights):
-            w_stage = smem.allocate_tensor(
-                BFloat16, cute.make_layout(W_STAGE_ELEMS), 128
-            )
-        if cutlass.const_expr(s.mma_gemv and not s.weight_pipe):
-            # The tensor-core GEMV's cross-warp reduction scratch.
+        if cutlass.const_expr(s.mma_gemv and s.legacy_control):
             w_stage = smem.allocate_tensor(
                 Float32, cute.make_layout(red_floats(s.batch)), 128
             )
-
-        # The queue's head in shared memory (experimental, shape.stage_queue):
-        # one copy at launch instead of a dependent global load per
-        # instruction; past QUEUE_STAGE entries it is read from global memory.
+        scratch = _Scratch(rstd, head_buf, head_rstd, x_stage, warp_m, warp_l, warp_o,
+                           moe_i, moe_f, mla_x, mla_qb, mla_red, mla_lat,
+                           tail)  # fmt: skip
         q = Queue(queue, sm)
-        if cutlass.const_expr(s.stage_queue):
-            q_stage = smem.allocate_tensor(
-                Int32, cute.make_layout((QUEUE_STAGE, WORDS), stride=(WORDS, 1)), 32
-            )
-            n_staged = cutlass.min(lengths[sm], Int32(QUEUE_STAGE))
-            for idx in cutlass.range(tidx, n_staged * WORDS, NUM_THREADS):
-                q_stage[idx // WORDS, idx % WORDS] = queue[sm, idx // WORDS,
-                                                           idx % WORDS]  # fmt: skip
-            cute.arch.sync_threads()
-            q = Queue(queue, sm, q_stage, n_staged)
-
-        # The weight pipeline (experimental, shape.weight_pipe): the ops
-        # receive it in place of the weight stage.
-        if cutlass.const_expr(s.weight_pipe):
-            w_stage = Pipe.allocate(
-                s, ring_slots(s), smem, q=q, length=lengths[sm], ptrs=ptrs,
-                glob=glob, max_spins=max_spins,
-            )  # fmt: skip
+        args = _Args(ptrs, glob, counters, epoch, sm, max_spins, kv_block_stride,
+                     block_table_stride, attn_scale)  # fmt: skip
+        if cutlass.const_expr(s.legacy_control):
+            _legacy_loop(s, q, lengths[sm], args, scratch, w_stage)
+        else:
+            slots = ring_slots(s)
+            pipe = w_stage
+            if cutlass.const_expr(slots > 0):
+                pipe = Pipe.allocate(
+                    s, slots, smem, q=q, length=lengths[sm], ptrs=ptrs, glob=glob,
+                    max_spins=max_spins,
+                )  # fmt: skip
+            ring = InstrRing.allocate(smem)
             if tidx == 0:
-                pipe_init(w_stage)
+                ring_init(ring)
+                if cutlass.const_expr(slots > 0):
+                    pipe_init(pipe)
+            # The one CTA-wide barrier: the mbarriers are initialised.
             cute.arch.sync_threads()
-            # (Written through an alias: the loop below must not look like it
-            # rebinds w_stage, a trace-time object.)
-            pipe_state = w_stage.state
+            warp = tidx // 32
+            if warp >= NUM_WARPS:
+                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+                if tidx == PRODUCER_WARP * 32:
+                    if cutlass.const_expr(slots > 0):
+                        produce(pipe)
+                elif tidx == CONTROLLER_WARP * 32:
+                    controller(s, ring, q, lengths[sm], counters, epoch, max_spins,
+                               ptrs, glob, slots > 0)  # fmt: skip
+            else:
+                cute.arch.setmaxregister_increase(CONSUMER_REGS)
+                _consumer_loop(s, q, lengths[sm], args, scratch, pipe, ring)
 
-        ins = cute.make_rmem_tensor((WORDS,), Int32)
-        for pc in cutlass.range(lengths[sm]):
-            fetch(q, pc, ins)
-            op, layer, a0, a1 = ins[0], ins[1], ins[2], ins[3]
-            if cutlass.const_expr(s.stage_weights):
-                # All threads start copying this instruction's weights into
-                # shared memory before thread 0 waits for its inputs.
-                stage_weights(s, ptrs, glob, op, layer, a0, a1, w_stage)
-            if cutlass.const_expr(s.weight_pipe):
-                if tidx == 0:
-                    top_up(w_stage, pipe_state[BASE])
-            if tidx == 0:
-                # Weight streams start before the wait (see ops/prefetch.py).
-                if pc == 0:
-                    prefetch_weights(s, ptrs, glob, op, layer, a0, a1)
-                if pc + 1 < lengths[sm]:
-                    if cutlass.const_expr(s.stage_queue):
-                        nxt = cute.make_rmem_tensor((WORDS,), Int32)
-                        fetch(q, pc + 1, nxt)
-                        prefetch_weights(s, ptrs, glob, nxt[0], nxt[1], nxt[2],
-                                         nxt[3])  # fmt: skip
-                    else:
-                        nxt = queue[sm, pc + 1, None]
-                        prefetch_weights(s, ptrs, glob, nxt[0], nxt[1], nxt[2],
-                                         nxt[3])  # fmt: skip
-                wait_inputs(s, counters, ins, epoch, sm, pc, max_spins,
-                            w_stage if s.weight_pipe else None)  # fmt: skip
-            cute.arch.sync_threads()
-            if cutlass.const_expr(s.stage_weights):
-                cute.arch.cp_async_wait_group(0)
-                cute.arch.sync_threads()
 
-            if op == Op.QKV:
-                qkv(s, ptrs, layer, glob, a0, a1, kv_block_stride, rstd, head_buf,
-                    head_rstd, x_stage, w_stage)  # fmt: skip
-            elif op == Op.ATTN:
-                if cutlass.const_expr(s.wide_attn):
-                    attn_wide(s, ptrs, layer, glob, a0, a1, kv_block_stride,
-                              block_table_stride, attn_scale, warp_m, warp_l,
-                              warp_o)  # fmt: skip
-                else:
-                    attn(s, ptrs, layer, glob, a0, a1, kv_block_stride,
-                         block_table_stride, attn_scale, warp_m, warp_l,
-                         warp_o)  # fmt: skip
-            elif op == Op.COMBINE:
-                combine(s, ptrs, layer, a0)
-            elif op == Op.O_PROJ:
-                o_proj(s, ptrs, layer, a0, a1, rstd, w_stage)
-            elif op == Op.GATE_UP:
-                gate_up(s, ptrs, layer, a0, a1, rstd, x_stage, w_stage)
-            elif op == Op.DOWN:
-                down(s, ptrs, layer, a0, a1, rstd, w_stage)
-            elif op == Op.EMBED:
-                embed(s, ptrs, glob, a0, a1)
-            elif op == Op.FINAL_NORM:
-                final_norm(s, ptrs, glob, a0, a1, rstd)
-            elif op == Op.LM_HEAD:
-                lm_head(s, ptrs, glob, a0, a1, rstd, w_stage)
-            elif op != Op.NOP:
-                if cutlass.const_expr(s.mla):
-                    if op == Op.MLA_QKV_A:
-                        mla_qkv_a(s, ptrs, layer, a0, a1, rstd, x_stage)
-                    elif op == Op.MLA_Q:
-                        mla_q(s, ptrs, layer, glob, a0, a1, rstd, mla_x, mla_qb,
-                              mla_red)  # fmt: skip
-                    elif op == Op.MLA_APPEND:
-                        mla_append(s, ptrs, layer, glob, kv_block_stride, rstd)
-                    elif op == Op.MLA_ATTN:
-                        mla_attn(s, ptrs, layer, glob, a0, a1, kv_block_stride,
-                                 block_table_stride, attn_scale)  # fmt: skip
-                    elif op == Op.MLA_COMBINE:
-                        mla_combine(s, ptrs, layer, a0, a1, rstd, mla_lat, mla_red)
-                    else:
-                        _moe_op(s, ptrs, op, layer, glob, a0, a1, rstd, x_stage,
-                                moe_i, moe_f, sm, pc)  # fmt: skip
-                else:
-                    _moe_op(s, ptrs, op, layer, glob, a0, a1, rstd, x_stage, moe_i,
-                            moe_f, sm, pc)  # fmt: skip
+@dataclass(frozen=True)
+class _Scratch:
+    """The consumers' shared buffers (trace time; None where compiled out)."""
 
-            # Every thread's stores are issued before the release below.
-            cute.arch.sync_threads()
-            if tidx == 0:
-                if cutlass.const_expr(s.weight_pipe):
-                    # Every page of this instruction is released.
-                    pipe_state[BASE] = pipe_state[BASE] + instr_pages(s, op, a0, a1)
-                signal_done(s, counters, ins, op, epoch, tail)
-            if cutlass.const_expr(s.fused_combine):
-                if op == Op.ATTN:
-                    # The tail: the last chunk of kv head a0 merges its partials.
-                    run_tail(s, ptrs, counters, ins, layer, a0, tail)
+    rstd: object
+    head_buf: object
+    head_rstd: object
+    x_stage: object
+    warp_m: object
+    warp_l: object
+    warp_o: object
+    moe_i: object
+    moe_f: object
+    mla_x: object
+    mla_qb: object
+    mla_red: object
+    mla_lat: object
+    tail: object
+
+
+@dataclass(frozen=True)
+class _Args:
+    """The kernel's arguments the instructions read (trace time)."""
+
+    ptrs: object
+    glob: object
+    counters: object
+    epoch: object
+    sm: object
+    max_spins: object
+    kv_block_stride: object
+    block_table_stride: object
+    attn_scale: object
+
+
+@cute.jit
+def _consumer_loop(s: cutlass.Constexpr, q: cutlass.Constexpr, length,
+                   a: cutlass.Constexpr, m: cutlass.Constexpr,
+                   pipe: cutlass.Constexpr, ring: cutlass.Constexpr):  # fmt: skip
+    """The consumers: each instruction once the controller published it;
+    ``page`` counts the weight pages of the instructions before it."""
+    tidx, _, _ = cute.arch.thread_idx()
+    paged = isinstance(pipe, Pipe)
+    ins = cute.make_rmem_tensor((WORDS,), Int32)
+    page = Int32(0)
+    for pc in cutlass.range(length):
+        wait_instruction(ring, pc, ins, a.max_spins, a.sm)
+        op, layer, a0, a1 = ins[0], ins[1], ins[2], ins[3]
+        w_stage = pipe
+        if cutlass.const_expr(paged):
+            w_stage = dataclasses.replace(pipe, base=page)
+        _execute(s, op, layer, a0, a1, a, m, w_stage, pc)
+        # Every consumer's stores are issued (and every consumer has read
+        # the instruction's words) before the release below.
+        consumer_sync()
+        if tidx == 0:
+            signal_done(s, a.counters, ins, op, a.epoch, m.tail)
+            release_instruction(ring, pc)
+        if cutlass.const_expr(s.fused_combine):
+            if op == Op.ATTN:
+                # The tail: the last chunk of kv head a0 merges its partials.
+                run_tail(s, a.ptrs, a.counters, ins, layer, a0, m.tail)
+        if cutlass.const_expr(paged):
+            page = page + instr_pages(s, op, a0, a1)
+
+
+@cute.jit
+def _legacy_loop(s: cutlass.Constexpr, q: cutlass.Constexpr, length,
+                 a: cutlass.Constexpr, m: cutlass.Constexpr,
+                 w_stage: cutlass.Constexpr):  # fmt: skip
+    """The previous control (``legacy_control``): thread 0 starts the next
+    instruction's weight stream, waits for the inputs; CTA barriers around
+    the instruction; thread 0 signals."""
+    tidx, _, _ = cute.arch.thread_idx()
+    ins = cute.make_rmem_tensor((WORDS,), Int32)
+    for pc in cutlass.range(length):
+        fetch(q, pc, ins)
+        op, layer, a0, a1 = ins[0], ins[1], ins[2], ins[3]
+        if tidx == 0:
+            # Weight streams start before the wait (see ops/prefetch.py).
+            if pc == 0:
+                prefetch_weights(s, a.ptrs, a.glob, op, layer, a0, a1)
+            if pc + 1 < length:
+                nxt = q.queue[q.sm, pc + 1, None]
+                prefetch_weights(s, a.ptrs, a.glob, nxt[0], nxt[1], nxt[2], nxt[3])
+            wait_inputs(s, a.counters, ins, a.epoch, a.sm, pc, a.max_spins)
+        consumer_sync()
+        _execute(s, op, layer, a0, a1, a, m, w_stage, pc)
+        consumer_sync()
+        if tidx == 0:
+            signal_done(s, a.counters, ins, op, a.epoch, m.tail)
+        if cutlass.const_expr(s.fused_combine):
+            if op == Op.ATTN:
+                run_tail(s, a.ptrs, a.counters, ins, layer, a0, m.tail)
+
+
+@cute.jit
+def _execute(s: cutlass.Constexpr, op, layer, a0, a1, a: cutlass.Constexpr,
+             m: cutlass.Constexpr, w_stage: cutlass.Constexpr, pc):  # fmt: skip
+    """Instruction (op, layer, a0, a1) by the consumers."""
+    ptrs, glob = a.ptrs, a.glob
+    if op == Op.QKV:
+        qkv(s, ptrs, layer, glob, a0, a1, a.kv_block_stride, m.rstd, m.head_buf,
+            m.head_rstd, m.x_stage, w_stage)  # fmt: skip
+    elif op == Op.ATTN:
+        if cutlass.const_expr(s.wide_attn):
+            attn_wide(s, ptrs, layer, glob, a0, a1, a.kv_block_stride,
+                      a.block_table_stride, a.attn_scale, m.warp_m, m.warp_l,
+                      m.warp_o)  # fmt: skip
+        else:
+            attn(s, ptrs, layer, glob, a0, a1, a.kv_block_stride,
+                 a.block_table_stride, a.attn_scale, m.warp_m, m.warp_l,
+                 m.warp_o)  # fmt: skip
+    elif op == Op.COMBINE:
+        combine(s, ptrs, layer, a0)
+    elif op == Op.O_PROJ:
+        o_proj(s, ptrs, layer, a0, a1, m.rstd, w_stage)
+    elif op == Op.GATE_UP:
+        gate_up(s, ptrs, layer, a0, a1, m.rstd, m.x_stage, w_stage)
+    elif op == Op.DOWN:
+        down(s, ptrs, layer, a0, a1, m.rstd, w_stage)
+    elif op == Op.EMBED:
+        embed(s, ptrs, glob, a0, a1)
+    elif op == Op.FINAL_NORM:
+        final_norm(s, ptrs, glob, a0, a1, m.rstd)
+    elif op == Op.LM_HEAD:
+        lm_head(s, ptrs, glob, a0, a1, m.rstd, w_stage)
+    elif op != Op.NOP:
+        if cutlass.const_expr(s.mla):
+            if op == Op.MLA_QKV_A:
+                mla_qkv_a(s, ptrs, layer, a0, a1, m.rstd, m.x_stage)
+            elif op == Op.MLA_Q:
+                mla_q(s, ptrs, layer, glob, a0, a1, m.rstd, m.mla_x, m.mla_qb,
+                      m.mla_red)  # fmt: skip
+            elif op == Op.MLA_APPEND:
+                mla_append(s, ptrs, layer, glob, a.kv_block_stride, m.rstd)
+            elif op == Op.MLA_ATTN:
+                mla_attn(s, ptrs, layer, glob, a0, a1, a.kv_block_stride,
+                         a.block_table_stride, a.attn_scale)  # fmt: skip
+            elif op == Op.MLA_COMBINE:
+                mla_combine(s, ptrs, layer, a0, a1, m.rstd, m.mla_lat, m.mla_red)
+            else:
+                _moe_op(s, ptrs, op, layer, glob, a0, a1, m.rstd, m.x_stage,
+                        m.moe_i, m.moe_f, a.sm, pc)  # fmt: skip
+        else:
+            _moe_op(s, ptrs, op, layer, glob, a0, a1, m.rstd, m.x_stage, m.moe_i,
+                    m.moe_f, a.sm, pc)  # fmt: skip
 
 
 @cute.jit

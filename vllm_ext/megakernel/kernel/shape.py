@@ -111,6 +111,8 @@ def table_width(shape: KernelShape) -> int:
 PLANTED_BUGS = ("kv-slot", "oob-store")
 # Requests accumulated per pass over a weight row (see ops/gemv.py).
 BATCH_GROUP = 8
+# The consumers' named barrier (ops/common.py; barrier 0 is the whole CTA's).
+CONSUMERS_BARRIER = 1
 # A page of the weight pipeline (ops/weight_pipe.py).
 PAGE_BYTES = 32 * 1024
 # TOPK holds a request's scores in a warp's registers (MAX_EXPERTS / 32 a
@@ -152,28 +154,15 @@ class KernelShape:
     rms_norm_eps: float
     qkv_bias: bool
     qk_norm: bool
-    # Experimental (not yet measured): each GEMV instruction copies the head
-    # of its weight tile into shared memory before waiting for its inputs
-    # (kernel/ops/weight_stage.py). Off: the kernel validated on an H200.
-    stage_weights: bool = False
-    # Experimental (not yet measured), against the 0.9 us each instruction
-    # costs: the queue's head is copied into shared memory at launch, so
-    # fetching an instruction is no global load, and a wait polls with
-    # acquire loads, so one already met costs one load instead of two.
-    stage_queue: bool = False
+    # Experimental, for the side-by-side GPU comparison: the control
+    # validated on an H200 at commit 42d7577 (256 threads; thread 0 fetches,
+    # waits and signals between CTA barriers; the GEMVs read global memory)
+    # instead of the warp roles (kernel/persistent.py, kernel/control.py).
+    legacy_control: bool = False
     # Experimental (not yet measured): GEMVs on tensor cores (mma.sync), for
     # batches where the CUDA-core GEMV is bound by instruction issue
-    # (kernel/ops/gemv_mma.py). Not with stage_weights (one scratch buffer).
+    # (kernel/ops/gemv_mma.py); they read the weight pipeline's pages.
     mma_gemv: bool = False
-    # Experimental (not yet measured): a ring of shared-memory pages that
-    # bulk copies keep filled with the queue's weight rows, through waits and
-    # across instructions (kernel/ops/weight_pipe.py). With mma_gemv, the
-    # tensor-core GEMV reads its pages; not with stage_weights.
-    weight_pipe: bool = False
-    # Experimental (not yet measured): with weight_pipe, a second cursor
-    # hints the ring's next pages into L2, so the lookahead is the ring plus
-    # that much L2 (kernel/ops/weight_pipe.py, L2_AHEAD_PAGES).
-    l2_ahead: bool = False
     # Experimental (not yet measured): ATTN with 128-bit K/V loads, several
     # tokens per warp load and requests side by side
     # (kernel/ops/attn_wide.py).
@@ -240,28 +229,9 @@ class KernelShape:
             )
         if self.q_heads % self.kv_heads:
             raise ValueError("q_heads must be a multiple of kv_heads")
-        if self.weight_pipe and self.stage_weights:
-            raise ValueError(
-                "weight_pipe and stage_weights both move the GEMVs' weights into "
-                "shared memory: pick one"
-            )
-        if self.l2_ahead and not self.weight_pipe:
-            raise ValueError("l2_ahead runs ahead of the weight pipeline's ring: "
-                             "it needs weight_pipe")  # fmt: skip
-        if self.weight_pipe and not self.mma_gemv:  # (mma pages split rows)
-            page_rows(self.hidden, dual=True)  # GATE_UP (QKV, LM_HEAD: narrower)
-            page_rows(self.q_heads * self.head_dim)  # O_PROJ
-            page_rows(self.intermediate)  # DOWN
-        if self.qkv_parts > 1 and self.stage_weights:
-            raise ValueError(
-                "qkv_parts > 1 is not read by the weight stage (it stages whole "
-                "heads): use the weight pipeline"
-            )
         if self.moe:
             self._check_moe()
         if self.mma_gemv:
-            if self.stage_weights:
-                raise ValueError("mma_gemv and stage_weights share a buffer: pick one")
             widths = (self.hidden, self.q_heads * self.head_dim, self.intermediate)
             if any(k % 32 for k in widths):
                 raise ValueError("mma_gemv needs every GEMV's K to be a multiple of 32")
@@ -270,11 +240,8 @@ class KernelShape:
         variants = [
             name
             for name in (
-                "stage_weights",
-                "stage_queue",
+                "legacy_control",
                 "mma_gemv",
-                "weight_pipe",
-                "l2_ahead",
                 "wide_attn",
                 "fused_combine",
             )
@@ -416,12 +383,9 @@ class KernelShape:
         cls,
         program,
         block_size: int,
-        stage_weights: bool = False,
-        stage_queue: bool = False,
+        legacy_control: bool = False,
         mma_gemv: bool = False,
-        weight_pipe: bool = False,
         wide_attn: bool = False,
-        l2_ahead: bool = False,
     ) -> KernelShape:
         s = program.spec
         gqa = dict(q_heads=s.num_q_heads, kv_heads=s.num_kv_heads,
@@ -467,12 +431,9 @@ class KernelShape:
             rms_norm_eps=s.rms_norm_eps,
             qkv_bias=s.qkv_bias,
             qk_norm=s.qk_norm,
-            stage_weights=stage_weights,
-            stage_queue=stage_queue,
+            legacy_control=legacy_control,
             mma_gemv=mma_gemv,
-            weight_pipe=weight_pipe,
             wide_attn=wide_attn,
-            l2_ahead=l2_ahead,
             fused_combine=program.fuse_combine,
             qkv_parts=program.qkv_parts,
             **gqa,

@@ -16,6 +16,7 @@ from cutlass import BFloat16, Float32, Int32
 from vllm_ext.megakernel.kernel.ops.common import (
     NUM_THREADS,
     NUM_WARPS,
+    consumer_sync,
     gmem,
     thread_ids,
     warp_sum,
@@ -118,7 +119,7 @@ def attn(
                 warp_l[warp, gi] = den[gi]
             for e in cutlass.range_constexpr(per_lane):
                 warp_o[warp, gi, lane * per_lane + e] = acc[gi, e]
-        cute.arch.sync_threads()
+        consumer_sync()
         for idx in cutlass.range(tidx, group * d, NUM_THREADS):
             gi, dim = idx // d, idx % d
             top = Float32(NEG_INF)
@@ -136,4 +137,4 @@ def attn(
             part_o[chunk, g, i, gi, dim] = o
             if dim == 0:
                 part_lse[chunk, g, i, gi] = lse
-        cute.arch.sync_threads()  # the warp states are reused by the next row
+        consumer_sync()  # the warp states are reused by the next row

@@ -29,6 +29,7 @@ from vllm_ext.megakernel.kernel.ops.common import (
     NUM_THREADS,
     NUM_WARPS,
     VEC,
+    consumer_sync,
     load_f32,
     thread_ids,
     vectors,
@@ -158,7 +159,7 @@ def attn_wide(
             if sub == 0:
                 for e in cutlass.range_constexpr(VEC):
                     warp_o[warp, gi, part * VEC + e] = acc[gi, e]
-        cute.arch.sync_threads()
+        consumer_sync()
         for idx in cutlass.range(tidx, reqs * group * d, NUM_THREADS):
             r, rest = idx // (group * d), idx % (group * d)
             gi, dim = rest // d, rest % d
@@ -178,4 +179,4 @@ def attn_wide(
                 part_o[chunk, g, i0 + r, gi, dim] = o
                 if dim == 0:
                     part_lse[chunk, g, i0 + r, gi] = lse
-        cute.arch.sync_threads()  # the warp states are reused next round
+        consumer_sync()  # the warp states are reused next round

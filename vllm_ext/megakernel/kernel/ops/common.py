@@ -8,10 +8,17 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int64
 
-from vllm_ext.megakernel.kernel.shape import BATCH_GROUP
+from vllm_ext.megakernel.kernel.shape import BATCH_GROUP, CONSUMERS_BARRIER
 
+# The consumer threads: those that execute instructions (warps 0-7). The
+# default kernel adds a warpgroup for the producer and the controller
+# (persistent.py), which never joins the consumers' barriers.
 NUM_THREADS = 256
 NUM_WARPS = NUM_THREADS // 32
+# The consumers' named barrier is CONSUMERS_BARRIER (shape.py). Barrier 0
+# (bar.sync 0, the whole CTA) is used once, after start-up init: a CTA-wide
+# barrier per instruction would stall the producer and the controller, which
+# run ahead of the consumers.
 VEC = 8  # bf16 elements per 128-bit load
 # BATCH_GROUP: requests accumulated per pass over a weight row; more would
 # spill the accumulators at batch 64, and larger buckets re-read the row
@@ -74,7 +81,7 @@ def row_rstd(x: cute.Tensor, rstd: cute.Tensor, eps: cutlass.Constexpr):
         ss = warp_sum(ss)
         if lane == 0:
             rstd[b] = cute.math.rsqrt(ss / Float32(k) + Float32(eps))
-    cute.arch.sync_threads()
+    consumer_sync()
 
 
 # Shared memory for a normed copy of a projection's input (all requests):
@@ -104,7 +111,13 @@ def stage_normed(
         r = cute.make_rmem_tensor((VEC,), BFloat16)
         r.store(v.to(BFloat16))
         cute.autovec_copy(r, vectors(out[b, None])[None, j])
-    cute.arch.sync_threads()
+    consumer_sync()
+
+
+def consumer_sync():
+    """A barrier among the ``NUM_THREADS`` consumer threads only (the whole
+    CTA in the legacy control, which has no other threads)."""
+    cute.arch.barrier(barrier_id=CONSUMERS_BARRIER, number_of_threads=NUM_THREADS)
 
 
 def thread_ids():
@@ -113,7 +126,7 @@ def thread_ids():
 
 
 __all__ = [
-    "BATCH_GROUP", "NUM_THREADS", "NUM_WARPS", "STAGE_BYTES", "VEC", "gmem",
-    "load_f32", "round_bf16", "row_rstd", "stage_normed", "stages_input",
-    "thread_ids", "vectors", "warp_sum",
+    "BATCH_GROUP", "CONSUMERS_BARRIER", "NUM_THREADS", "NUM_WARPS", "STAGE_BYTES",
+    "VEC", "consumer_sync", "gmem", "load_f32", "round_bf16", "row_rstd",
+    "stage_normed", "stages_input", "thread_ids", "vectors", "warp_sum",
 ]  # fmt: skip

@@ -29,6 +29,7 @@ from vllm_ext.megakernel.kernel.ops.common import (
     NUM_THREADS,
     NUM_WARPS,
     VEC,
+    consumer_sync,
     gmem,
     load_f32,
     round_bf16,
@@ -84,7 +85,7 @@ def expert_down(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi,
         for c in cutlass.range_constexpr(k):
             choice[r * k + c] = sl[c]
             choice_w[r * k + c] = wt[c]
-    cute.arch.sync_threads()
+    consumer_sync()
 
     hmid = gmem(BFloat16, ptrs[layer, LayerSlot.HMID], (b, h))
     dst = gmem(BFloat16, ptrs[layer, LayerSlot.H_OUT], (b, h))

@@ -22,6 +22,7 @@ from vllm_ext.megakernel.kernel.ops.common import (
     NUM_THREADS,
     NUM_WARPS,
     VEC,
+    consumer_sync,
     gmem,
     load_f32,
     round_bf16,
@@ -115,7 +116,7 @@ def _routed(s: cutlass.Constexpr, ptrs, layer, slot, lo, hi, rstd, x_stage, gath
                 if slots[r, c] == slot:
                     hit = Int32(1)
             flags[r] = hit
-        cute.arch.sync_threads()
+        consumer_sync()
         if tidx == 0:
             n = Int32(0)
             for r in cutlass.range(b):
@@ -123,7 +124,7 @@ def _routed(s: cutlass.Constexpr, ptrs, layer, slot, lo, hi, rstd, x_stage, gath
                     rows[n] = r
                     n = n + 1
             count[0] = n
-        cute.arch.sync_threads()
+        consumer_sync()
         n = count[0]
         gate = gmem(BFloat16, base, (inter, h))
         up = gmem(BFloat16, base + inter * h * 2, (inter, h))  # bytes
@@ -141,7 +142,7 @@ def _routed(s: cutlass.Constexpr, ptrs, layer, slot, lo, hi, rstd, x_stage, gath
             ss = warp_sum(ss)
             if lane == 0:
                 rstd[j] = cute.math.rsqrt(ss / Float32(h) + Float32(shape.rms_norm_eps))
-        cute.arch.sync_threads()
+        consumer_sync()
         group = min(b, BATCH_GROUP)
         if cutlass.const_expr(stages_input(shape)):
             # The gathered requests' normed rows, compact, in x_stage.
@@ -154,7 +155,7 @@ def _routed(s: cutlass.Constexpr, ptrs, layer, slot, lo, hi, rstd, x_stage, gath
                 r = cute.make_rmem_tensor((VEC,), BFloat16)
                 r.store(y.to(BFloat16))
                 cute.autovec_copy(r, vectors(x_stage[j, None])[None, v])
-            cute.arch.sync_threads()
+            consumer_sync()
             # Groups of gathered requests; past n, a group's last rows are
             # computed on stale rows and not stored.
             for j0 in cutlass.range(0, n, group):

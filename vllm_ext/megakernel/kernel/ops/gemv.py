@@ -39,41 +39,24 @@ def gemv(
     epilogue: cutlass.Constexpr,
     normed: cutlass.Constexpr,
     dual: cutlass.Constexpr,
-    staged: cutlass.Constexpr = False,
-    ws: cute.Tensor = None,  # smem [cap, K]: rows [stage_lo, stage_end) of w
-    ws2: cute.Tensor = None,  # the same rows of w2
-    stage_lo: cutlass.Int32 = 0,
-    stage_end: cutlass.Int32 = 0,
     mma: cutlass.Constexpr = False,
     red: cute.Tensor = None,  # smem fp32 scratch of the tensor-core path
 ):
     if cutlass.const_expr(mma):
         gemv_mma(w, w2, x, norm, rstd, lo, hi, epilogue, normed, dual, red)
     else:
-        _rows(w, w2, x, norm, rstd, lo, hi, epilogue, normed, dual, staged, ws, ws2,
-              stage_lo, stage_end)  # fmt: skip
+        _rows(w, w2, x, norm, rstd, lo, hi, epilogue, normed, dual)
 
 
 @cute.jit
 def _rows(
     w, w2, x, norm, rstd, lo, hi, epilogue: cutlass.Constexpr,
-    normed: cutlass.Constexpr, dual: cutlass.Constexpr, staged: cutlass.Constexpr,
-    ws, ws2, stage_lo, stage_end,
+    normed: cutlass.Constexpr, dual: cutlass.Constexpr,
 ):  # fmt: skip
     """The CUDA-core path: a warp per row."""
     _, warp, lane = thread_ids()
     for row in cutlass.range(lo + warp, hi, NUM_WARPS):
-        if cutlass.const_expr(staged):
-            # Rows staged before the wait come from shared memory.
-            if row < stage_end:
-                r = row - stage_lo
-                gemv_row(row, vectors(ws[r, None]), vectors(ws2[r, None]), x, norm,
-                     rstd, lane, epilogue, normed, dual)  # fmt: skip
-            else:
-                gemv_row(row, vectors(w[row, None]), vectors(w2[row, None]), x, norm,
-                     rstd, lane, epilogue, normed, dual)  # fmt: skip
-        else:
-            gemv_row(row, vectors(w[row, None]), vectors(w2[row, None]), x, norm, rstd,
+        gemv_row(row, vectors(w[row, None]), vectors(w2[row, None]), x, norm, rstd,
                  lane, epilogue, normed, dual)  # fmt: skip
 
 

@@ -27,6 +27,7 @@ from vllm_ext.megakernel.kernel.ops.common import (
     NUM_THREADS,
     NUM_WARPS,
     VEC,
+    consumer_sync,
     thread_ids,
     vectors,
 )
@@ -161,7 +162,7 @@ def mma_finish(
             part[warp, m, g, col + 1] = acc[m, nb, 1]
             part[warp, m, g + 8, col] = acc[m, nb, 2]
             part[warp, m, g + 8, col + 1] = acc[m, nb, 3]
-    cute.arch.sync_threads()
+    consumer_sync()
     for idx in cutlass.range(tidx, ROWS * batch, NUM_THREADS):
         i, n = idx // batch, idx % batch
         s1 = Float32(0.0)
@@ -174,7 +175,7 @@ def mma_finish(
             s2 = s1
         if i < n_valid:
             epilogue(rb + i, n, s1, s2)
-    cute.arch.sync_threads()
+    consumer_sync()
 
 
 @cute.jit

@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The GEMVs that read the weight pipeline's pages (experimental,
-``KernelShape.weight_pipe``; ``weight_pipe.py`` fills the pages): the same
-contract as ``gemv.gemv`` (rows [lo, hi) of ``W @ x[b]`` for every request,
-fp32 accumulation, the caller's ``epilogue(row, b, s1, s2)``), checked on
-the GPU against the same references. Each page ends with a CTA barrier
-that releases its slot, then thread 0 refills it."""
+"""The GEMVs that read the weight pipeline's pages (``weight_pipe.py``'s
+producer fills them): the same contract as ``gemv.gemv`` (rows [lo, hi)
+of ``W @ x[b]`` for every request, fp32 accumulation, the caller's
+``epilogue(row, b, s1, s2)``), checked on the GPU against the same
+references. Each warp releases a page once it has read it
+(``release_page``); only split rows meet at a consumer barrier, for their
+partial sums."""
 
 import cutlass
 import cutlass.cute as cute
@@ -14,6 +15,7 @@ from vllm_ext.megakernel.kernel.ops.common import (
     NUM_THREADS,
     NUM_WARPS,
     VEC,
+    consumer_sync,
     thread_ids,
     vectors,
 )
@@ -27,9 +29,8 @@ from vllm_ext.megakernel.kernel.ops.gemv_mma import (
 )
 from vllm_ext.megakernel.kernel.ops.gemv_mma import ROWS as MMA_ROWS
 from vllm_ext.megakernel.kernel.ops.weight_pipe import (
-    BASE,
     geometry,
-    top_up,
+    release_page,
     wait_page,
     warps_per_row,
 )
@@ -51,8 +52,7 @@ def paged_gemv(
     """Rows [row0, row_end) of ``W @ x[b]`` from the pages that hold them
     (the same contract as ``gemv.gemv``). Short rows: a warp per row. Long
     rows (fewer than ``NUM_WARPS`` per page): warps split each row's k, and
-    their sums meet in ``p.red``. A CTA barrier ends each page, then thread
-    0 refills its slot."""
+    their sums meet in ``p.red``."""
     tile = geometry(p.shape)[op]
     if cutlass.const_expr(p.shape.mma_gemv):
         _paged_mma(p, tile, page0, row0, row_end, x, norm, rstd, epilogue, normed)
@@ -69,7 +69,7 @@ def _paged_rows(p: cutlass.Constexpr, tile: cutlass.Constexpr, page0, row0, row_
     tidx, warp, lane = thread_ids()
     slices = warps_per_row(per_page)
     batch = x.shape[0]
-    base = p.state[BASE] + page0
+    base = p.base + page0
     for kk in cutlass.range((row_end - row0 + per_page - 1) // per_page):
         g = base + kk
         wait_page(p, g)
@@ -83,7 +83,7 @@ def _paged_rows(p: cutlass.Constexpr, tile: cutlass.Constexpr, page0, row0, row_
             for r in cutlass.range(warp, n, NUM_WARPS):
                 gemv_row(first + r, vectors(w1[r, None]), vectors(w2[r, None]), x,
                        norm, rstd, lane, epilogue, normed, dual)  # fmt: skip
-            cute.arch.sync_threads()
+            release_page(p, g)
         else:
             r = warp // slices
             red = cute.make_tensor(
@@ -94,7 +94,10 @@ def _paged_rows(p: cutlass.Constexpr, tile: cutlass.Constexpr, page0, row0, row_
                 gemv_row(first + r, vectors(w1[r, None]), vectors(w2[r, None]), x,
                        norm, rstd, lane, epilogue, normed, dual, warp % slices,
                        slices, red[warp, None, None])  # fmt: skip
-            cute.arch.sync_threads()
+            release_page(p, g)
+            # (red alternates by page parity: the next page's barrier orders
+            # these reads before the page after writes this half again.)
+            consumer_sync()
             for idx in cutlass.range(tidx, n * batch, NUM_THREADS):
                 rr, i = idx // batch, idx % batch
                 s1, s2 = Float32(0.0), Float32(0.0)
@@ -102,8 +105,6 @@ def _paged_rows(p: cutlass.Constexpr, tile: cutlass.Constexpr, page0, row0, row_
                     s1 = s1 + red[rr * slices + sl, 0, i]
                     s2 = s2 + red[rr * slices + sl, 1, i]
                 epilogue(first + rr, i, s1, s2)
-        if tidx == 0:
-            top_up(p, g + 1)
 
 
 @cute.jit
@@ -118,7 +119,7 @@ def _paged_mma(p: cutlass.Constexpr, tile: cutlass.Constexpr, page0, row0, row_e
     n_blocks = (batch + N_BLOCK - 1) // N_BLOCK
     part = partials(p.red, batch, tile.dual)
     g, q = lane // 4, lane % 4
-    base = p.state[BASE] + page0
+    base = p.base + page0
     for rb in cutlass.range(row0, row_end, MMA_ROWS):
         n_valid = cutlass.min(Int32(MMA_ROWS), row_end - rb)
         acc = cute.make_rmem_tensor((2 if tile.dual else 1, n_blocks, 4), Float32)
@@ -137,7 +138,5 @@ def _paged_mma(p: cutlass.Constexpr, tile: cutlass.Constexpr, page0, row0, row_e
                 j = kb * (K_BLOCK // VEC) + q  # this lane's vector in the page
                 mma_step(w1, w2, tile.dual, g, n_valid, j, x, norm, rstd, v0 + j,
                          normed, acc)  # fmt: skip
-            cute.arch.sync_threads()
-            if tidx == 0:
-                top_up(p, pg + 1)
+            release_page(p, pg)
         mma_finish(part, acc, rb, n_valid, batch, epilogue, tile.dual)

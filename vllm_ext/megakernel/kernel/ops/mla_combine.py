@@ -10,7 +10,12 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int64
 
 from vllm_ext.megakernel.kernel.ops.attn import NEG_INF
-from vllm_ext.megakernel.kernel.ops.common import NUM_THREADS, gmem, thread_ids
+from vllm_ext.megakernel.kernel.ops.common import (
+    NUM_THREADS,
+    consumer_sync,
+    gmem,
+    thread_ids,
+)
 from vllm_ext.megakernel.kernel.ops.gemv import gemv
 from vllm_ext.megakernel.kernel.shape import KernelShape, LayerSlot
 
@@ -59,14 +64,14 @@ def mla_combine(
         if den == Float32(0.0):
             den = Float32(1.0)
         wgt[i, chunks] = den
-    cute.arch.sync_threads()
+    consumer_sync()
     for idx in cutlass.range(tidx, b * rank, NUM_THREADS):
         i, col = idx // rank, idx % rank
         num = Float32(0.0)
         for c in cutlass.range_constexpr(chunks):
             num = num + wgt[i, c] * part_o[c, g, i, j, col]
         latent[i, col] = (num / wgt[i, chunks]).to(BFloat16)
-    cute.arch.sync_threads()
+    consumer_sync()
 
     def epilogue(row, i, s1, _):
         attn[i, head, row] = s1.to(BFloat16)

@@ -20,6 +20,7 @@ from vllm_ext.megakernel.kernel.ops.common import (
     NUM_THREADS,
     STAGE_BYTES,
     VEC,
+    consumer_sync,
     gmem,
     load_f32,
     round_bf16,
@@ -120,7 +121,7 @@ def mla_q(
         first = head * d
         gemv(w_q, w_q, xs, norm, rstd, first, first + d, _store_q(q_buf, first),
              normed, False)  # fmt: skip
-        cute.arch.sync_threads()
+        consumer_sync()
         for idx in cutlass.range(tidx, b * half, NUM_THREADS):
             i, p = idx // half, idx % half
             pos = positions[i]
@@ -130,7 +131,7 @@ def mla_q(
             q_pe[i, head, 2 * p] = y1.to(BFloat16)
             q_pe[i, head, 2 * p + 1] = y2.to(BFloat16)
         _absorb(shape, ptrs, layer, head, q_buf, red)
-        cute.arch.sync_threads()  # q_buf and red are reused by the next head
+        consumer_sync()  # q_buf and red are reused by the next head
 
 
 @cute.jit
@@ -164,11 +165,11 @@ def _absorb(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, head, q_buf, red):
         for i in cutlass.range_constexpr(group):
             for e in cutlass.range_constexpr(VEC):
                 part[sl, i, cv * VEC + e] = acc[i, e]
-        cute.arch.sync_threads()
+        consumer_sync()
         for idx in cutlass.range(tidx, group * rank, NUM_THREADS):
             i, col = idx // rank, idx % rank
             total = Float32(0.0)
             for j in cutlass.range_constexpr(slices):
                 total = total + part[j, i, col]
             q_lat[b0 + i, head, col] = total.to(BFloat16)
-        cute.arch.sync_threads()  # the partials are reused by the next pass
+        consumer_sync()  # the partials are reused by the next pass

@@ -18,11 +18,7 @@ from vllm_ext.megakernel.kernel.ops.common import (
 )
 from vllm_ext.megakernel.kernel.ops.gemv import gemv
 from vllm_ext.megakernel.kernel.ops.gemv_paged import paged_gemv
-from vllm_ext.megakernel.kernel.ops.weight_stage import (
-    cap_rows,
-    stage_view,
-    staged_rows,
-)
+from vllm_ext.megakernel.kernel.ops.weight_pipe import reads_pages
 from vllm_ext.megakernel.kernel.shape import GlobalSlot, KernelShape, LayerSlot
 
 
@@ -53,20 +49,15 @@ def _plain_gemv(
     s: cutlass.Constexpr, w, x, rstd, lo, hi, epilogue: cutlass.Constexpr, w_stage,
     op: cutlass.Constexpr,
 ):  # fmt: skip
-    """The GEMV of a projection with no norm and one matrix, in the build's
-    variant (staged weights, tensor cores, the weight pipeline, or none)."""
+    """The GEMV of a projection with no norm and one matrix: from the
+    weight pipeline's pages, or (legacy control, rows wider than a page)
+    from global memory."""
     shape: KernelShape = s
-    k = x.shape[1]
-    if cutlass.const_expr(shape.weight_pipe):
+    if cutlass.const_expr(reads_pages(w_stage, op)):
         paged_gemv(w_stage, op, 0, lo, hi, x, x[0, None], rstd, epilogue, False)
-    elif cutlass.const_expr(shape.stage_weights):
-        ws = stage_view(w_stage, k)
-        end = lo + staged_rows(lo, hi, cap_rows(k))
-        gemv(w, w, x, x[0, None], rstd, lo, hi, epilogue, False, False,
-             True, ws, ws, lo, end)  # fmt: skip
     else:
         gemv(w, w, x, x[0, None], rstd, lo, hi, epilogue, False, False,
-             False, w, w, lo, lo, shape.mma_gemv, w_stage)  # fmt: skip
+             mma=shape.mma_gemv, red=w_stage)  # fmt: skip
 
 
 @cute.jit
@@ -106,13 +97,7 @@ def gate_up(
         silu = g / (Float32(1.0) + cute.math.exp(-g))
         act[i, row] = (silu * round_bf16(su)).to(BFloat16)
 
-    staged = shape.stage_weights
-    wg, wu, end = gate, up, lo
-    if cutlass.const_expr(staged):
-        wg = stage_view(w_stage, h, dual=True)
-        wu = stage_view(w_stage, h, dual=True, second=True)
-        end = lo + staged_rows(lo, hi, cap_rows(h, dual=True))
-    if cutlass.const_expr(shape.weight_pipe):
+    if cutlass.const_expr(reads_pages(w_stage, Op.GATE_UP)):
         if cutlass.const_expr(stages_input(shape)):
             stage_normed(x, norm, rstd, x_stage)
             paged_gemv(w_stage, Op.GATE_UP, 0, lo, hi, x_stage, norm, rstd, epilogue,
@@ -122,10 +107,10 @@ def gate_up(
     elif cutlass.const_expr(stages_input(shape)):
         stage_normed(x, norm, rstd, x_stage)
         gemv(gate, up, x_stage, norm, rstd, lo, hi, epilogue, False, True,
-             staged, wg, wu, lo, end, shape.mma_gemv, w_stage)  # fmt: skip
+             mma=shape.mma_gemv, red=w_stage)  # fmt: skip
     else:
         gemv(gate, up, x, norm, rstd, lo, hi, epilogue, True, True,
-             staged, wg, wu, lo, end, shape.mma_gemv, w_stage)  # fmt: skip
+             mma=shape.mma_gemv, red=w_stage)  # fmt: skip
 
 
 @cute.jit

@@ -15,6 +15,7 @@ from vllm_ext.megakernel.isa import Op
 from vllm_ext.megakernel.kernel.ops.common import (
     NUM_THREADS,
     NUM_WARPS,
+    consumer_sync,
     gmem,
     round_bf16,
     row_rstd,
@@ -26,12 +27,7 @@ from vllm_ext.megakernel.kernel.ops.common import (
 from vllm_ext.megakernel.kernel.ops.gemv import gemv
 from vllm_ext.megakernel.kernel.ops.gemv_paged import paged_gemv
 from vllm_ext.megakernel.kernel.ops.kv import kv_slot_entry
-from vllm_ext.megakernel.kernel.ops.weight_pipe import head_pages
-from vllm_ext.megakernel.kernel.ops.weight_stage import (
-    cap_rows,
-    stage_view,
-    staged_rows,
-)
+from vllm_ext.megakernel.kernel.ops.weight_pipe import head_pages, reads_pages
 from vllm_ext.megakernel.kernel.shape import GlobalSlot, KernelShape, LayerSlot
 
 # Extent given to the cos/sin table view: only positions < max_position are
@@ -100,7 +96,7 @@ def qkv(
     head_buf: cute.Tensor,  # smem [B, head_dim] fp32
     head_rstd: cute.Tensor,  # smem [B]
     x_stage: cute.Tensor,  # smem [B, hidden] bf16 when stages_input(shape)
-    w_stage,  # smem weight stage (stage_weights) or the pipeline (weight_pipe)
+    w_stage,  # the weight pipeline, or (legacy control) the GEMV's scratch
 ):
     shape: KernelShape = s
     b, h, d = shape.batch, shape.hidden, shape.head_dim
@@ -139,18 +135,13 @@ def _whole_heads(
 ):  # fmt: skip
     """Units [lo, hi) that are whole fused heads (the default)."""
     shape: KernelShape = s
-    b, h, d = shape.batch, shape.hidden, shape.head_dim
+    b, d = shape.batch, shape.head_dim
     nq, nkv, half = shape.q_heads, shape.kv_heads, shape.head_dim // 2
     tidx, warp, lane = thread_ids()
-    staged = shape.stage_weights
-    ws, end = w, lo * d
-    if cutlass.const_expr(staged):
-        ws = stage_view(w_stage, h)
-        end = lo * d + staged_rows(lo * d, hi * d, cap_rows(h))
     for head in cutlass.range(lo, hi):
         first = head * d
         epilogue = _store_head(head_buf, first, bias)
-        if cutlass.const_expr(shape.weight_pipe):
+        if cutlass.const_expr(reads_pages(w_stage, Op.QKV)):
             # The head's first page within the instruction's.
             page0 = (head - lo) * head_pages(shape)
             if cutlass.const_expr(stages_input(shape)):
@@ -161,11 +152,11 @@ def _whole_heads(
                            epilogue, True)  # fmt: skip
         elif cutlass.const_expr(stages_input(shape)):
             gemv(w, w, x_stage, norm, rstd, first, first + d, epilogue, False, False,
-                 staged, ws, ws, lo * d, end, shape.mma_gemv, w_stage)  # fmt: skip
+                 mma=shape.mma_gemv, red=w_stage)  # fmt: skip
         else:
             gemv(w, w, x, norm, rstd, first, first + d, epilogue, True, False,
-                 staged, ws, ws, lo * d, end, shape.mma_gemv, w_stage)  # fmt: skip
-        cute.arch.sync_threads()
+                 mma=shape.mma_gemv, red=w_stage)  # fmt: skip
+        consumer_sync()
         if head < nq + nkv:
             if cutlass.const_expr(shape.qk_norm):
                 norm_addr = ptrs[layer, LayerSlot.Q_NORM]
@@ -181,7 +172,7 @@ def _whole_heads(
                         head_rstd[i] = cute.math.rsqrt(
                             ss / Float32(d) + Float32(shape.rms_norm_eps)
                         )
-                cute.arch.sync_threads()
+                consumer_sync()
             for idx in cutlass.range(tidx, b * half, NUM_THREADS):
                 i, j = idx // half, idx % half
                 x1, x2 = head_buf[i, j], head_buf[i, j + half]
@@ -196,7 +187,7 @@ def _whole_heads(
                 i, j = idx // d, idx % d
                 _store_v(shape, i, head - nq - nkv, j, head_buf, j, slots, cache,
                          kv_block_stride)  # fmt: skip
-        cute.arch.sync_threads()  # head_buf is reused by the next head
+        consumer_sync()  # head_buf is reused by the next head
 
 
 @cute.jit
@@ -219,7 +210,7 @@ def _head_parts(
             first = head * d + blk * half + part * n
             # Row r of this block lands in head_buf column blk * n + r - first.
             epilogue = _store_head(head_buf, first - blk * n, bias)
-            if cutlass.const_expr(shape.weight_pipe):
+            if cutlass.const_expr(reads_pages(w_stage, Op.QKV)):
                 # The block's first page within the instruction's (a unit's
                 # pages: its first block's, then its second's).
                 page0 = (unit - lo) * head_pages(shape) + blk * (head_pages(shape) // 2)
@@ -235,7 +226,7 @@ def _head_parts(
             else:
                 gemv(w, w, x, norm, rstd, first, first + n, epilogue, True, False,
                      mma=shape.mma_gemv, red=w_stage)  # fmt: skip
-        cute.arch.sync_threads()
+        consumer_sync()
         if head < nq + nkv:
             for idx in cutlass.range(tidx, b * n, NUM_THREADS):
                 i, j = idx // n, idx % n
@@ -249,4 +240,4 @@ def _head_parts(
                 dim = (col // n) * half + part * n + col % n
                 _store_v(shape, i, head - nq - nkv, dim, head_buf, col, slots,
                          cache, kv_block_stride)  # fmt: skip
-        cute.arch.sync_threads()  # head_buf is reused by the next unit
+        consumer_sync()  # head_buf is reused by the next unit

@@ -33,6 +33,7 @@ from cutlass import BFloat16, Float32, Int32
 from vllm_ext.megakernel.kernel.ops.common import (
     NUM_THREADS,
     NUM_WARPS,
+    consumer_sync,
     gmem,
     thread_ids,
 )
@@ -66,14 +67,14 @@ def topk(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, glob, scratch: cute.Ten
     tidx, warp, lane = thread_ids()
     for x in cutlass.range(tidx, e, NUM_THREADS):
         used[x] = Int32(0)
-    cute.arch.sync_threads()
+    consumer_sync()
 
     for r in cutlass.range(warp, b, NUM_WARPS):
         if seq_lens[r] > 0:  # (uniform in the warp)
             _route_request(shape, ptrs, layer, r, lane, weights, chosen, used)
         elif lane < k:
             chosen[r * k + lane] = Int32(-1)
-    cute.arch.sync_threads()
+    consumer_sync()
 
     if warp == 0:
         # Flags -> slots: the experts chosen, ascending (a prefix count).
@@ -92,7 +93,7 @@ def topk(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, glob, scratch: cute.Ten
             count = count + cute.arch.popc(ballot)
         for slot in cutlass.range(count + lane, shape.num_slots, 32):
             experts[slot] = Int32(-1)
-    cute.arch.sync_threads()
+    consumer_sync()
     for idx in cutlass.range(tidx, b * k, NUM_THREADS):
         x = chosen[idx]
         slot = Int32(-1)

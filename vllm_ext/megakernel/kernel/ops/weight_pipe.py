@@ -1,36 +1,35 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The weight pipeline (experimental, ``KernelShape.weight_pipe``; no
-reference: it moves bytes, the GEMVs that read them are checked against
-theirs).
+"""The weight pipeline: a ring of shared-memory pages that the producer
+warp keeps filled with the queue's weight rows (no reference: it moves
+bytes; the GEMVs that read them are checked against theirs).
 
-A ring of ``slots`` shared-memory pages, each filled by one or two bulk
-copies (``cp.async.bulk``, the copy engine; completion counted in bytes on
-the page's mbarrier). Weights never depend on activations, so thread 0 keeps
-the ring full with the weight rows the CTA's queue will read, in queue
-order, running ahead of the compute: before and during each wait for
-inputs, and each time the CTA releases a page. Bytes stream through the
-waits between phases instead of starting after them. On the H200
-(2026-11-30) the waits cost 45% of a 1B batch-1 step, 7-11 us per phase
-boundary; a full ring holds 4-6 pages of 32 KiB, 4-6 us of an SM's share
-of HBM bandwidth.
-
-With ``l2_ahead``, a second cursor walks the same pages up to
-``L2_AHEAD_PAGES`` past the ring's and hints each into L2
-(``cp.async.bulk.prefetch.L2``, the same rows the ring's copy will read),
-so the CTA's lookahead is the ring plus that much L2: the shared-memory
-ring alone holds 4-6 pages, where the cost model's lookahead (ring and a
-share of half the L2, which the pipeline's figures assumed) is twice that.
+A ring of ``slots`` pages, each filled by one or more bulk copies
+(``cp.async.bulk``, the copy engine; completion counted in bytes on the
+page's ``pages_full`` mbarrier). Weights never depend on activations, so the
+producer (``produce``, one lane of the producer warp) walks the CTA's whole
+queue from its start, in queue order across instructions and layers, and
+never waits on a dependency counter: it waits only for a slot to be free.
+Each consumer warp arrives on the slot's ``pages_empty`` mbarrier once it
+has read the page (``release_page``; count ``NUM_WARPS``, so no consumer
+barrier is needed per page: a warp done with a page moves on); the
+producer refills a slot only once that phase has completed. While a slot is
+not yet free, the producer hints the next ``L2_AHEAD_PAGES`` pages past the
+ring into L2 (``cp.async.bulk.prefetch.L2``, the same rows its copies will
+read), so the lookahead is the ring plus that much L2.
 
 Page ``g`` of the launch (counted over the whole queue) lives in slot
-``g % slots``; its ``g // slots``-th use completes the slot's mbarrier phase
-of that parity. For the CUDA-core GEMV a page holds whole rows of one
-matrix (or the same rows of gate and up): ``page_rows`` of them, a power of
-two, so pages divide a head for QKV and split the warps evenly when a row
-is long. For the tensor-core GEMV (``mma_gemv``) a page is an MMA's 16 rows
-by ``k_chunk`` columns, one copy per row. Producer (``top_up``) and
-consumers (``paged_gemv``) derive the same page sequence from the
-instructions and ``geometry``; ``tests/megakernel/test_weight_pipe.py``
-replays both schedules in Python. The consumers are in ``gemv_paged.py``.
+``g % slots``; its ``g // slots``-th use completes ``pages_full``'s phase
+of parity ``(g // slots) % 2``, and its release completes ``pages_empty``'s
+phase of the same parity, which the refill of page ``g + slots`` waits for.
+For the CUDA-core GEMV a page holds whole rows of one matrix (or the same
+rows of gate and up): ``page_rows`` of them, a power of two, so pages
+divide a head for QKV and split the warps evenly when a row is long; an
+opcode whose row does not fit a page reads global memory (it has no pages).
+For the tensor-core GEMV (``mma_gemv``) a page is an MMA's 16 rows by
+``k_chunk`` columns, one copy per row. Producer and consumers
+(``gemv_paged.py``) derive the same page sequence from the instructions and
+``geometry``; ``tests/megakernel/test_weight_pipe.py`` replays both
+schedules in Python over the real programs.
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.experimental import primitives as prims
 
 from vllm_ext.megakernel.isa import WORDS, Op
-from vllm_ext.megakernel.kernel.ops.common import NUM_WARPS, thread_ids
+from vllm_ext.megakernel.kernel.ops.common import NUM_WARPS
 from vllm_ext.megakernel.kernel.ops.gemv_mma import ROWS as MMA_ROWS
 from vllm_ext.megakernel.kernel.ops.gemv_mma import red_floats
 from vllm_ext.megakernel.kernel.queue import Queue, fetch
@@ -54,28 +53,21 @@ from vllm_ext.megakernel.kernel.shape import (
     LayerSlot,
     page_rows,
 )
-from vllm_ext.megakernel.kernel.sync import nanosleep, prefetch_l2, trap
+from vllm_ext.megakernel.kernel.sync import prefetch_l2, wait_mbarrier
 
 PAGE_ELEMS = PAGE_BYTES // 2
-POLL_NS = 32  # between tests of a page's mbarrier (as between counter polls)
 # One page being read and at least two in flight; at six, 8B shapes leave
 # about 30 KiB of the SM's 256 KiB as L1 (activations re-read per row).
 MIN_SLOTS = 3
 MAX_SLOTS = 6
-# The producer's state in shared memory (written by thread 0 only): the
-# ring's cursor (the instruction and page it issues next, pages issued), the
-# first page of the instruction being executed, and with l2_ahead the L2
-# cursor (the same three words for its hints; _walk advances either).
-CURSOR, CURSOR_PAGE, ISSUED, BASE, L2_CURSOR, L2_CURSOR_PAGE, L2_HINTED = range(7)
-# How far the L2 cursor runs ahead of the ring (l2_ahead): 6 pages of 32 KiB
-# on each of 132 SMs hold 25 MiB, half the H200's L2 (the cost model's
-# share), beside the KV cache and activations that stream through it.
+# The producer's L2 cursor in shared memory (written by the producer lane
+# only): the instruction and page it hints next, and pages hinted.
+L2_CURSOR, L2_CURSOR_PAGE, L2_HINTED = range(3)
+STATE_WORDS = 4
+# How far the L2 cursor runs past the ring: 6 pages of 32 KiB on each of 132
+# SMs hold 25 MiB, half the H200's L2 (the cost model's share), beside the
+# KV cache and activations that stream through it.
 L2_AHEAD_PAGES = 6
-
-
-def state_words(shape: KernelShape) -> int:
-    """Words of the producer's state (the L2 cursor's only with l2_ahead)."""
-    return 8 if shape.l2_ahead else 4
 
 
 @dataclass(frozen=True)
@@ -124,7 +116,8 @@ def _mma_tile(k: int, dual: bool, unit: int, parts: int = 1) -> Tile:
 
 
 def geometry(s: KernelShape) -> dict[Op, Tile]:
-    """The pages of every opcode that reads weights. QKV's args count heads
+    """The pages of every opcode that reads its weights through the ring
+    (the paged GEMVs' opcodes whose rows fit a page). QKV's args count heads
     (or head parts) and its consumer reads a head (or a part's block) at a
     time, so its pages divide a head (or a block)."""
     d, parts = s.head_dim, s.qkv_parts
@@ -137,15 +130,19 @@ def geometry(s: KernelShape) -> dict[Op, Tile]:
             Op.DOWN: _mma_tile(s.intermediate, False, 1),
             Op.LM_HEAD: _mma_tile(s.hidden, False, 1),
         }
-    return {
-        Op.QKV: _row_tile(
-            s.hidden, False, unit, cap=unit // 2 if parts > 1 else d, parts=parts
-        ),  # fmt: skip
-        Op.O_PROJ: _row_tile(s.q_size, False, 1),
-        Op.GATE_UP: _row_tile(s.hidden, True, 1),
-        Op.DOWN: _row_tile(s.intermediate, False, 1),
-        Op.LM_HEAD: _row_tile(s.hidden, False, 1),
+    rows = {
+        Op.QKV: (s.hidden, False, unit, unit // 2 if parts > 1 else d, parts),
+        Op.O_PROJ: (s.q_size, False, 1, None, 1),
+        Op.GATE_UP: (s.hidden, True, 1, None, 1),
+        Op.DOWN: (s.intermediate, False, 1, None, 1),
+        Op.LM_HEAD: (s.hidden, False, 1, None, 1),
     }
+    # A row (pair) wider than a page: that opcode reads global memory.
+    return {op: _row_tile(*t) for op, t in rows.items() if fits_page(t[0], t[1])}
+
+
+def fits_page(k: int, dual: bool) -> bool:
+    return 2 * k * (2 if dual else 1) <= PAGE_BYTES
 
 
 def head_pages(s: KernelShape) -> int:
@@ -175,8 +172,9 @@ def red_elems(shape: KernelShape) -> int:
 
 
 def pipe_bytes(slots: int, shape: KernelShape) -> list[int]:
-    """The pipeline's shared buffers: pages, mbarriers, state, scratch."""
-    return [slots * PAGE_BYTES, 8 * slots, 4 * state_words(shape),
+    """The pipeline's shared buffers: pages, full and empty mbarriers, the
+    producer's L2 cursor, scratch."""
+    return [slots * PAGE_BYTES, 8 * slots, 8 * slots, 4 * STATE_WORDS,
             4 * red_elems(shape)]  # fmt: skip
 
 
@@ -194,14 +192,18 @@ class Pipe:
     shape: KernelShape
     slots: int
     pages: cute.Tensor  # [slots, PAGE_ELEMS] bf16
-    mbar: cute.Tensor  # [slots] int64
-    state: cute.Tensor  # [state_words] int32: CURSOR, ..., L2_HINTED
+    full: cute.Tensor  # [slots] int64: pages_full, the bytes have landed
+    empty: cute.Tensor  # [slots] int64: pages_empty, every warp has read it
+    state: cute.Tensor  # [STATE_WORDS] int32: the producer's L2 cursor
     red: cute.Tensor  # [red_elems(shape)] fp32
     q: Queue  # the CTA's instructions
     length: object
     ptrs: cute.Tensor
     glob: object
     max_spins: object
+    # The consumers' first page of the instruction they execute (a register,
+    # set per instruction with ``dataclasses.replace``).
+    base: object = None
 
     @classmethod
     def allocate(cls, shape: KernelShape, slots: int, smem, **kernel_args) -> Pipe:
@@ -214,7 +216,8 @@ class Pipe:
                 128,
             ),
             smem.allocate_tensor(Int64, cute.make_layout(slots), 8),
-            smem.allocate_tensor(Int32, cute.make_layout(state_words(shape)), 16),
+            smem.allocate_tensor(Int64, cute.make_layout(slots), 8),
+            smem.allocate_tensor(Int32, cute.make_layout(STATE_WORDS), 16),
             smem.allocate_tensor(Float32, cute.make_layout(red_elems(shape)), 16),
             **kernel_args,
         )
@@ -230,30 +233,38 @@ class Pipe:
 
 @cute.jit
 def pipe_init(p: cutlass.Constexpr):
-    """Thread 0: the mbarriers (one arrival: the producer's, plus the
-    bytes) and an empty cursor; the caller's CTA barrier publishes them."""
+    """Thread 0: the mbarriers (full: one arrival, the producer's, plus the
+    bytes; empty: one arrival per consumer warp) and an empty cursor; the
+    caller's CTA barrier publishes them."""
     for i in cutlass.range_constexpr(p.slots):
-        cute.arch.mbarrier_init(p.mbar.iterator + i, 1)
+        cute.arch.mbarrier_init(p.full.iterator + i, 1)
+        cute.arch.mbarrier_init(p.empty.iterator + i, NUM_WARPS)
     cute.arch.mbarrier_init_fence()
-    for i in cutlass.range_constexpr(state_words(p.shape)):
+    for i in cutlass.range_constexpr(STATE_WORDS):
         p.state[i] = Int32(0)
 
 
 @cute.jit
 def instr_pages(s: cutlass.Constexpr, op, lo, hi) -> Int32:
-    """Pages of weights instruction (op, lo, hi) reads (0: none)."""
+    """Pages of weights instruction (op, lo, hi) reads (0: none, and for an
+    opcode without pages: ``geometry``)."""
     geo = geometry(s)
     n = Int32(0)
     if op == Op.QKV:
-        n = _pages(geo[Op.QKV], lo, hi)
+        if cutlass.const_expr(Op.QKV in geo):
+            n = _pages(geo[Op.QKV], lo, hi)
     elif op == Op.O_PROJ:
-        n = _pages(geo[Op.O_PROJ], lo, hi)
+        if cutlass.const_expr(Op.O_PROJ in geo):
+            n = _pages(geo[Op.O_PROJ], lo, hi)
     elif op == Op.GATE_UP:
-        n = _pages(geo[Op.GATE_UP], lo, hi)
+        if cutlass.const_expr(Op.GATE_UP in geo):
+            n = _pages(geo[Op.GATE_UP], lo, hi)
     elif op == Op.DOWN:
-        n = _pages(geo[Op.DOWN], lo, hi)
+        if cutlass.const_expr(Op.DOWN in geo):
+            n = _pages(geo[Op.DOWN], lo, hi)
     elif op == Op.LM_HEAD:
-        n = _pages(geo[Op.LM_HEAD], lo, hi)
+        if cutlass.const_expr(Op.LM_HEAD in geo):
+            n = _pages(geo[Op.LM_HEAD], lo, hi)
     return n
 
 
@@ -267,7 +278,7 @@ def _copy(p: cutlass.Constexpr, slot, offset, src: Int64, nbytes):
     slot ``slot``, counted on the slot's mbarrier."""
     dst = p.pages.iterator + slot * PAGE_ELEMS + offset
     gptr = cute.make_ptr(BFloat16, src, cute.AddressSpace.gmem, assumed_align=16)
-    prims.cp_async_bulk_shared_cluster_global(dst, gptr, p.mbar.iterator + slot,
+    prims.cp_async_bulk_shared_cluster_global(dst, gptr, p.full.iterator + slot,
                                               nbytes)  # fmt: skip
 
 
@@ -291,7 +302,7 @@ def _issue_rows(p: cutlass.Constexpr, slot, t: cutlass.Constexpr, base: Int64, l
                 prefetch_l2(second + Int64(row) * row_bytes, nbytes)
         else:
             total = nbytes * 2 if tile.dual else nbytes
-            cute.arch.mbarrier_arrive_and_expect_tx(p.mbar.iterator + slot, total)
+            cute.arch.mbarrier_arrive_and_expect_tx(p.full.iterator + slot, total)
             _copy(p, slot, 0, base + Int64(row) * row_bytes, nbytes)
             if cutlass.const_expr(tile.dual):
                 _copy(p, slot, tile.per_page * tile.k,
@@ -304,7 +315,7 @@ def _issue_rows(p: cutlass.Constexpr, slot, t: cutlass.Constexpr, base: Int64, l
         nbytes = cutlass.min(Int32(tile.k_chunk), tile.k - k0) * 2
         if cutlass.const_expr(not hint):
             total = rows * nbytes * (2 if tile.dual else 1)
-            cute.arch.mbarrier_arrive_and_expect_tx(p.mbar.iterator + slot, total)
+            cute.arch.mbarrier_arrive_and_expect_tx(p.full.iterator + slot, total)
         row = unit_row(tile, first)
         for r in cutlass.range(rows):
             src = Int64(row + r) * row_bytes + Int64(k0) * 2
@@ -327,45 +338,73 @@ def _issue(p: cutlass.Constexpr, op, layer, lo, hi, kp, slot,
     shape: KernelShape = p.shape
     geo = geometry(shape)
     ptrs, none = p.ptrs, Int64(0)
+    # (instr_pages is 0 for an opcode without pages: never issued.)
     if op == Op.QKV:
-        _issue_rows(p, slot, geo[Op.QKV], ptrs[layer, LayerSlot.QKV], lo, hi, kp,
-                    none, hint)  # fmt: skip
+        if cutlass.const_expr(Op.QKV in geo):
+            _issue_rows(p, slot, geo[Op.QKV], ptrs[layer, LayerSlot.QKV], lo, hi,
+                        kp, none, hint)  # fmt: skip
     elif op == Op.O_PROJ:
-        _issue_rows(p, slot, geo[Op.O_PROJ], ptrs[layer, LayerSlot.O_PROJ], lo, hi,
-                    kp, none, hint)  # fmt: skip
+        if cutlass.const_expr(Op.O_PROJ in geo):
+            _issue_rows(p, slot, geo[Op.O_PROJ], ptrs[layer, LayerSlot.O_PROJ], lo,
+                        hi, kp, none, hint)  # fmt: skip
     elif op == Op.GATE_UP:
-        gate = ptrs[layer, LayerSlot.GATE_UP]
-        up = gate + Int64(shape.intermediate * shape.hidden * 2)
-        _issue_rows(p, slot, geo[Op.GATE_UP], gate, lo, hi, kp, up, hint)
+        if cutlass.const_expr(Op.GATE_UP in geo):
+            gate = ptrs[layer, LayerSlot.GATE_UP]
+            up = gate + Int64(shape.intermediate * shape.hidden * 2)
+            _issue_rows(p, slot, geo[Op.GATE_UP], gate, lo, hi, kp, up, hint)
     elif op == Op.DOWN:
-        _issue_rows(p, slot, geo[Op.DOWN], ptrs[layer, LayerSlot.DOWN], lo, hi, kp,
-                    none, hint)  # fmt: skip
+        if cutlass.const_expr(Op.DOWN in geo):
+            _issue_rows(p, slot, geo[Op.DOWN], ptrs[layer, LayerSlot.DOWN], lo, hi,
+                        kp, none, hint)  # fmt: skip
     elif op == Op.LM_HEAD:
-        _issue_rows(p, slot, geo[Op.LM_HEAD], ptrs[p.glob, GlobalSlot.LM_HEAD], lo,
-                    hi, kp, none, hint)  # fmt: skip
+        if cutlass.const_expr(Op.LM_HEAD in geo):
+            _issue_rows(p, slot, geo[Op.LM_HEAD], ptrs[p.glob, GlobalSlot.LM_HEAD],
+                        lo, hi, kp, none, hint)  # fmt: skip
 
 
 @cute.jit
-def top_up(p: cutlass.Constexpr, released):
-    """Thread 0: issue pages in queue order until ``slots`` pages past the
-    ``released`` ones are in flight or the queue ends; with ``l2_ahead``,
-    then hint the ``L2_AHEAD_PAGES`` after those into L2. Never blocks."""
+def produce(p: cutlass.Constexpr):
+    """The producer (one lane): every page of the queue, in queue order,
+    into slot ``g % slots`` once the consumers released its previous page;
+    while a slot is still busy, the pages past the ring are hinted into L2
+    first. Returns when the queue's last page is issued."""
     ins = cute.make_rmem_tensor((WORDS,), Int32)
-    # Generic-proxy reads of a released slot come before the async-proxy
-    # writes that refill it.
-    cute.arch.fence_proxy("async.shared", space="cta")
-    _walk(p, CURSOR, released, p.slots, ins, False)
-    if cutlass.const_expr(p.shape.l2_ahead):
-        # (Written through an alias: a store through p inside the dynamic if
-        # would read as rebinding p, a trace-time object.)
-        state = p.state
-        issued = state[ISSUED]
-        if state[L2_HINTED] < issued:
-            # Behind the ring, which copies those pages itself: go on from
-            # its next page.
-            for i in cutlass.range_constexpr(3):
-                state[L2_CURSOR + i] = state[CURSOR + i]
-        _walk(p, L2_CURSOR, issued, L2_AHEAD_PAGES, ins, True)
+    hint_ins = cute.make_rmem_tensor((WORDS,), Int32)
+    base = Int32(0)  # the instruction's first page
+    for pc in cutlass.range(p.length):
+        fetch(p.q, pc, ins)
+        n = instr_pages(p.shape, ins[0], ins[2], ins[3])
+        for kp in cutlass.range(n):
+            # (Derived from the loop index, not carried through the waits:
+            # ptxas keeps it in a register.)
+            g = base + kp
+            slot = g % p.slots
+            if g >= p.slots:
+                # Page g - slots's release: the phase of its parity.
+                parity = (g // p.slots + 1) % 2
+                if not cute.arch.mbarrier_test_wait(p.empty.iterator + slot, parity):
+                    _hint_ahead(p, pc, kp, g, hint_ins)
+                    wait_mbarrier(p.empty.iterator + slot, parity, p.max_spins,
+                                  True, "weight slot", p.q.sm, g)  # fmt: skip
+            # The consumers' generic-proxy reads of the slot (ordered before
+            # this thread by the empty barrier) come before the async-proxy
+            # writes that refill it.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            _issue(p, ins[0], ins[1], ins[2], ins[3], kp, slot)
+        base = base + n
+
+
+@cute.jit
+def _hint_ahead(p: cutlass.Constexpr, pc, kp, g, ins: cute.Tensor):
+    """Hint pages [g, g + L2_AHEAD_PAGES) into L2 (g: the first page past
+    the ring), each once: the L2 cursor resumes where it stopped, or jumps
+    to page ``g`` (instruction ``pc``, its page ``kp``) when behind."""
+    state = p.state
+    if state[L2_HINTED] < g:
+        state[L2_CURSOR] = pc
+        state[L2_CURSOR_PAGE] = kp
+        state[L2_HINTED] = g
+    _walk(p, L2_CURSOR, g, L2_AHEAD_PAGES, ins, True)
 
 
 @cute.jit
@@ -377,7 +416,8 @@ def _walk(p: cutlass.Constexpr, cursor: cutlass.Constexpr, base, limit,
     pages past ``base`` are issued or the queue ends."""
     ipc, kp = p.state[cursor], p.state[cursor + 1]
     issued = p.state[cursor + 2]
-    while (ipc < p.length) & (issued - base < limit):
+    end = base + limit
+    while (ipc < p.length) & (issued < end):
         fetch(p.q, ipc, ins)
         if kp < instr_pages(p.shape, ins[0], ins[2], ins[3]):
             _issue(p, ins[0], ins[1], ins[2], ins[3], kp, issued % p.slots, hint)
@@ -393,19 +433,27 @@ def _walk(p: cutlass.Constexpr, cursor: cutlass.Constexpr, base, limit,
 
 @cute.jit
 def wait_page(p: cutlass.Constexpr, g):
-    """Every thread: wait until page ``g`` has landed. Bounded like the
-    counter waits: non-blocking tests ``POLL_NS`` apart (``try_wait`` may
-    suspend for a system-dependent time, which would leave the bound
-    unknown); past ``max_spins`` it prints the SM and page, then traps."""
-    slot = g % p.slots
-    phase = (g // p.slots) % 2
-    spins = Int32(0)
-    while not cute.arch.mbarrier_test_wait(p.mbar.iterator + slot, phase):
-        spins = spins + 1
-        if spins > p.max_spins:
-            tidx, _, _ = thread_ids()
-            if tidx == 0:
-                cute.printf("megakernel: weight page timeout: sm %d page %d\n",
-                            p.q.sm, g)  # fmt: skip
-            trap()
-        nanosleep(Int32(POLL_NS))
+    """Every consumer thread: wait until page ``g`` has landed (bounded,
+    ``sync.wait_mbarrier``)."""
+    tidx, _, _ = cute.arch.thread_idx()
+    wait_mbarrier(p.full.iterator + g % p.slots, (g // p.slots) % 2, p.max_spins,
+                  tidx == 0, "weight page", p.q.sm, g)  # fmt: skip
+
+
+@cute.jit
+def release_page(p: cutlass.Constexpr, g):
+    """Every consumer thread, once its warp is done reading page ``g``: the
+    warp's lane 0 arrives on the slot's empty barrier (the warp's reads
+    ordered before it by ``__syncwarp``; the arrive has release semantics
+    at CTA scope, the producer's wait acquire)."""
+    cute.arch.sync_warp()
+    tidx, _, _ = cute.arch.thread_idx()
+    if tidx % 32 == 0:
+        cute.arch.mbarrier_arrive(p.empty.iterator + g % p.slots)
+
+
+def reads_pages(w_stage, op: Op) -> bool:
+    """Whether opcode ``op`` reads its weights from the ring (trace time):
+    the kernel has one (``w_stage`` is the ``Pipe``, not the legacy
+    control's scratch) and the opcode's rows fit a page."""
+    return isinstance(w_stage, Pipe) and op in geometry(w_stage.shape)

@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Build FlashInfer's MLA paged decode for the GPU check's MLA cases, here
+(no GPU): ``flashinfer_mla.cu`` against the headers of flashinfer-python
+0.7.0.post1 (what vLLM 0.32.0 pins), the CUTLASS headers that wheel carries
+(its Hopper MLA kernel uses them) and CCCL, with nvcc from the
+nvidia-cuda-nvcc wheel, into ``OUT/libflashinfer_mla_sm90a.so`` (loaded by
+``flashinfer_mla.py``). Measured here (2026-12-01): 29 s, 1.2 MB.
+
+    python scripts/baseline/build_flashinfer_mla.py OUT
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from build_flashinfer import CACHE, WHEELS, fetch, nvcc  # noqa: E402
+from flashinfer_mla import LIBRARY  # noqa: E402
+
+CUTLASS_PREFIX = "flashinfer/data/cutlass/include/"
+
+
+def cutlass_headers() -> Path:
+    """The CUTLASS (and CuTe) headers of the FlashInfer wheel, unpacked once."""
+    version = WHEELS["flashinfer-python"]
+    stamp = CACHE / f"cutlass-{version}.done"
+    root = CACHE / "cutlass-headers"
+    if not stamp.exists():
+        wheel = next((CACHE / "wheels").glob(f"flashinfer_python-{version}-*.whl"))
+        with zipfile.ZipFile(wheel) as z:
+            names = [n for n in z.namelist() if n.startswith(CUTLASS_PREFIX)]
+            z.extractall(root, names)
+        stamp.touch()
+    return root / CUTLASS_PREFIX
+
+
+def main() -> int:
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    flashinfer, cccl = fetch()
+    cutlass = cutlass_headers()
+    library = out / LIBRARY
+    compiler = nvcc()
+    lib = compiler.parents[1] / "lib"  # (as build_flashinfer.py: the wheels' lib)
+    subprocess.run(
+        [str(compiler), "-std=c++17", "-O3", "-DNDEBUG", "-use_fast_math",
+         "--expt-relaxed-constexpr", "-DFLASHINFER_ENABLE_BF16", "-arch=sm_90a",
+         "-Xcompiler", "-fPIC,-fvisibility=hidden", "-shared", "-cudart", "static",
+         f"-L{lib}", f"-I{cccl}", f"-I{flashinfer}", f"-I{cutlass}",
+         str(Path(__file__).with_name("flashinfer_mla.cu")), "-o", str(library)],
+        check=True,
+    )  # fmt: skip
+    print(library)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
