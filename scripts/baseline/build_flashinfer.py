@@ -58,11 +58,11 @@ def fetch() -> tuple[Path, Path]:
     )
 
 
-def main() -> int:
-    out = Path(sys.argv[1])
-    out.mkdir(parents=True, exist_ok=True)
+def compile_library(source: Path, library: Path, includes: tuple = ()) -> None:
+    """``source`` (beside this script) against FlashInfer's and CCCL's
+    headers (and ``includes``) into the shared library ``library``, for
+    sm_90a, with nvcc from the wheels; needs only libc/libstdc++ there."""
     flashinfer, cccl = fetch()
-    library = out / "libflashinfer_decode_sm_90a.so"
     compiler = nvcc()
     # nvcc.profile links from lib64; the wheels have lib (libcudart_static.a,
     # libcudadevrt.a).
@@ -72,9 +72,16 @@ def main() -> int:
          "-use_fast_math", "--expt-relaxed-constexpr", "-DFLASHINFER_ENABLE_BF16",
          "-arch=sm_90a", "-Xcompiler", "-fPIC,-fvisibility=hidden", "-shared",
          "-cudart", "static", f"-L{lib}", f"-I{cccl}", f"-I{flashinfer}",
-         str(Path(__file__).with_name("flashinfer_decode.cu")), "-o", str(library)],
+         *(f"-I{d}" for d in includes), str(source), "-o", str(library)],
         check=True,
     )  # fmt: skip
+
+
+def main() -> int:
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    library = out / "libflashinfer_decode_sm_90a.so"
+    compile_library(Path(__file__).with_name("flashinfer_decode.cu"), library)
     print(library)
     return 0
 

@@ -12,14 +12,13 @@ nvidia-cuda-nvcc wheel, into ``OUT/libflashinfer_mla_sm90a.so`` (loaded by
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from build_flashinfer import CACHE, WHEELS, fetch, nvcc  # noqa: E402
+from build_flashinfer import CACHE, WHEELS, compile_library, fetch  # noqa: E402
 from flashinfer_mla import LIBRARY  # noqa: E402
 
 CUTLASS_PREFIX = "flashinfer/data/cutlass/include/"
@@ -42,19 +41,10 @@ def cutlass_headers() -> Path:
 def main() -> int:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
-    flashinfer, cccl = fetch()
-    cutlass = cutlass_headers()
+    fetch()  # the wheels, before their CUTLASS headers are unpacked
     library = out / LIBRARY
-    compiler = nvcc()
-    lib = compiler.parents[1] / "lib"  # (as build_flashinfer.py: the wheels' lib)
-    subprocess.run(
-        [str(compiler), "-std=c++17", "-O3", "-DNDEBUG", "-use_fast_math",
-         "--expt-relaxed-constexpr", "-DFLASHINFER_ENABLE_BF16", "-arch=sm_90a",
-         "-Xcompiler", "-fPIC,-fvisibility=hidden", "-shared", "-cudart", "static",
-         f"-L{lib}", f"-I{cccl}", f"-I{flashinfer}", f"-I{cutlass}",
-         str(Path(__file__).with_name("flashinfer_mla.cu")), "-o", str(library)],
-        check=True,
-    )  # fmt: skip
+    compile_library(Path(__file__).with_name("flashinfer_mla.cu"), library,
+                    (cutlass_headers(),))  # fmt: skip
     print(library)
     return 0
 

@@ -40,16 +40,22 @@ forward on CPU, compiled and not.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from vllm_ext.model_spec import ModelSpec
-from vllm_ext.reference import moe_mlp, rope_gptj
+from vllm_ext.reference import rope_gptj
 from vllm_ext.runner import DecodeInputs
-from vllm_ext.weights import DecodeWeights, LayerWeights
+from vllm_ext.weights import DecodeWeights
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from per_op import Mixture, dense_mlp, piecewise_step, reference_mixture  # noqa: E402
 
 # attend(layer, q_nope [B, heads, nope], q_pe [B, heads, rope] rotated,
 # kv_c [B, rank] normed, k_pe [B, rope] rotated) -> o_proj's input
@@ -57,8 +63,6 @@ from vllm_ext.weights import DecodeWeights, LayerWeights
 MlaAttend = Callable[
     [int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
 ]
-# mixture(layer, x) as per_op.py's Mixture.
-Mixture = Callable[[int, torch.Tensor], torch.Tensor]
 # What the report names as the per-op step's attention.
 ATTENTION = "torch-absorbed-mla"
 
@@ -133,11 +137,11 @@ def mla_per_op_step(
     attention), ``middle`` (a dense layer after the attention, the next up
     to it: one graph for every layer, the weights arguments), ``last``,
     and around a sparse layer's ``mixture`` ``moe_in``/``moe_out``/
-    ``final``; ``compile_options`` as per_op_step's."""
+    ``final``; ``compile_options`` as per_op_step's (``per_op.piecewise_step``)."""
     mla = spec.mla
     assert mla is not None
     dt, eps, heads = spec.dtype, spec.rms_norm_eps, mla.num_heads
-    lora, rank, inter = mla.q_lora_rank or 0, mla.kv_lora_rank, spec.intermediate_size
+    lora, rank = mla.q_lora_rank or 0, mla.kv_lora_rank
     split = [mla.qk_nope_head_dim, mla.qk_rope_head_dim]
 
     def norm(x, w):
@@ -159,45 +163,6 @@ def mla_per_op_step(
         k_pe = rope_gptj(kv[:, None, rank:], cos, sin)[:, 0]
         return q_nope, rope_gptj(q_pe, cos, sin), kv_c, k_pe, residual
 
-    def post_attn(o, residual, o_w, post_norm, gate_up_w, down_w):
-        residual = F.linear(o, o_w) + residual
-        gate, up = F.linear(norm(residual, post_norm), gate_up_w).split(inter, -1)
-        act = (F.silu(gate.float()) * up.float()).to(dt)
-        return F.linear(act, down_w), residual
-
-    def first(ids, positions, cos_sin, embed, *pre):
-        return pre_attn(embed[ids], None, positions, cos_sin, *pre)
-
-    def middle(o, residual, positions, cos_sin, *weights_):
-        h, residual = post_attn(o, residual, *weights_[:4])
-        return pre_attn(h, residual, positions, cos_sin, *weights_[4:])
-
-    def final(h, residual, final_norm, lm_head):
-        return F.linear(norm(h + residual, final_norm), lm_head).float()
-
-    def last(o, residual, final_norm, lm_head, *post):
-        h, residual = post_attn(o, residual, *post)
-        return final(h, residual, final_norm, lm_head)
-
-    def moe_in(o, residual, o_w, post_norm):
-        residual = F.linear(o, o_w) + residual
-        return norm(residual, post_norm), residual
-
-    def moe_out(y, residual, positions, cos_sin, *pre):
-        return pre_attn(y, residual, positions, cos_sin, *pre)
-
-    if compile_options is not None:
-        options = {"fullgraph": True, "dynamic": False, **compile_options}
-        first, middle, last, final, moe_in, moe_out = (
-            torch.compile(f, **options)
-            for f in (first, middle, last, final, moe_in, moe_out)
-        )
-    if mixture is None and spec.moe is not None:
-        moe = spec.moe
-
-        def mixture(layer: int, x: torch.Tensor) -> torch.Tensor:
-            return moe_mlp(x, weights.layers[layer].moe, moe)
-
     # vLLM's fused_qkv_a_proj: one [q_a; kv_a] weight (kv_a alone without a
     # q LoRA).
     fused = [
@@ -209,32 +174,11 @@ def mla_per_op_step(
         lw = weights.layers[i]
         return (lw.input_norm, fused[i], lw.mla.q_a_norm, lw.mla.q_b, lw.mla.kv_a_norm)
 
-    def post(lw: LayerWeights) -> tuple:
-        return (lw.o_proj, lw.post_norm, lw.gate_up, lw.down)
-
-    layers = weights.layers
-
-    def step() -> torch.Tensor:
-        ids, pos, cos_sin = inputs.input_ids, inputs.positions.long(), weights.cos_sin
-        *q, residual = first(ids, pos, cos_sin, weights.embed, *pre(0))
-        for i, lw in enumerate(layers):
-            o = attend(i, *q)
-            nxt = i + 1 if i + 1 < len(layers) else None
-            if lw.moe is None and nxt is None:
-                return last(o, residual, weights.final_norm, weights.lm_head,
-                            *post(lw))  # fmt: skip
-            if lw.moe is None:
-                *q, residual = middle(o, residual, pos, cos_sin, *post(lw), *pre(nxt))
-                continue
-            assert mixture is not None
-            x, residual = moe_in(o, residual, lw.o_proj, lw.post_norm)
-            y = mixture(i, x)
-            if nxt is None:
-                return final(y, residual, weights.final_norm, weights.lm_head)
-            *q, residual = moe_out(y, residual, pos, cos_sin, *pre(nxt))
-        raise AssertionError("unreachable: the last layer returns")
-
-    return step
+    if mixture is None and spec.moe is not None:
+        mixture = reference_mixture(spec, weights)
+    return piecewise_step(weights, inputs, attend, pre_attn,
+                          dense_mlp(norm, spec.intermediate_size, dt), norm, pre,
+                          compile_options, mixture)  # fmt: skip
 
 
 def attention_only(

@@ -140,24 +140,61 @@ def per_op_step(
         cos, sin = cos[:, None, :], sin[:, None, :]
         return rope(q, cos, sin), rope(k, cos, sin), v, residual
 
+    post_attn = dense_mlp(norm, inter, dt, elementwise)
+    if mixture is None and spec.moe is not None:
+        mixture = reference_mixture(spec, weights)
+
+    def pre(i: int) -> tuple:
+        lw = weights.layers[i]
+        return (lw.input_norm, lw.qkv, lw.qkv_bias, lw.q_norm, lw.k_norm)
+
+    return piecewise_step(weights, inputs, attend, pre_attn, post_attn, norm, pre,
+                          compile_options, mixture)  # fmt: skip
+
+
+def dense_mlp(norm: Callable, inter: int, dt: torch.dtype, elementwise: bool = True):
+    """``post_attn(o, residual, o_w, post_norm, gate_up_w, down_w) -> (mlp
+    output, residual)``: o_proj and the residual add, the post-attention
+    norm, gate/up, SiLU-mul (left out without ``elementwise``), down."""
+
     def post_attn(o, residual, o_w, post_norm, gate_up_w, down_w):
         residual = F.linear(o, o_w) + residual
         gate, up = F.linear(norm(residual, post_norm), gate_up_w).split(inter, -1)
         act = (F.silu(gate.float()) * up.float()).to(dt) if elementwise else gate
         return F.linear(act, down_w), residual
 
-    def first(ids, positions, cos_sin, embed, *pre):
-        return pre_attn(embed[ids], None, positions, cos_sin, *pre)
+    return post_attn
 
-    def middle(o, residual, positions, cos_sin, *weights):
-        h, residual = post_attn(o, residual, *weights[:4])
-        return pre_attn(h, residual, positions, cos_sin, *weights[4:])
+
+def piecewise_step(
+    weights: DecodeWeights,
+    inputs: DecodeInputs,
+    attend: Callable,
+    pre_attn: Callable,
+    post_attn: Callable,
+    norm: Callable,
+    pre: Callable[[int], tuple],
+    compile_options: dict[str, Any] | None,
+    mixture: Mixture | None,
+) -> Callable[[], torch.Tensor]:
+    """The step of pieces split at attention (module docstring), for any
+    attention: ``pre_attn(h, residual, positions, cos_sin, *pre(i))``
+    returns layer i's attention inputs then the residual, ``attend(i,
+    *inputs)`` o_proj's input, ``post_attn`` as ``dense_mlp``'s; a sparse
+    layer's MLP is ``mixture``, between compiled pieces."""
+
+    def first(ids, positions, cos_sin, embed, *pre_w):
+        return pre_attn(embed[ids], None, positions, cos_sin, *pre_w)
+
+    def middle(o, residual, positions, cos_sin, *weights_):
+        h, residual = post_attn(o, residual, *weights_[:4])
+        return pre_attn(h, residual, positions, cos_sin, *weights_[4:])
 
     def final(h, residual, final_norm, lm_head):
         return F.linear(norm(h + residual, final_norm), lm_head).float()
 
-    def last(o, residual, final_norm, lm_head, *post):
-        h, residual = post_attn(o, residual, *post)
+    def last(o, residual, final_norm, lm_head, *post_w):
+        h, residual = post_attn(o, residual, *post_w)
         return final(h, residual, final_norm, lm_head)
 
     # A sparse layer: up to the mixture's input, then from its output.
@@ -165,8 +202,8 @@ def per_op_step(
         residual = F.linear(o, o_w) + residual
         return norm(residual, post_norm), residual
 
-    def moe_out(y, residual, positions, cos_sin, *pre):
-        return pre_attn(y, residual, positions, cos_sin, *pre)
+    def moe_out(y, residual, positions, cos_sin, *pre_w):
+        return pre_attn(y, residual, positions, cos_sin, *pre_w)
 
     if compile_options is not None:
         options = {"fullgraph": True, "dynamic": False, **compile_options}
@@ -174,11 +211,6 @@ def per_op_step(
             torch.compile(f, **options)
             for f in (first, middle, last, final, moe_in, moe_out)
         )
-    if mixture is None and spec.moe is not None:
-        mixture = reference_mixture(spec, weights)
-
-    def pre(lw: LayerWeights) -> tuple:
-        return (lw.input_norm, lw.qkv, lw.qkv_bias, lw.q_norm, lw.k_norm)
 
     def post(lw: LayerWeights) -> tuple:
         return (lw.o_proj, lw.post_norm, lw.gate_up, lw.down)
@@ -187,23 +219,22 @@ def per_op_step(
 
     def step() -> torch.Tensor:
         ids, pos, cos_sin = inputs.input_ids, inputs.positions.long(), weights.cos_sin
-        q, k, v, residual = first(ids, pos, cos_sin, weights.embed, *pre(layers[0]))
+        *q, residual = first(ids, pos, cos_sin, weights.embed, *pre(0))
         for i, lw in enumerate(layers):
-            o = attend(i, q, k, v)
-            nxt = layers[i + 1] if i + 1 < len(layers) else None
+            o = attend(i, *q)
+            nxt = i + 1 if i + 1 < len(layers) else None
             if lw.moe is None and nxt is None:
                 return last(o, residual, weights.final_norm, weights.lm_head,
                             *post(lw))  # fmt: skip
             if lw.moe is None:
-                q, k, v, residual = middle(o, residual, pos, cos_sin, *post(lw),
-                                           *pre(nxt))  # fmt: skip
+                *q, residual = middle(o, residual, pos, cos_sin, *post(lw), *pre(nxt))
                 continue
             assert mixture is not None
             x, residual = moe_in(o, residual, lw.o_proj, lw.post_norm)
             y = mixture(i, x)
             if nxt is None:
                 return final(y, residual, weights.final_norm, weights.lm_head)
-            q, k, v, residual = moe_out(y, residual, pos, cos_sin, *pre(nxt))
+            *q, residual = moe_out(y, residual, pos, cos_sin, *pre(nxt))
         raise AssertionError("unreachable: the last layer returns")
 
     return step
