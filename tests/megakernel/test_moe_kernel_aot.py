@@ -3,9 +3,10 @@
 EXPERT_DOWN; kernel/ops/{route,topk,expert_up,expert_down}.py).
 
 * Compiled ahead of time here, for Hopper and Blackwell, on real shapes:
-  no spill in running code, within the consumers' register share, the
-  SASS facts of test_kernel_aot.py (the warp roles' too),
-  plus TOPK's ballot and population counts. CI time is tight, so the grid
+  no spill in running code, within the consumers' register share, the SASS
+  facts of test_kernel_aot.py (the warp roles' too), plus TOPK's ballot
+  and population counts, and the controller's L2 prefetch of the routed
+  rows between its acquire and its publish. CI time is tight, so the grid
   is not the full product but four builds (made two at a time) that cover
   every op on each arch (the DeepSeek-V3 mixture, which has every code
   path: sigmoid, correction bias, 8 groups keep 4, routed_scaling 2.5, a
@@ -13,13 +14,12 @@ EXPERT_DOWN; kernel/ops/{route,topk,expert_up,expert_down}.py).
   DeepSeek-V3's at batch 1 on both, Qwen3-30B-A3B at batch 16 on sm_90a,
   Mixtral-8x7B at batch 16 on sm_100a (DeepSeek-V3's at 16, the costliest
   build, ~50 s, was checked by hand: docs/design.md). DeepSeek-V3's
-  attention is multi-head latent attention, which the kernel does not
-  have yet: its spec here is DeepSeek-V3's mixture,
-  hidden size and dense width with a plain GQA attention of 128 q heads,
-  head dim 128, and 32 kv heads (with 8, 16 q heads per kv head, the
-  default attention's merge spills at batch 1: a limit of that op, not of
-  the mixture's). Every spec is cut to 2 layers (layers are data to the
-  kernel).
+  attention is multi-head latent attention, which the kernel does not have
+  yet: its spec here is DeepSeek-V3's mixture, hidden size and dense width
+  with a plain GQA attention of 128 q heads, head dim 128, and 32 kv heads
+  (with 8, 16 q heads per kv head, the default attention's merge spills at
+  batch 1: a limit of that op, not of the mixture's). Every spec is cut to
+  2 layers (layers are data to the kernel).
 * ``KernelShape.from_program`` takes a mixture's constants from the
   program, and refuses them beside any experimental variant.
 * The address table of an MoE program round-trips through the CPU
@@ -46,6 +46,7 @@ from vllm_ext.megakernel.cost import DEVICES
 from vllm_ext.megakernel.interpret import ProgramInterpreter, pad_inputs
 from vllm_ext.megakernel.kernel.aot import BuildResult, build, sass_tool
 from vllm_ext.megakernel.kernel.launcher import KernelExecutor
+from vllm_ext.megakernel.kernel.ops.expert_down import PREFETCH_SLOTS
 from vllm_ext.megakernel.kernel.shape import (
     MOE_SLOTS,
     NUM_SLOTS,
@@ -133,6 +134,31 @@ def test_real_shapes_compile_clean(builds, case):
     sass = sass_of(built)
     # TOPK's distinct-expert prefix count: a ballot and population counts.
     assert re.search(r"\bVOTE\.ANY\b", sass) and re.search(r"\bPOPC\b", sass)
+    # The controller hints a routed tile's rows into L2 between its acquire
+    # and its publish: EXPERT_UP's two matrices, EXPERT_DOWN's first slots
+    # (none there when the ops hinted their rows themselves).
+    slots = real_shape(case[0], case[1]).num_slots
+    assert controller_routed_prefetches(sass) >= 2 + min(slots, PREFETCH_SLOTS)
+
+
+def controller_routed_prefetches(sass: str) -> int:
+    """Bulk L2 prefetches between the controller's acquire (the first
+    ``CCTL.IVALL``: the controller's code comes first in the kernel) and its
+    ``queue_ready`` arrive: control.py's ``prefetch_routed``."""
+    lines = sass.splitlines()
+    acquire = next(n for n, line in enumerate(lines) if "CCTL.IVALL" in line)
+    publish = next(n for n in range(acquire, len(lines))
+                   if "SYNCS.ARRIVE" in lines[n])  # fmt: skip
+    return sum("UBLKPF.L2" in line for line in lines[acquire:publish])
+
+
+def test_the_cost_model_knows_the_controllers_reach():
+    """cost.py times a routed tile's rows from the controller's publish,
+    which runs at most control.QUEUE_SLOTS instructions ahead."""
+    from vllm_ext.megakernel import cost
+    from vllm_ext.megakernel.kernel import control
+
+    assert cost.QUEUE_SLOTS == control.QUEUE_SLOTS
 
 
 def test_from_program_takes_the_mixture():

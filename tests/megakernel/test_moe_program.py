@@ -2,7 +2,8 @@
 """Mixtures of experts in the instruction program: planned, verified, and
 interpreted bit for bit under every interleaving, matching the plain
 forward (reference.moe_mlp); expert slots filled at run time; a shared
-expert beside the routing; the cost model's routing gate."""
+expert beside the routing; the cost model's routed rows (streamed from
+the routing on, beside an in-order stream that never waits for them)."""
 
 import dataclasses
 
@@ -216,28 +217,88 @@ def test_a_shared_expert_skipped_by_expert_down_is_caught():
         verify(dataclasses.replace(program, queues=queues))
 
 
-def test_routed_weights_stream_only_after_the_routing():
-    """The cost model's gate: an SM's stream reaches routed rows no earlier
-    than the routing is visible, and what follows waits behind them."""
+class TinyProgram:
+    """Two SMs, hand-built for the cost model (the planner.Program methods
+    predict() reads): SM 0 runs a sparse layer's TOPK, whose execution
+    takes ``topk_bytes`` of activations; SM 1 runs a routed EXPERT_UP of
+    ``routed`` bytes (waiting for TOPK), then the next layer's QKV of
+    ``paged`` bytes (waiting for the EXPERT_UP)."""
+
+    def __init__(self, device, topk_bytes: int, routed: int, paged: int):
+        from vllm_ext.megakernel.isa import Instruction
+
+        self.device = device
+        topk = Instruction(Op.TOPK, 0, 0, 0, signal_counter=0)
+        up = Instruction(Op.EXPERT_UP, 0, 0, 0, 0, 1, signal_counter=1)
+        qkv = Instruction(Op.QKV, 1, 0, 1, 1, 1, signal_counter=2)
+        self.queues = ((topk,), (up, qkv))
+        self.order = ((0, 0), (1, 0), (1, 1))
+        self._bytes = {topk: (0, topk_bytes), up: (routed, 0), qkv: (paged, 0)}
+        self._routed = {up: routed}
+
+    def cost(self, instr):
+        from vllm_ext.megakernel.cost import Cost
+
+        return Cost(*self._bytes[instr])
+
+    step_cost = cost
+
+    def routed_weight_bytes(self, instr) -> int:
+        return self._routed.get(instr, 0)
+
+    def weight_bytes(self) -> int:
+        return sum(w for w, _ in self._bytes.values())
+
+    def in_global_order(self):
+        for sm, idx in self.order:
+            yield sm, idx, self.queues[sm][idx]
+
+
+# 1 GB/s per SM (1 byte per ns), 1 us per dependency, 0.5 us per
+# instruction, a lookahead that never binds.
+TINY = dataclasses.replace(
+    DEVICE, name="tiny", num_sms=2, hbm_bytes_per_s=2e9, smem_bytes=1 << 20,
+    dependency_latency_s=1e-6, instruction_overhead_s=0.5e-6,
+)  # fmt: skip
+
+
+def test_the_paged_stream_goes_on_through_the_routing_gap():
+    """TOPK ends at 10.5 us; the routed rows (4 us) stream from its signal's
+    arrival, 11.5 us, to 15.5; EXPERT_UP runs to 16.0; QKV, whose 6 us of
+    weights streamed at once (not behind the routed rows: that would end
+    at 21.5), runs from its wait, 17.0, to 17.5."""
+    from vllm_ext.megakernel.cost import predict
+
+    pred = predict(TinyProgram(TINY, topk_bytes=10_000, routed=4_000, paged=6_000))
+    assert pred.sm_finish_s[0] == pytest.approx(10.5e-6)
+    assert pred.sm_finish_s[1] == pytest.approx(17.5e-6)
+
+
+def test_routed_rows_start_after_the_routing_and_share_the_bandwidth():
+    from vllm_ext.megakernel.cost import predict
+
+    # No earlier than TOPK's signal plus a dependency's latency: a cheaper
+    # TOPK (ends at 0.5 us) moves the routed rows, not the latency.
+    pred = predict(TinyProgram(TINY, topk_bytes=0, routed=4_000, paged=1_000))
+    assert pred.sm_finish_s[1] == pytest.approx((0.5 + 1 + 4 + 0.5 + 1 + 0.5) * 1e-6)
+    # QKV's 20 us of weights are in flight when the routed rows take the
+    # SM's share for 4 us: they arrive at 24 us, not 20.
+    pred = predict(TinyProgram(TINY, topk_bytes=10_000, routed=4_000, paged=20_000))
+    assert pred.sm_finish_s[1] == pytest.approx(24.5e-6)
+
+
+def test_routed_rows_delay_only_the_stream_in_flight():
+    """cost._yield_stream: loads of 1 s each (10 bytes/s); routed rows over
+    [1.5, 3.5) push back the load in flight and what follows it back to
+    back, but not a load the lookahead had already held back past 3.5."""
     from vllm_ext.megakernel import cost
 
-    done, cum = [1.0, 2.0, 3.0, 4.0], [10, 20, 30, 40]  # 10 bytes/s
-    cost._gate_stream(done, cum, 1, 5.0, 10.0)
-    assert done == [1.0, 6.0, 7.0, 8.0]
-    done = [1.0, 2.0, 9.0, 10.0]  # already later than the gate requires
-    cost._gate_stream(done, cum, 1, 1.5, 10.0)
-    assert done == [1.0, 2.5, 9.0, 10.0]
-    # On a whole program: at batch 1 the experts' weights are most of a
-    # step's bytes, and waiting for the routing shows.
-    spec = spec_of("qwen3_moe", torch.bfloat16)
-    program = plan(spec, 1, DEVICE)
-    gated = cost.predict(program).step_s
-    original = cost._gate_stream
-    try:
-        cost._gate_stream = lambda *args: None
-        assert cost.predict(program).step_s < gated
-    finally:
-        cost._gate_stream = original
+    done, cum = [1.0, 2.0, 3.0, 4.0], [10, 20, 30, 40]
+    cost._yield_stream(done, cum, 1, 1.5, 2.0, 10.0)
+    assert done == [1.0, 4.0, 5.0, 6.0]
+    done = [1.0, 2.0, 9.0, 10.0]
+    cost._yield_stream(done, cum, 1, 1.5, 2.0, 10.0)
+    assert done == [1.0, 4.0, 9.0, 10.0]
 
 
 @pytest.mark.parametrize("batch", [1, 3, 64])

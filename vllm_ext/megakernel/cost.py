@@ -8,14 +8,32 @@ A design tool, not a claim. Its assumptions, all here:
   queue order, at an equal share of the device's measured copy bandwidth,
   whatever the instruction waits for, up to ``Device.lookahead_bytes``
   ahead of what it has executed: its shared-memory pipeline plus its share
-  of the L2 half that bulk L2 prefetches may fill.
-* Except routed experts' rows (isa.py), whose addresses are data: an SM's
-  stream reaches them no earlier than ``dependency_latency_s`` after the
-  layer's TOPK ends, and what follows them in the queue waits behind them
-  (an in-order stream; the shared expert's tiles, queued before TOPK, fill
-  the gap). A step fills ``Program.occupied_slots`` expert slots (the
-  expected distinct experts under uniform routing); the others read
-  nothing.
+  of the L2 half that bulk L2 prefetches may fill (the kernel's producer
+  warp and the controller's L2 hints, kernel/control.py).
+* Except routed experts' rows (isa.py), whose addresses are data: that
+  stream skips them (it never waits for a routing; it goes on with the
+  next instructions' weights through the gap, within the lookahead). An
+  instruction's routed rows start streaming when the controller publishes
+  it (it hints them into L2 then): its wait met, the instructions before
+  it published, its ring slot free (instruction k - ``QUEUE_SLOTS``
+  ended). A routed EXPERT_UP's wait is met ``dependency_latency_s`` after
+  the layer's TOPK ends; an EXPERT_DOWN's only after every EXPERT_UP of
+  the layer has signalled, so its rows start then. The hints are capped
+  (ops/prefetch.py's PREFETCH_BYTES per matrix, expert_down.py's
+  PREFETCH_SLOTS) and the op loads the rest itself when it runs; the
+  model streams all of them from the publish, as if the SM were idle
+  until then (it is at batch 1, waiting for the routing).
+* Routed rows take the SM's share of bandwidth first (they are late, and
+  the next instruction needs them): an in-order transfer in flight then
+  waits as long; idle time of that stream (a lookahead stall) absorbs it.
+  They do not count against the lookahead (they land in L2, not in the
+  ring; the model does not bound L2 beyond the lookahead), and one SM's
+  routed loads follow each other. The static weights of instructions
+  without pages (the router's rows, the shared expert's, the latent
+  attention's) stay in the in-order stream: the controller hints them
+  before their waits. A step fills ``Program.occupied_slots`` expert
+  slots (the expected distinct experts under uniform routing); the others
+  read nothing.
 * An instruction executes once its weights are in and its wait is met; the
   wait is met ``dependency_latency_s`` after the last signal it needs (a
   release/acquire round trip through L2). Executing costs
@@ -34,6 +52,11 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+
+# Instructions the kernel's controller may run ahead of its consumers
+# (kernel/control.py's QUEUE_SLOTS; a test keeps the two equal, and this
+# module free of the kernel's imports).
+QUEUE_SLOTS = 4
 
 
 @dataclass(frozen=True)
@@ -115,30 +138,31 @@ def predict(
 
     device = device or program.device
     window = device.lookahead_bytes if lookahead_bytes is None else lookahead_bytes
-    from vllm_ext.megakernel.isa import Op
-
     bw = device.sm_bytes_per_s
     queues = program.queues
     costs = [[program.step_cost(i) for i in q] for q in queues]
-    # Per SM, per sparse layer: the first instruction whose weights depend
-    # on that layer's routing.
-    gated: list[dict[int, int]] = []
-    for q in queues:
-        first: dict[int, int] = {}
-        for k, i in enumerate(q):
-            if program.routed_weight_bytes(i):
-                first.setdefault(i.layer, k)
-        gated.append(first)
-    # When each instruction's weights are in, per SM (the stream never waits).
+    # Per instruction, the routed rows a step reads (their own stream) and
+    # the rest (the in-order stream).
+    routed = [
+        [_routed_step_bytes(program, i, c) for i, c in zip(q, cs, strict=True)]
+        for q, cs in zip(queues, costs, strict=True)
+    ]
+    # When each instruction's in-order weights are in, per SM (the stream
+    # never waits for a dependency).
     load_done: list[list[float]] = []
     cum_bytes: list[list[int]] = []
-    for sm_costs in costs:
+    for sm_costs, sm_routed in zip(costs, routed, strict=True):
         total, cum = 0, []
-        for c in sm_costs:
-            total += c.weight_bytes
+        for c, r in zip(sm_costs, sm_routed, strict=True):
+            total += c.weight_bytes - r
             cum.append(total)
         cum_bytes.append(cum)
         load_done.append([b / bw for b in cum])
+    # The controller: when it published each SM's last instruction, and
+    # when that SM's routed stream is free; the SM's instruction ends.
+    published = [0.0] * len(queues)
+    routed_free = [0.0] * len(queues)
+    ends: list[list[float]] = [[] for _ in queues]
 
     # Event simulation: an SM's next instruction is scheduled once its wait
     # is met; instructions start in time order (ends are never earlier than
@@ -162,7 +186,16 @@ def predict(
                 blocked.setdefault(instr.wait_counter, []).append(sm)
                 return
             ready = max(got) + device.dependency_latency_s
-        heapq.heappush(heap, (max(finish[sm], ready, load_done[sm][pos[sm]]), sm))
+        k = pos[sm]
+        slot_free = ends[sm][k - QUEUE_SLOTS] if k >= QUEUE_SLOTS else 0.0
+        published[sm] = max(published[sm], ready, slot_free)
+        weights_in = load_done[sm][k]
+        if routed[sm][k]:
+            rs, dt = max(published[sm], routed_free[sm]), routed[sm][k] / bw
+            routed_free[sm] = rs + dt
+            _yield_stream(load_done[sm], cum_bytes[sm], k, rs, dt, bw)
+            weights_in = max(load_done[sm][k], rs + dt)
+        heapq.heappush(heap, (max(finish[sm], ready, weights_in), sm))
 
     for sm in range(len(queues)):
         schedule(sm)
@@ -178,13 +211,8 @@ def predict(
             end += _tail_s(program, instr, device)
             ended.append((instr.tail, end))
         _stall_stream(load_done[sm], cum_bytes[sm], pos[sm], end, window, bw)
-        if instr.op == Op.TOPK:
-            ready = end + device.dependency_latency_s
-            for other in range(len(queues)):
-                k = gated[other].get(instr.layer)
-                if k is not None:
-                    _gate_stream(load_done[other], cum_bytes[other], k, ready, bw)
         finish[sm] = end
+        ends[sm].append(end)
         pos[sm] += 1
         schedule(sm)
         for counter, at in ended:
@@ -246,18 +274,34 @@ def _stall_stream(done, cum, executed, now, window, bw) -> None:
         done[k] = t
 
 
-def _gate_stream(done, cum, k, ready, bw) -> None:
-    """Instruction ``k``'s weights can be fetched from ``ready`` on (their
-    addresses were unknown before): its load, and the in-order loads after
-    it, end no earlier than that allows."""
+def _routed_step_bytes(program, instr, step_cost: Cost) -> int:
+    """The routed rows ``instr`` reads in a step (``step_cost``: its cost
+    with ``occupied_slots`` slots filled); the rest of its weights are
+    static."""
+    r = program.routed_weight_bytes(instr)
+    if not r:
+        return 0
+    return r - (program.cost(instr).weight_bytes - step_cost.weight_bytes)
+
+
+def _yield_stream(done, cum, k, start, dt, bw) -> None:
+    """Routed rows take the SM's bandwidth over [start, start + dt): the
+    in-order loads from ``k`` on lose that time, a transfer in flight at
+    ``start`` by all of it, one that would start inside the interval until
+    its end; idle time in the stream (a lookahead stall) absorbs it."""
+    free = start + dt
+    prev = None
     for j in range(k, len(done)):
-        start = done[j - 1] if j > 0 else 0.0
-        if j == k:
-            start = max(start, ready)
-        t = max(done[j], start + (cum[j] - (cum[j - 1] if j > 0 else 0)) / bw)
-        if t == done[j] and j > k:
-            break
-        done[j] = t
+        t = done[j]
+        if t > start:
+            b = (cum[j] - (cum[j - 1] if j > 0 else 0)) / bw
+            t = t + dt if t - b < start else max(t, free + b)
+            if prev is not None:
+                t = max(t, prev + b)
+            if t == done[j]:
+                break  # (it starts after the routed rows: so do the next)
+            done[j] = t
+        prev = t
 
 
 def _critical_path(program, costs, device: Device) -> float:

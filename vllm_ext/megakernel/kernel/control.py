@@ -9,9 +9,11 @@ Roles (the default kernel; ``persistent.py`` assigns the warps):
   walks the queue ahead of the consumers. Per instruction it waits for a
   free slot of the instruction ring (``queue_empty``), copies the words into
   it, hints the weights of an instruction without pages into L2, waits for
-  the instruction's inputs (``wait_inputs``), then arrives on the slot's
-  ``queue_ready`` mbarrier. So the fetch and the poll of the next
-  instruction's counter run while the consumers execute the current one.
+  the instruction's inputs (``wait_inputs``), hints a routed expert tile's
+  rows into L2 (``prefetch_routed``: their addresses are known only now),
+  then arrives on the slot's ``queue_ready`` mbarrier. So the fetch and the
+  poll of the next instruction's counter, and a routed tile's stream, run
+  while the consumers execute the current one.
 * The consumers (``NUM_THREADS`` threads): wait for ``queue_ready``
   (``wait_instruction``), execute, meet at their named barrier (every
   store issued), then thread 0 signals (``signal_done``) and frees the
@@ -54,6 +56,12 @@ from cutlass import Int32, Int64
 from vllm_ext.megakernel.isa import WORDS, Op
 from vllm_ext.megakernel.kernel.ops.combine import combine
 from vllm_ext.megakernel.kernel.ops.common import consumer_sync
+from vllm_ext.megakernel.kernel.ops.expert_down import (
+    prefetch_routed as prefetch_routed_down,
+)
+from vllm_ext.megakernel.kernel.ops.expert_up import (
+    prefetch_routed as prefetch_routed_up,
+)
 from vllm_ext.megakernel.kernel.ops.prefetch import prefetch_weights
 from vllm_ext.megakernel.kernel.ops.weight_pipe import instr_pages
 from vllm_ext.megakernel.kernel.queue import fetch
@@ -126,9 +134,26 @@ def controller(s: cutlass.Constexpr, r: cutlass.Constexpr, q: cutlass.Constexpr,
         else:
             prefetch_weights(s, ptrs, glob, ins[0], ins[1], ins[2], ins[3])
         wait_inputs(s, counters, ins, epoch, q.sm, pc, max_spins)
+        prefetch_routed(s, ptrs, ins[0], ins[1], ins[2], ins[3])
         # Release at CTA scope: the words above and (through the acquire in
         # wait_inputs) the producers' stores, to the consumers' wait.
         cute.arch.mbarrier_arrive(r.ready.iterator + slot)
+
+
+@cute.jit
+def prefetch_routed(s: cutlass.Constexpr, ptrs: cute.Tensor, op, layer, a0, a1):
+    """The control's thread, right after ``wait_inputs`` met the wait of
+    instruction (op, layer, a0, a1): a routed EXPERT_UP's or EXPERT_DOWN's
+    expert rows into L2. Their addresses are TOPK's output, read here after
+    the acquire load that met the wait (on TOPK's counter, or EXPERT_UP's,
+    whose signal TOPK's happens before), never earlier: so they are this
+    step's, and they stream while the consumers finish the instructions
+    before this one."""
+    if cutlass.const_expr(s.moe):
+        if op == Op.EXPERT_UP:
+            prefetch_routed_up(s, ptrs, layer, a0, a1)
+        elif op == Op.EXPERT_DOWN:
+            prefetch_routed_down(s, ptrs, layer, a0, a1)
 
 
 @cute.jit

@@ -11,8 +11,9 @@ and reads slot s's expert's row once for every request of the group routed
 to s; each request's choices, sorted by slot into shared memory first, are
 consumed by a cursor, so a request's weights add in slot order as the
 reference's do. Which rows exist is data (TOPK's output): they stream
-after this instruction's wait, thread 0 starting the first slots' tiles
-into L2 as soon as the routing is visible.
+after this instruction's wait, the control (``prefetch_routed``) starting
+the first slots' tiles into L2 as soon as the wait is met, before the
+instruction is published.
 
 Against the reference: each dot product sums in the GEMV's order, not
 PyTorch's, and the compiler may fuse a weight's product into its
@@ -40,9 +41,31 @@ from vllm_ext.megakernel.kernel.ops.common import (
 from vllm_ext.megakernel.kernel.ops.prefetch import PREFETCH_BYTES, prefetch_rows
 from vllm_ext.megakernel.kernel.shape import KernelShape, LayerSlot, route_layout
 
-# Slots whose tiles thread 0 hints into L2 once the routing is visible (at
+# Slots whose tiles the control hints into L2 once the routing is visible (at
 # most 2 x PREFETCH_BYTES in all, as a dense tile's two matrices).
 PREFETCH_SLOTS = 8
+
+
+@cute.jit
+def prefetch_routed(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi):
+    """One thread whose view of TOPK's routing is current (after the acquire
+    that met this instruction's wait, which TOPK's signal happens before):
+    columns [lo, hi)'s rows of the first slots' experts, into L2 (at most
+    what two matrices' prefetch of a dense tile would be)."""
+    shape: KernelShape = s
+    h, inter = shape.hidden, shape.expert_intermediate
+    lay = route_layout(shape)
+    words = ptrs[layer, LayerSlot.ROUTE]
+    experts = gmem(Int32, words + lay.experts * 4, (shape.num_slots,))
+    w2 = ptrs[layer, LayerSlot.W2]
+    tile = (hi - lo) * (inter * 2)
+    budget = Int32(2 * PREFETCH_BYTES)
+    for slot in cutlass.range_constexpr(min(shape.num_slots, PREFETCH_SLOTS)):
+        ex = experts[slot]
+        if ex >= 0:
+            if budget > 0:
+                prefetch_rows(w2 + Int64(ex) * (h * inter * 2), inter * 2, lo, hi)
+                budget = budget - tile
 
 
 @cute.jit
@@ -57,17 +80,8 @@ def expert_down(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi,
     experts = gmem(Int32, words + lay.experts * 4, (shape.num_slots,))
     w2 = ptrs[layer, LayerSlot.W2]
     tidx, warp, lane = thread_ids()
-    if tidx == 0:
-        # The routing is visible: the first slots' tiles start streaming
-        # (at most what two matrices' prefetch of a dense tile would be).
-        tile = (hi - lo) * (inter * 2)
-        budget = Int32(2 * PREFETCH_BYTES)
-        for slot in cutlass.range_constexpr(min(shape.num_slots, PREFETCH_SLOTS)):
-            ex = experts[slot]
-            if ex >= 0:
-                if budget > 0:
-                    prefetch_rows(w2 + Int64(ex) * (h * inter * 2), inter * 2, lo, hi)
-                    budget = budget - tile
+    # (The first slots' tiles were hinted into L2 by the control:
+    # prefetch_routed.)
     # Each request's choices in ascending slot order (padding: all -1).
     choice = cute.make_tensor(scratch.iterator, cute.make_layout(b * k))
     for r in cutlass.range(tidx, b, NUM_THREADS):

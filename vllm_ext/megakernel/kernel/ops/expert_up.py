@@ -7,8 +7,12 @@ the shared expert (if the model has one): every request, its own weights,
 no routing read.
 
 The expert's address is data: it is read from TOPK's output after this
-instruction's wait, and only then does its tile start streaming (the L2
-prefetch before the wait covers the shared expert alone; ops/prefetch.py).
+instruction's wait, and only then does its tile start streaming: the
+controller lane (control.py; the mixture runs under the warp roles only)
+runs ``prefetch_routed`` once the wait is met, before it publishes the
+instruction, so the rows stream while the consumers finish earlier
+instructions (the L2 prefetch before the wait covers the shared expert
+alone; ops/prefetch.py).
 The routed requests are gathered into a compact list in shared memory, so
 the GEMV's passes over a weight row cover only them (at batch 1, the one).
 """
@@ -36,6 +40,25 @@ from vllm_ext.megakernel.kernel.ops.common import (
 from vllm_ext.megakernel.kernel.ops.gemv import gemv
 from vllm_ext.megakernel.kernel.ops.prefetch import prefetch_rows
 from vllm_ext.megakernel.kernel.shape import KernelShape, LayerSlot, route_layout
+
+
+@cute.jit
+def prefetch_routed(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, slot, cols):
+    """One thread whose view of TOPK's routing is current (after the acquire
+    that met this instruction's wait, on TOPK's counter): slot ``slot``'s
+    expert's rows of this tile (gate and up), into L2. Nothing for an empty
+    slot, nor for the shared expert (static: ops/prefetch.py)."""
+    shape: KernelShape = s
+    h, inter = shape.hidden, shape.expert_intermediate
+    if slot < shape.num_slots:
+        lay = route_layout(shape)
+        words = ptrs[layer, LayerSlot.ROUTE]
+        expert = gmem(Int32, words + lay.experts * 4, (shape.num_slots,))[slot]
+        if expert >= 0:
+            lo, hi = cols >> 16, cols & 0xFFFF
+            base = ptrs[layer, LayerSlot.W13] + Int64(expert) * (2 * inter * h * 2)
+            prefetch_rows(base, h * 2, lo, hi)
+            prefetch_rows(base, h * 2, lo + inter, hi + inter)
 
 
 def gather_words(batch: int) -> int:
@@ -101,12 +124,8 @@ def _routed(s: cutlass.Constexpr, ptrs, layer, slot, lo, hi, rstd, x_stage, gath
     # (Every thread read the same expert: the branch is uniform, and its
     # barriers are met by the whole CTA.)
     if expert >= 0:
+        # (Its tile was hinted into L2 by the control: prefetch_routed.)
         base = ptrs[layer, LayerSlot.W13] + Int64(expert) * (2 * inter * h * 2)
-        if tidx == 0:
-            # The expert is known from here on: its tile streams into L2
-            # while the requests are gathered and normed.
-            prefetch_rows(base, h * 2, lo, hi)
-            prefetch_rows(base, h * 2, lo + inter, hi + inter)
         flags = cute.make_tensor(gather.iterator, cute.make_layout(b))
         rows = cute.make_tensor(gather.iterator + b, cute.make_layout(b))
         count = cute.make_tensor(gather.iterator + 2 * b, cute.make_layout(1))

@@ -11,9 +11,10 @@ within part of the L2 (132 x 2 x 96 KiB = 25 MiB of the H200's 50 MiB).
 
 A mixture's expert weights are the exception: which expert a slot holds is
 data (TOPK's output), unknown before the instruction's wait, so the
-routed EXPERT_UP and EXPERT_DOWN tiles are prefetched by the instructions
-themselves once their wait has made the routing visible (ops/expert_up.py,
-ops/expert_down.py), never from an unrouted address. The router's rows
+routed EXPERT_UP and EXPERT_DOWN tiles are prefetched by the controller
+lane once their wait has made the routing visible (control.py's
+``prefetch_routed``, with ops/expert_up.py's and ops/expert_down.py's
+helpers), never from an unrouted address. The router's rows
 and the shared expert's are static and stream here like any weight."""
 
 import cutlass
