@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""The full compile grid: the default kernel of every model in
+``vllm_ext/configs`` at every batch bucket, for sm_90a and sm_100a, built
+ahead of time here (no GPU) and judged from its SASS as CI judges its fixed
+subset (tests/megakernel/test_kernel_aot.py): zero spills, no local load
+outside a failing wait's printf, one CTA-wide barrier (start-up), the
+register split (two ``setmaxnreg``), the release signal. Prints a Markdown
+table for docs/perf.md; exits 1 if any build fails or breaks a rule.
+
+    .venv/bin/python scripts/compile_grid.py [--batches 1,4,16,64]
+        [--archs sm_90a,sm_100a] [--configs llama-3.2-1b,...] [--jobs 2]
+
+About 3-30 s per build on two cores (the MoE and MLA models longest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "vllm_ext" / "configs"
+
+
+def rules(r: dict) -> list[str]:
+    """What a default warp-role build must show in its SASS (empty: all)."""
+    broken = []
+    if r["spill_bytes"]:
+        broken.append(f"{r['spill_bytes']} B spilled")
+    if r["hot_local_loads"]:
+        broken.append(f"{r['hot_local_loads']} local loads outside printf")
+    if r["cta_barriers"] != 1:
+        broken.append(f"{r['cta_barriers']} CTA-wide barriers")
+    if r["setmaxnreg"] != 2:
+        broken.append(f"{r['setmaxnreg']} setmaxnreg")
+    if r["release_atomics"] < 1:
+        broken.append("no release signal")
+    return broken
+
+
+def build(config: str, batch: int, arch: str, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "vllm_ext.megakernel.build", "--config", config,
+           "--batch", str(batch), "--arch", arch, "--out", str(out),
+           "--json"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1][:200]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", default="1,4,16,64")
+    parser.add_argument("--archs", default="sm_90a,sm_100a")
+    parser.add_argument("--configs", default=",".join(
+        sorted(p.stem for p in CONFIGS.glob("*.json"))))  # fmt: skip
+    parser.add_argument("--jobs", type=int, default=1)
+    args = parser.parse_args()
+    grid = [(c, int(b), a) for c in args.configs.split(",")
+            for b in args.batches.split(",")
+            for a in args.archs.split(",")]  # fmt: skip
+    failed = 0
+    print("| model | batch | arch | registers used | spills | local loads "
+          "outside printf | CTA barriers | setmaxnreg | bulk copies | compile s "
+          "| verdict |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
+        jobs = [
+            pool.submit(build, c, b, a, Path(tmp) / f"{c}-b{b}-{a}") for c, b, a in grid
+        ]
+        for (c, b, a), job in zip(grid, jobs, strict=True):
+            r = job.result()
+            if "error" in r:
+                failed += 1
+                print(f"| {c} | {b} | {a} | | | | | | | | build failed: {r['error']} |")
+                continue
+            broken = rules(r)
+            failed += bool(broken)
+            print(f"| {c} | {b} | {a} | {r['max_register']} | {r['spill_bytes']} "
+                  f"| {r['hot_local_loads']} | {r['cta_barriers']} "
+                  f"| {r['setmaxnreg']} | {r['bulk_copies']} | {r['compile_s']} "
+                  f"| {'; '.join(broken) or 'ok'} |", flush=True)  # fmt: skip
+    print(f"\n{len(grid) - failed} of {len(grid)} builds clean", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
