@@ -36,11 +36,15 @@ the captured inputs, and by construction no slower.
 from __future__ import annotations
 
 import ctypes
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ctypes_library import CtypesLibrary  # noqa: E402
 
 LIBRARY = "libflashinfer_decode_sm_90a.so"
 # FlashInfer's decode planner never cuts a chunk shorter than 128 tokens
@@ -154,42 +158,29 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(2) == 1 and aligned else x.contiguous()
 
 
-class FlashInferDecode:
+_p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+
+
+class FlashInferDecode(CtypesLibrary):
     """The kernels of ``flashinfer_decode.cu`` through ctypes, over vLLM's
     cache layout. Every call raises RuntimeError on a CUDA error, so a GPU
     run reports it."""
 
-    @classmethod
-    def load(cls, bundle: Path) -> FlashInferDecode | None:
-        """From the GPU check's bundle; None where it lacks the library or
-        there is no GPU."""
-        path = bundle / LIBRARY
-        return cls(path) if path.exists() and torch.cuda.is_available() else None
-
-    def __init__(self, path: Path) -> None:
-        self.lib = ctypes.CDLL(str(path))
-        p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-        f32 = ctypes.c_float
-        signatures = {
-            "flashinfer_paged_decode_split": [
-                p, p, p, p, p, p, p, p, p, p, p, p,  # pointers, tmp_v, tmp_s
-                i32, i32, i32, i32, i32, i32,  # batch .. page_size
-                i64, i64, i64, f32, p,  # strides, scale, stream
-            ],
-            "flashinfer_paged_decode": [
-                p, p, p, p, p, p, p, p, p, p, i32, i32, i32, i32, i32, i64, f32, p,
-            ],
-            "flashinfer_decode_work_estimation": [p, i32, i32, i32, i32, i32, p],
-            "kv_append": [p, p, p, p, i32, i32, i32, i32, i64, i64, i64, i64, i64, p],
-        }  # fmt: skip
-        for name, args in signatures.items():
-            fn = getattr(self.lib, name)
-            fn.argtypes, fn.restype = args, ctypes.c_int
-
-    @staticmethod
-    def _check(name: str, err: int) -> None:
-        if err:
-            raise RuntimeError(f"{name}: CUDA error {err}")
+    LIBRARY = LIBRARY
+    SIGNATURES = {
+        "flashinfer_paged_decode_split": [
+            _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p,  # pointers, tmp_v, tmp_s
+            _i32, _i32, _i32, _i32, _i32, _i32,  # batch .. page_size
+            _i64, _i64, _i64, _f32, _p,  # strides, scale, stream
+        ],
+        "flashinfer_paged_decode": [
+            _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _i32, _i32, _i32, _i32, _i32,
+            _i64, _f32, _p,
+        ],
+        "flashinfer_decode_work_estimation": [_p, _i32, _i32, _i32, _i32, _i32, _p],
+        "kv_append": [_p, _p, _p, _p, _i32, _i32, _i32, _i32, _i64, _i64, _i64, _i64,
+                      _i64, _p],
+    }  # fmt: skip
 
     plan = staticmethod(plan)  # (callers plan through the class)
 

@@ -17,10 +17,14 @@ without counting it against the kernel.
 from __future__ import annotations
 
 import ctypes
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ctypes_library import CtypesLibrary  # noqa: E402
 
 LIBRARY = "libflashinfer_mla_sm90a.so"
 # FlashInfer's MLA wrapper allocates these (its partial o of every cluster
@@ -31,31 +35,18 @@ PLAN_FIELDS = 18
 RANK, ROPE = 512, 64  # the one shape the library is built for
 
 
-class FlashInferMla:
-    @classmethod
-    def load(cls, bundle: Path) -> FlashInferMla | None:
-        """From the GPU check's bundle; None where it lacks the library or
-        there is no GPU."""
-        path = bundle / LIBRARY
-        return cls(path) if path.exists() and torch.cuda.is_available() else None
+_p, _u32, _f32 = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_float
+_size = ctypes.c_size_t
 
-    def __init__(self, path: Path) -> None:
-        self.lib = ctypes.CDLL(str(path))
-        p, u32, f32 = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_float
-        signatures = {
-            "flashinfer_mla_plan": [p, ctypes.c_size_t, p, p, ctypes.c_size_t, p, p, p,
-                                    p, u32, u32, p],
-            "flashinfer_mla_run": [p, p, p, p, p, p, p, p, p, u32, u32, u32, u32, u32,
-                                   u32, u32, u32, f32, p],
-        }  # fmt: skip
-        for name, args in signatures.items():
-            fn = getattr(self.lib, name)
-            fn.argtypes, fn.restype = args, ctypes.c_int
 
-    @staticmethod
-    def _check(name: str, err: int) -> None:
-        if err:
-            raise RuntimeError(f"{name}: CUDA error {err}")
+class FlashInferMla(CtypesLibrary):
+    LIBRARY = LIBRARY
+    SIGNATURES = {
+        "flashinfer_mla_plan": [_p, _size, _p, _p, _size, _p, _p, _p, _p, _u32, _u32,
+                                _p],
+        "flashinfer_mla_run": [_p, _p, _p, _p, _p, _p, _p, _p, _p, _u32, _u32, _u32,
+                               _u32, _u32, _u32, _u32, _u32, _f32, _p],
+    }  # fmt: skip
 
     def plan(self, block_table: torch.Tensor, seq_lens: torch.Tensor, heads: int,
              page_size: int) -> dict[str, Any]:  # fmt: skip

@@ -83,17 +83,17 @@ def test_dry_run_builds_a_small_bundle():
     moe = json.loads((bundle / "moe_baseline" / "manifest.json").read_text())
     assert list(moe["shapes"]) == ["E=128,N=768,K=2048,top_k=8,dtype=bfloat16"]
     assert (bundle / "moe_baseline" / "vllm_fused_moe_kernel.py").exists()
-    # legacy_control, mma_gemv, wide_attn, fused_combine, qkv_parts
-    flags = {"llama-3.2-1b-b1": (0, 0, 0, 0, 1),
-             "llama-3.2-1b-b1-plant-kv-slot": (0, 0, 0, 0, 1),
-             "qwen3-30b-a3b-b1": (0, 0, 0, 0, 1),
-             "deepseek-v3-b1": (0, 0, 0, 0, 1)}  # fmt: skip
+    # legacy_control, wide_attn, fused_combine, qkv_parts
+    flags = {"llama-3.2-1b-b1": (0, 0, 0, 1),
+             "llama-3.2-1b-b1-plant-kv-slot": (0, 0, 0, 1),
+             "qwen3-30b-a3b-b1": (0, 0, 0, 1),
+             "deepseek-v3-b1": (0, 0, 0, 1)}  # fmt: skip
     for name, build in manifest["builds"].items():
         assert build["spill_bytes"] == 0 and build["arch"] == "sm_90a"
         meta = torch.load(bundle / name / "program.pt")
         shape = meta["shape"]
-        got = (shape["legacy_control"], shape["mma_gemv"], shape["wide_attn"],
-               shape["fused_combine"], shape["qkv_parts"])  # fmt: skip
+        got = (shape["legacy_control"], shape["wide_attn"], shape["fused_combine"],
+               shape["qkv_parts"])  # fmt: skip
         assert got == flags[name]
         # A planted bug is the default kernel but for the bug it names.
         assert shape["planted_bug"] == planted.get(name, "")
@@ -443,11 +443,11 @@ def test_report_table():
                                     "why": "compute-sanitizer not installed"}},
     }  # fmt: skip
     staged = {"correctness": {"ok": True}, "timing": {"megakernel_ms": 0.8}}
-    report["cases"]["llama-3.2-1b-b1-staged"] = staged
-    report["cases"]["llama-3.2-1b-b1-mma"] = {"correctness": {"ok": False}}
+    report["cases"]["llama-3.2-1b-b1-split"] = staged
+    report["cases"]["llama-3.2-1b-b1-legacy"] = {"correctness": {"ok": False}}
     table = d.markdown(report)
-    assert "| llama-3.2-1b-b1-staged | True | 1.000 | 0.800 | 1.250 |" in table
-    assert "| llama-3.2-1b-b1-mma | False | 1.000 | - | - |" in table
+    assert "| llama-3.2-1b-b1-split | True | 1.000 | 0.800 | 1.250 |" in table
+    assert "| llama-3.2-1b-b1-legacy | False | 1.000 | - | - |" in table
     # floor = 2 GB at 4 TB/s = 0.5 ms: 0.5 of the floor, 1.5x the per-op step.
     assert (
         "| llama-3.2-1b-b1 | True | 1.000 | 1.500 | 2.500 | 1.200 | 0.500 | 0.500 "

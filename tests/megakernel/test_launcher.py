@@ -208,20 +208,20 @@ def test_workspace_is_the_interpreters_buffers(arch):
             assert all(tuple(t.shape) == dims[1:] for t in per_layer), name
 
 
-def test_gpu_executor_refuses_variants_that_do_not_combine(monkeypatch):
+def test_gpu_executor_names_the_variants_of_a_refused_shape(monkeypatch):
     from vllm_ext.megakernel.kernel import executor as gpu
     from vllm_ext.megakernel.variants import Variants
 
     monkeypatch.setattr(gpu, "arch_for_device", lambda device: "sm_90a")
     monkeypatch.setattr(gpu, "device_for", lambda device, arch: DEVICE)
     spec = make_spec("llama", torch.bfloat16)
-    # (A 344-wide MLP: the tensor-core GEMV needs K in multiples of 32.)
-    spec = dataclasses.replace(spec, intermediate_size=344)
-    with pytest.raises(MegakernelError, match="VARIANTS=mma_gemv: "
-                       "mma_gemv needs every GEMV's K"):  # fmt: skip
+    # (Heads of 96: the kernel's attention takes 64 or 128.)
+    spec = dataclasses.replace(spec, head_dim=96)
+    with pytest.raises(MegakernelError, match="VARIANTS=wide_attn: "
+                       "head_dim must be 64 or 128"):  # fmt: skip
         gpu.GpuExecutor(spec, random_weights(spec, seed=1), torch.device("cpu"),
                         (1,), block_size=BLOCK_SIZE, max_blocks=4,
-                        variants=Variants.parse("mma_gemv"))  # fmt: skip
+                        variants=Variants.parse("wide_attn"))  # fmt: skip
 
 
 def test_gpu_executor_names_what_a_failed_build_needs(tmp_path, monkeypatch):

@@ -39,7 +39,7 @@ def _report() -> dict:
         "llama-3.2-1b-b8": _case(8, 0.90, 1.00),  # faster, but past a gap
         # A variant is another kernel; a wrong kernel opens nothing; nor do
         # figures timed against a weaker baseline.
-        "llama-3.2-1b-b16-mma": _case(16, 0.1, 9.0),
+        "llama-3.2-1b-b16-legacy": _case(16, 0.1, 9.0),
         "llama-3.1-8b-b1": {**_case(1, 0.1, 9.0), "correctness": {"ok": False}},
         "llama-3.1-8b-b4": _case(4, 0.1, 9.0, per_op_baseline="eager-ops"),
     }

@@ -15,14 +15,15 @@ def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
 
-def test_json_summary_with_interleavings():
+def test_json_summary():
+    # (--interleavings: test_program_variants_verify_and_interpret; CI time.)
     result = run(
         "--config", str(configs.path("qwen2.5-0.5b")), "--batch", "4",
-        "--arch", "sm_90a", "--json", "--interleavings", "2",
+        "--arch", "sm_90a", "--json",
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads(result.stdout.strip().splitlines()[-1])
-    assert summary["verified"] is True and summary["interleavings_ok"] is True
+    assert summary["verified"] is True and "interleavings_ok" not in summary
     assert summary["device"] == "h200" and summary["num_sms"] == 132
     assert summary["num_instructions"] > 0
     assert 0 < summary["floor_us"] < summary["predicted_us"]

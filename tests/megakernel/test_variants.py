@@ -25,7 +25,9 @@ def test_names_to_options_and_flags():
                    **v.plan_options(spec_of("llama-3.2-1b"), 132))  # fmt: skip
     assert program.fuse_combine and program.qkv_parts == 2
     shape = KernelShape.from_program(program, 16, **v.kernel_flags())
+    # (The legacy control keeps the CUDA-core GEMV at any batch.)
     assert shape.legacy_control and shape.wide_attn and not shape.mma_gemv
+    assert "mma_gemv" not in KERNEL and "mma_gemv" not in shape.as_dict()
     assert shape.fused_combine and shape.qkv_parts == 2
     # QK-norm heads stay whole (a build that asked for parts is refused);
     # no names, no change.
@@ -44,9 +46,12 @@ def test_unknown_name_is_refused_through_envs(monkeypatch):
     with pytest.raises(ValueError, match="VLLM_MEGAKERNEL_VARIANTS: unknown "
                        "variant 'turbo'; choose from legacy_control"):  # fmt: skip
         _ = envs.VLLM_MEGAKERNEL_VARIANTS
-    # The variants the warp roles subsumed are gone (their kernels with them).
-    monkeypatch.setenv("VLLM_MEGAKERNEL_VARIANTS", "weight_pipe")
-    with pytest.raises(ValueError, match="unknown variant 'weight_pipe'"):
-        _ = envs.VLLM_MEGAKERNEL_VARIANTS
+    # The variants the warp roles subsumed are gone (their kernels with them),
+    # and the tensor-core GEMV is no variant: it is the GEMV of every batch
+    # above 1 (KernelShape.mma_gemv).
+    for gone in ("weight_pipe", "mma_gemv"):
+        monkeypatch.setenv("VLLM_MEGAKERNEL_VARIANTS", gone)
+        with pytest.raises(ValueError, match=f"unknown variant '{gone}'"):
+            _ = envs.VLLM_MEGAKERNEL_VARIANTS
     monkeypatch.delenv("VLLM_MEGAKERNEL_VARIANTS")
     assert Variants() == envs.VLLM_MEGAKERNEL_VARIANTS

@@ -33,6 +33,13 @@ from vllm_ext.megakernel.interpret import head_part_dims
 from vllm_ext.megakernel.isa import Op
 from vllm_ext.megakernel.kernel.control import QUEUE_SLOTS
 from vllm_ext.megakernel.kernel.ops.common import NUM_WARPS
+from vllm_ext.megakernel.kernel.ops.gemv_mma import (
+    GROUP_ROWS,
+    K_CHUNK,
+    ROWS,
+    group_rows,
+    page_index,
+)
 from vllm_ext.megakernel.kernel.ops.weight_pipe import (
     L2_AHEAD_PAGES,
     MIN_SLOTS,
@@ -95,13 +102,14 @@ def consumer_pages(s: KernelShape, op: Op, lo: int, hi: int) -> list[tuple]:
                                + (u % parts) * n]]  # fmt: skip
     out = []
     for page0, row0, row_end in calls:
-        if s.mma_gemv:  # _paged_mma: row blocks of 16, their k pages in order
-            for rb in range(row0, row_end, t.per_page):
-                first_page = page0 + (rb - row0) // t.per_page * t.k_pages
+        if s.mma_gemv:  # _paged_mma: row groups, each group's k pages in order
+            for grp in range(tile_pages(row_end - row0, t.per_page)):
+                first = row0 + grp * t.per_page
                 for kc in range(t.k_pages):
                     k0 = kc * t.k_chunk
-                    out.append((first_page + kc, rb, min(t.per_page, row_end - rb),
-                                k0, min(t.k_chunk, t.k - k0)))  # fmt: skip
+                    out.append((page0 + grp * t.k_pages + kc, first,
+                                min(t.per_page, row_end - first), k0,
+                                min(t.k_chunk, t.k - k0)))  # fmt: skip
         else:  # _paged_rows: whole rows
             for kk in range(tile_pages(row_end - row0, t.per_page)):
                 first = row0 + kk * t.per_page
@@ -110,41 +118,61 @@ def consumer_pages(s: KernelShape, op: Op, lo: int, hi: int) -> list[tuple]:
     return out
 
 
-def real_shape(config: str, batch: int, mma: bool = False, split: bool = False):
+def real_shape(config: str, batch: int, split: bool = False):
     spec = spec_or_exit("test", config, "bfloat16", batch)
     parts = qkv_parts_to_fill(spec, DEVICES["h200"].num_sms) if split else 1
     program = plan(spec, batch, DEVICES["h200"], with_lm_head=True, qkv_parts=parts)
-    shape = KernelShape.from_program(program, 16, mma_gemv=mma)
+    shape = KernelShape.from_program(program, 16)
     assert shape.qkv_parts == (2 if split else 1)
+    # Batch 1: the CUDA-core GEMV's pages of whole rows; above: the tensor
+    # cores' row groups by k chunks.
+    assert shape.mma_gemv == (batch > 1)
     return program, shape
 
 
-# (QKV head parts: the Llama shapes, whose heads have no QK-norm.)
-CASES = [(c, b, mma, False) for c in ("llama-3.2-1b", "llama-3.1-8b", "qwen3-8b")
-         for b in (1, 16, 64) for mma in (False, True)] + [
-        (c, b, mma, True) for c in ("llama-3.2-1b", "llama-3.1-8b")
-         for b in (1, 16) for mma in (False, True)]  # fmt: skip
+# Tiles and pages depend on the batch only through the GEMV it selects (the
+# ring's size aside): batch 1 for the rows, 16 for the tensor cores. (QKV
+# head parts: the Llama shapes, whose heads have no QK-norm.)
+CASES = [(c, b, False) for c in ("llama-3.2-1b", "llama-3.1-8b", "qwen3-8b")
+         for b in (1, 16)] + [
+        (c, b, True) for c in ("llama-3.2-1b", "llama-3.1-8b")
+         for b in (1, 16)]  # fmt: skip
 
 
-# Tiles and pages do not depend on the batch (only the ring's size does).
-@pytest.mark.parametrize("config, mma, split",
-                         sorted({(c, m, sp) for c, _, m, sp in CASES}))  # fmt: skip
-def test_pages_cover_each_instruction_once_and_fit(config, mma, split):
-    program, s = real_shape(config, 1, mma, split)
+@pytest.mark.parametrize("config, batch, split", CASES)
+def test_pages_cover_each_instruction_once_and_fit(config, batch, split):
+    program, s = real_shape(config, batch, split)
+    mma = s.mma_gemv
     geo = geometry(s)
     for op, t in geo.items():
-        # Pages split a CTA's 8 warps evenly (whole rows) or are one MMA's
-        # 16 rows, and QKV's divide a head.
+        # Pages split a CTA's 8 warps evenly (whole rows) or are row groups
+        # of whole MMA row blocks (64 rows, 32 of each of gate and up) by
+        # 256-column k chunks, and QKV's divide a head.
         assert t.per_page & (t.per_page - 1) == 0
         if mma:
-            assert t.per_page == 16 and t.k_chunk % 32 == 0
+            assert t.per_page % ROWS == 0 and t.k_chunk == min(K_CHUNK, t.k)
         else:
             assert t.per_page * warps_per_row(t.per_page) in (t.per_page, 8)
             assert t.k_chunk == t.k
-        if op == Op.QKV:  # pages divide a part's blocks of rows
-            assert s.head_dim // (2 * s.qkv_parts) % t.per_page == 0
+        # QKV's pages divide a head (or a part's blocks of rows); the
+        # tensor cores' are as large as that allows.
+        block = s.head_dim // (2 * s.qkv_parts) if split else s.head_dim
+        if op == Op.QKV:
+            assert block % t.per_page == 0
+        if mma:
+            full = group_rows(t.dual)
+            assert t.per_page == (min(full, block) if op == Op.QKV else full)
+            assert full * (2 if t.dual else 1) == GROUP_ROWS
         matrices = 2 if t.dual else 1
         assert matrices * t.per_page * t.k_chunk <= PAGE_ELEMS
+        # Each row's copy lands where the consumers' page view reads it
+        # (both use page_index): disjoint, in the slot, 16-byte aligned.
+        starts = sorted(page_index(m, r, 0, t.per_page, t.k_chunk)
+                        for m in range(matrices)
+                        for r in range(t.per_page))  # fmt: skip
+        assert starts == list(range(0, len(starts) * t.k_chunk, t.k_chunk))
+        assert starts[-1] + t.k_chunk <= PAGE_ELEMS
+        assert all(o * 2 % 16 == 0 for o in starts)
         assert (t.per_page * t.k_chunk * 2) % 16 == 0  # the up half's offset
         assert (t.k_chunk * 2) % 16 == 0 and (t.k * 2) % 16 == 0  # copy rules
     seen = set()
@@ -353,16 +381,15 @@ def busiest(counts: list[list[int]], n: int) -> list[list[int]]:
 
 
 # The real programs: dense 1B and 8B at batch 1, the mixture (its dense
-# projections page; ROUTE, TOPK and the experts do not), a batched bucket,
-# the tensor-core pages.
-REPLAYS = [("llama-3.2-1b", 1, False), ("llama-3.1-8b", 1, False),
-           ("qwen3-30b-a3b", 1, False), ("llama-3.2-1b", 16, False),
-           ("llama-3.2-1b", 1, True)]  # fmt: skip
+# projections page; ROUTE, TOPK and the experts do not), the tensor-core
+# pages of the batched buckets (the smallest ring: 8B at batch 64).
+REPLAYS = [("llama-3.2-1b", 1), ("llama-3.1-8b", 1), ("qwen3-30b-a3b", 1),
+           ("llama-3.2-1b", 16), ("llama-3.1-8b", 64)]  # fmt: skip
 
 
-@pytest.mark.parametrize("config, batch, mma", REPLAYS)
-def test_producer_and_consumer_warps_replay_clean(config, batch, mma):
-    program, s = real_shape(config, batch, mma)
+@pytest.mark.parametrize("config, batch", REPLAYS)
+def test_producer_and_consumer_warps_replay_clean(config, batch):
+    program, s = real_shape(config, batch)
     slots = ring_slots(s)
     assert slots >= MIN_SLOTS
     counts = sm_page_counts(program, s)
@@ -371,9 +398,10 @@ def test_producer_and_consumer_warps_replay_clean(config, batch, mma):
         PipeReplay(sm, slots, seed).run()
 
 
+@pytest.mark.parametrize("batch", [1, 16], ids=["rows", "mma"])
 @pytest.mark.parametrize("mutation", MUTATIONS)
-def test_the_replay_rejects_a_broken_protocol(mutation):
-    program, s = real_shape("llama-3.2-1b", 1)
+def test_the_replay_rejects_a_broken_protocol(mutation, batch):
+    program, s = real_shape("llama-3.2-1b", batch)
     sm = busiest(sm_page_counts(program, s), 1)[0]
     with pytest.raises(AssertionError):
         for seed in range(4):  # any interleaving that shows it

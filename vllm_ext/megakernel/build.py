@@ -282,11 +282,6 @@ def main(argv: list[str] | None = None) -> int:
         "the default",
     )
     parser.add_argument(
-        "--mma-gemv",
-        action="store_true",
-        help="experimental: GEMVs on tensor cores (mma.sync)",
-    )
-    parser.add_argument(
         "--wide-attn",
         action="store_true",
         help="experimental: attention with 128-bit K/V loads and the batch's "

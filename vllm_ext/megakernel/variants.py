@@ -18,7 +18,7 @@ from vllm_ext.model_spec import ModelSpec
 # KernelShape flags, as the build CLI names them with dashes.
 # legacy_control: the previous control (thread 0 waits, CTA barriers, direct
 # GEMVs), kept for the side-by-side GPU comparison with the warp roles.
-KERNEL = ("legacy_control", "wide_attn", "mma_gemv")
+KERNEL = ("legacy_control", "wide_attn")
 # Planner options: the fused COMBINE (isa.py, tail) and QKV head parts.
 PROGRAM = ("fused_combine", "split_qkv")
 

@@ -62,7 +62,6 @@ from vllm_ext.megakernel.kernel.ops.embed import embed
 from vllm_ext.megakernel.kernel.ops.expert_down import expert_down
 from vllm_ext.megakernel.kernel.ops.expert_up import expert_up, gather_words
 from vllm_ext.megakernel.kernel.ops.final_norm import final_norm
-from vllm_ext.megakernel.kernel.ops.gemv_mma import red_floats
 from vllm_ext.megakernel.kernel.ops.mla_append import mla_append
 from vllm_ext.megakernel.kernel.ops.mla_attn import mla_attn
 from vllm_ext.megakernel.kernel.ops.mla_combine import mla_combine
@@ -120,8 +119,6 @@ def _buffers(s: KernelShape) -> list[int]:
         4 * NUM_WARPS * s.group * s.head_dim,  # warp_o
         *([] if s.legacy_control else ring_bytes()),
         4 if s.fused_combine else 0,  # tail flag
-        # (With the weight pipeline, the pipeline holds this scratch.)
-        red_floats(s.batch) * 4 if s.mma_gemv and s.legacy_control else 0,
         4 * moe_words(s),  # the mixture's int32 scratch
         4 * s.batch * s.top_k,  # EXPERT_DOWN's sorted weights
         *mla_buffers(s),
@@ -186,7 +183,7 @@ def block_threads(s: KernelShape) -> int:
 
 class Megakernel:
     def __init__(self, shape: KernelShape):
-        if shape.mma_gemv and not shape.legacy_control and ring_slots(shape) == 0:
+        if shape.mma_gemv and ring_slots(shape) == 0:
             raise ValueError(
                 f"the kernel for {shape} leaves no room in shared memory for the "
                 "weight ring the tensor-core GEMV reads"
@@ -313,14 +310,9 @@ class Megakernel:
         tail = None
         if cutlass.const_expr(s.fused_combine):
             tail = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
-        # The legacy tensor-core GEMV's cross-warp reduction scratch (the
-        # weight pipeline holds its own); else the ops receive x_stage in its
-        # place and never read it.
+        # The legacy control has no weight pipeline: its ops receive x_stage
+        # in its place and never read it.
         w_stage = x_stage
-        if cutlass.const_expr(s.mma_gemv and s.legacy_control):
-            w_stage = smem.allocate_tensor(
-                Float32, cute.make_layout(red_floats(s.batch)), 128
-            )
         scratch = _Scratch(rstd, head_buf, head_rstd, x_stage, warp_m, warp_l, warp_o,
                            moe_i, moe_f, mla_x, mla_qb, mla_red, mla_lat,
                            tail)  # fmt: skip

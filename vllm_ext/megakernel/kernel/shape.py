@@ -159,10 +159,6 @@ class KernelShape:
     # waits and signals between CTA barriers; the GEMVs read global memory)
     # instead of the warp roles (kernel/persistent.py, kernel/control.py).
     legacy_control: bool = False
-    # Experimental (not yet measured): GEMVs on tensor cores (mma.sync), for
-    # batches where the CUDA-core GEMV is bound by instruction issue
-    # (kernel/ops/gemv_mma.py); they read the weight pipeline's pages.
-    mma_gemv: bool = False
     # Experimental (not yet measured): ATTN with 128-bit K/V loads, several
     # tokens per warp load and requests side by side
     # (kernel/ops/attn_wide.py).
@@ -231,17 +227,12 @@ class KernelShape:
             raise ValueError("q_heads must be a multiple of kv_heads")
         if self.moe:
             self._check_moe()
-        if self.mma_gemv:
-            widths = (self.hidden, self.q_heads * self.head_dim, self.intermediate)
-            if any(k % 32 for k in widths):
-                raise ValueError("mma_gemv needs every GEMV's K to be a multiple of 32")
 
     def _variants(self) -> list[str]:
         variants = [
             name
             for name in (
                 "legacy_control",
-                "mma_gemv",
                 "wide_attn",
                 "fused_combine",
             )
@@ -330,6 +321,26 @@ class KernelShape:
             )
 
     @property
+    def mma_gemv(self) -> bool:
+        """The GEMVs run on tensor cores (kernel/ops/gemv_mma.py, over the
+        weight pipeline's pages): every batch above 1, where the CUDA-core
+        GEMV is bound by instruction issue, when every GEMV's K is a
+        multiple of the MMA's k block (32). Not in the legacy control (the
+        previous CUDA-core kernel, for the side-by-side comparison), nor in
+        a mixture-of-experts or latent-attention kernel: at batch 64 their
+        own scratch leaves no room for the staged activations beside a
+        3-page ring (Qwen3-30B-A3B, DeepSeek-V3), so their projections keep
+        the CUDA-core rows at every batch."""
+        widths = (self.hidden, self.q_heads * self.head_dim, self.intermediate)
+        return (
+            self.batch > 1
+            and not self.legacy_control
+            and not self.moe
+            and not self.mla
+            and not any(k % 32 for k in widths)
+        )
+
+    @property
     def moe(self) -> bool:
         return self.num_experts > 0
 
@@ -384,7 +395,6 @@ class KernelShape:
         program,
         block_size: int,
         legacy_control: bool = False,
-        mma_gemv: bool = False,
         wide_attn: bool = False,
     ) -> KernelShape:
         s = program.spec
@@ -432,7 +442,6 @@ class KernelShape:
             qkv_bias=s.qkv_bias,
             qk_norm=s.qk_norm,
             legacy_control=legacy_control,
-            mma_gemv=mma_gemv,
             wide_attn=wide_attn,
             fused_combine=program.fuse_combine,
             qkv_parts=program.qkv_parts,

@@ -24,7 +24,6 @@ from vllm_ext.megakernel.kernel.ops.common import (
     vectors,
     warp_sum,
 )
-from vllm_ext.megakernel.kernel.ops.gemv_mma import gemv_mma
 
 
 @cute.jit
@@ -39,21 +38,9 @@ def gemv(
     epilogue: cutlass.Constexpr,
     normed: cutlass.Constexpr,
     dual: cutlass.Constexpr,
-    mma: cutlass.Constexpr = False,
-    red: cute.Tensor = None,  # smem fp32 scratch of the tensor-core path
 ):
-    if cutlass.const_expr(mma):
-        gemv_mma(w, w2, x, norm, rstd, lo, hi, epilogue, normed, dual, red)
-    else:
-        _rows(w, w2, x, norm, rstd, lo, hi, epilogue, normed, dual)
-
-
-@cute.jit
-def _rows(
-    w, w2, x, norm, rstd, lo, hi, epilogue: cutlass.Constexpr,
-    normed: cutlass.Constexpr, dual: cutlass.Constexpr,
-):  # fmt: skip
-    """The CUDA-core path: a warp per row."""
+    """From global memory (the legacy control, or rows wider than a page):
+    a warp per row."""
     _, warp, lane = thread_ids()
     for row in cutlass.range(lo + warp, hi, NUM_WARPS):
         gemv_row(row, vectors(w[row, None]), vectors(w2[row, None]), x, norm, rstd,

@@ -1,21 +1,68 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The GEMV core on tensor cores (experimental, ``KernelShape.mma_gemv``):
-the same contract as ``gemv.gemv`` (rows [lo, hi) of ``W @ x[b]`` for every
-request, fp32 accumulation, the caller's ``epilogue(row, b, s1, s2)``),
-computed with ``mma.sync.m16n8k16`` (bf16 in, fp32 accumulators) instead
-of one FMA per weight and request.
+"""The GEMV core on tensor cores, the GEMV of every batch above 1
+(``KernelShape.mma_gemv``): the same contract as ``gemv.gemv`` (rows
+[lo, hi) of ``W @ x[b]`` for every request, fp32 accumulation, the caller's
+``epilogue(row, b, s1, s2)``), computed with ``mma.sync.m16n8k16`` (bf16
+in, fp32 accumulators) with the batch as the MMA's small N dimension. Its
+weights come from the weight pipeline's pages (``weight_pipe.py``; the
+loop over them is ``gemv_paged._paged_mma``); batch 1 keeps the CUDA-core
+GEMV, which streams at 3.5-4 TB/s there.
 
 On the H200 (2026-11-30) the CUDA-core GEMV fell from 3.5-4.0 TB/s at batch
 1 to 0.25-0.8 TB/s at batch 16: instruction issue, not bandwidth. Here a
-warp's 16 x 32 block of weights costs two 128-bit loads per lane and, per 8
-requests, one 128-bit input load and two MMAs.
+warp's 16 x 32 block of weights costs two 128-bit shared loads per lane
+(and matrix) and, per 8 requests, one 128-bit shared load and two MMAs.
+
+Geometry (chosen from bytes):
+
+* A page (32 KiB) is a row group of ``GROUP_ROWS`` = 64 rows by
+  ``K_CHUNK`` = 256 columns, or 32 rows of each of gate and up (the same
+  256 columns), one bulk copy of 512 bytes per row and matrix; a row
+  group's k-chunk pages follow each other. QKV's pages hold a head's 64
+  rows at most (fewer when a head part's block is smaller), and any
+  instruction's last row group may hold fewer rows.
+* Each k-chunk of every request's activations (``K_CHUNK`` bf16, RMS-normed
+  and rounded to bf16 as the reference hands it on, when asked) is staged
+  in shared memory once per page by all 256 consumer threads
+  (``stage_chunk``), and every row block of the page reads its B fragments
+  from there: a weight row is read once per step whatever the batch, and
+  the activations once per row group (B / 64 of the weight bytes, from
+  L2), not once per 16 rows.
+* Two staging buffers, alternating by page parity: the consumers' barrier
+  after staging page ``g`` is also what frees page ``g - 1``'s buffer for
+  page ``g + 1`` (one barrier per page, not two). A staged row is
+  ``STAGE_STRIDE`` = 288 bf16 (576 bytes, 64 mod 128): the 8 lanes of a
+  quarter warp read two requests' 64 contiguous bytes each, which then
+  fall on disjoint banks (at 512 bytes they would conflict two ways). The
+  weight rows keep the page's dense 512-byte stride (bulk copies land
+  contiguously; padding would cost a 16th of a page): their A loads
+  conflict two ways, 2 of the 2 + ceil(B / 8) shared loads per k block.
+* At batch 64 the two buffers are 72 KiB; the cross-warp reduction
+  (``partials``: [warp, matrix, 16 rows, requests] fp32, 64 KiB at batch
+  64) reuses them once the row group's last page is read, so the GEMV's
+  scratch is ``scratch_floats(batch)``: 8B's batch-64 kernel keeps 3 ring
+  slots (tests/megakernel/test_kernel_aot.py::test_rings_fit_shared_memory).
+* Warps split a row group's row blocks and k (``warp_task``): with
+  ``nrb`` blocks of 16 rows (1-4, from the rows actually there), warp w
+  takes block ``w % nrb`` and every ``8 // nrb``-th k block from
+  ``w // nrb``, so all 8 warps are busy on 16, 32 and 64 rows (6 on 48).
+  Each warp's accumulators carry across the group's k-chunk pages; the
+  slices of a block meet in ``partials`` in a fixed order (deterministic)
+  and each (row, request) sum goes to the epilogue.
 
 A sum over k does not depend on the order of k, so each lane loads 8
 consecutive weights of its row (the quad of lanes t % 4 covers 32 k) and
-feeds them to two MMAs whose k slots it maps to those weights; the input
-fragment uses the same mapping, so no shuffle or shared-memory copy of the
-weights is needed. Warps split K; their partial 16 x B tiles meet in shared
-memory (``red``), and each (row, request) sum goes to the epilogue."""
+feeds them to two MMAs whose k slots it maps to those weights; the B
+fragment uses the same mapping, so no shuffle is needed. A row of A or a
+column of B only reaches the same row or column of D: rows past the group's
+valid rows (stale page bytes) and requests past the batch (staged rows
+never written) reach only sums the epilogue never reads.
+
+The index functions below (``row_blocks``, ``warp_task``,
+``stage_index``, ``page_index``, ``lane_vector``) are plain arithmetic
+that the kernel traces and tests/megakernel/test_gemv_mma_mapping.py runs
+in Python.
+"""
 
 import cutlass
 import cutlass.cute as cute
@@ -32,16 +79,73 @@ from vllm_ext.megakernel.kernel.ops.common import (
     vectors,
 )
 
-ROWS = 16  # an MMA's M
+ROWS = 16  # an MMA's M: a row block
 K_BLOCK = 32  # k per lane quad and step: 4 lanes x 8 weights
 N_BLOCK = 8  # an MMA's N: requests per fragment
+K_CHUNK = 256  # columns per page (of each matrix) and per staged chunk
+GROUP_ROWS = 64  # rows per page of one matrix (half of it each when dual)
+STAGE_PAD = 32  # bf16 past K_CHUNK per staged row: a 576-byte stride
+STAGE_STRIDE = K_CHUNK + STAGE_PAD
+STAGE_VECS = K_CHUNK // VEC
+
+
+def group_rows(dual: bool) -> int:
+    """Rows of a full page (of each matrix when dual)."""
+    return GROUP_ROWS // 2 if dual else GROUP_ROWS
+
+
+def n_pad(batch: int) -> int:
+    """The batch rounded up to whole MMA fragments."""
+    return (batch + N_BLOCK - 1) // N_BLOCK * N_BLOCK
+
+
+def stage_elems(batch: int) -> int:
+    """bf16 elements of one staging buffer: a padded row per request of the
+    padded batch (rows past the batch are read, never written)."""
+    return n_pad(batch) * STAGE_STRIDE
 
 
 def red_floats(batch: int) -> int:
-    """fp32 elements of the cross-warp reduction scratch (room for two
-    matrices, gate and up)."""
-    n_pad = (batch + N_BLOCK - 1) // N_BLOCK * N_BLOCK
-    return NUM_WARPS * 2 * ROWS * n_pad
+    """fp32 elements of the cross-warp reduction (room for two matrices)."""
+    return NUM_WARPS * 2 * ROWS * n_pad(batch)
+
+
+def scratch_floats(batch: int) -> int:
+    """fp32 words of the GEMV's shared scratch: the two staging buffers,
+    which the reduction reuses."""
+    return max(red_floats(batch), stage_elems(batch))  # 2 bf16 buffers
+
+
+def row_blocks(n_valid):
+    """Blocks of 16 rows that cover a row group of ``n_valid`` rows."""
+    return (n_valid + ROWS - 1) // ROWS
+
+
+def warp_task(warp, n_valid):
+    """(row block, k slice, slices) of ``warp`` in a row group of
+    ``n_valid`` rows: blocks of 16 rows side by side, each split over
+    ``NUM_WARPS // blocks`` warps taking every slices-th k block (a warp
+    whose slice is not below ``slices`` idles)."""
+    blocks = row_blocks(n_valid)
+    return warp % blocks, warp // blocks, NUM_WARPS // blocks
+
+
+def lane_vector(kb, q):
+    """The 128-bit vector (8 k) of the chunk that lane quad position ``q``
+    loads in k block ``kb``, for A and B alike."""
+    return kb * (K_BLOCK // VEC) + q
+
+
+def stage_index(buf, n, k, batch: int):
+    """Element of request ``n``'s staged k (within the chunk) in buffer
+    ``buf`` (the page's parity)."""
+    return buf * stage_elems(batch) + n * STAGE_STRIDE + k
+
+
+def page_index(m, row, k, per_page: int, k_chunk: int):
+    """Element of matrix ``m``'s row ``row``, column ``k`` in a page (its
+    slot's start: gate rows, then up rows)."""
+    return (m * per_page + row) * k_chunk + k
 
 
 @dsl_user_op
@@ -63,144 +167,137 @@ def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, *, loc=None, ip=None):
     )
 
 
-@cute.jit
-def row_frag(w: cute.Tensor, row, hi, j, frag: cute.Tensor):
-    """Weights k = 8 j .. 8 j + 7 of ``row`` as four packed pairs (zero past
-    the tile)."""
-    r = cute.make_rmem_tensor((VEC,), BFloat16)
-    r.fill(0.0)
-    if row < hi:
-        cute.autovec_copy(vectors(w[row, None])[None, j], r)
-    frag.store(cute.recast_tensor(r, Int32).load())
+def staged(scratch: cute.Tensor, batch: int, buf) -> cute.Tensor:
+    """Staging buffer ``buf`` of the GEMV's scratch as [padded batch,
+    K_CHUNK] bf16 with the padded row stride."""
+    base = cute.recast_ptr(scratch.iterator, dtype=BFloat16)
+    return cute.make_tensor(
+        base + stage_index(buf, 0, 0, batch),
+        cute.make_layout((n_pad(batch), K_CHUNK), stride=(STAGE_STRIDE, 1)),
+    )
 
 
-@cute.jit
-def input_frag(
-    x: cute.Tensor, norm: cute.Tensor, rstd: cute.Tensor, n, j,
-    frag: cute.Tensor, normed: cutlass.Constexpr,
-):  # fmt: skip
-    """Request ``n``'s inputs k = 8 j .. 8 j + 7 as four packed pairs, normed
-    (``bf16(x * rstd * norm)``, as the reference rounds it) when asked; zero
-    for a padding column."""
-    batch = x.shape[0]
-    r = cute.make_rmem_tensor((VEC,), BFloat16)
-    r.fill(0.0)
-    if n < batch:
-        if cutlass.const_expr(normed):
-            xr = cute.make_rmem_tensor((VEC,), BFloat16)
-            cute.autovec_copy(vectors(x[n, None])[None, j], xr)
-            nr = cute.make_rmem_tensor((VEC,), BFloat16)
-            cute.autovec_copy(vectors(norm)[None, j], nr)
-            y = xr.load().to(Float32) * rstd[n] * nr.load().to(Float32)
-            r.store(y.to(BFloat16))
-        else:
-            cute.autovec_copy(vectors(x[n, None])[None, j], r)
-    frag.store(cute.recast_tensor(r, Int32).load())
-
-
-@cute.jit
-def mma_step(
-    w: cute.Tensor, w2: cute.Tensor, dual: cutlass.Constexpr, row, hi, j,
-    x: cute.Tensor, norm: cute.Tensor, rstd: cute.Tensor, xj,
-    normed: cutlass.Constexpr, acc: cute.Tensor,
-):  # fmt: skip
-    """One block of 32 k: this lane's weight vector ``j`` of rows ``row`` and
-    ``row + 8`` of ``w`` (and ``w2``; zero at or past row ``hi``) against
-    input vector ``xj`` of every request, accumulated into ``acc``
-    [matrices, request blocks, 4]."""
-    _, _, lane = thread_ids()
-    g = lane // 4
-    n_blocks = (x.shape[0] + N_BLOCK - 1) // N_BLOCK
-    for m in cutlass.range_constexpr(2 if dual else 1):
-        mat = w if m == 0 else w2
-        a_lo = cute.make_rmem_tensor((4,), Int32)
-        a_hi = cute.make_rmem_tensor((4,), Int32)
-        row_frag(mat, row, hi, j, a_lo)
-        row_frag(mat, row + 8, hi, j, a_hi)
-        for nb in cutlass.range_constexpr(n_blocks):
-            b = cute.make_rmem_tensor((4,), Int32)
-            input_frag(x, norm, rstd, nb * N_BLOCK + g, xj, b, normed)
-            for half in cutlass.range_constexpr(2):
-                e = 2 * half
-                d = mma_bf16(
-                    a_lo[e], a_hi[e], a_lo[e + 1], a_hi[e + 1], b[e], b[e + 1],
-                    acc[m, nb, 0], acc[m, nb, 1], acc[m, nb, 2], acc[m, nb, 3],
-                )  # fmt: skip
-                for c in cutlass.range_constexpr(4):
-                    acc[m, nb, c] = d[c]
-
-
-def partials(red: cute.Tensor, batch: int, dual: bool) -> cute.Tensor:
-    """``red`` as [warp, matrix, row, request] partial tiles."""
-    n_pad = (batch + N_BLOCK - 1) // N_BLOCK * N_BLOCK
+def partials(scratch: cute.Tensor, batch: int, dual: bool) -> cute.Tensor:
+    """The scratch as [warp, matrix, row, request] partial tiles."""
+    n = n_pad(batch)
     n_mats = 2 if dual else 1
     return cute.make_tensor(
-        red.iterator,
+        scratch.iterator,
         cute.make_layout(
-            (NUM_WARPS, n_mats, ROWS, n_pad),
-            stride=(n_mats * ROWS * n_pad, ROWS * n_pad, n_pad, 1),
+            (NUM_WARPS, n_mats, ROWS, n),
+            stride=(n_mats * ROWS * n, ROWS * n, n, 1),
         ),
     )
 
 
 @cute.jit
-def mma_finish(
-    part: cute.Tensor, acc: cute.Tensor, rb, n_valid, batch: cutlass.Constexpr,
-    epilogue: cutlass.Constexpr, dual: cutlass.Constexpr,
+def stage_chunk(
+    x: cute.Tensor, norm: cute.Tensor, rstd: cute.Tensor, k0, k_len,
+    stage: cute.Tensor, normed: cutlass.Constexpr,
 ):  # fmt: skip
-    """The warps' accumulators of row block ``rb`` meet in ``part``; the sum
-    of each of its first ``n_valid`` rows and each request goes to the
-    epilogue. CTA barriers before and after (``part`` is reused)."""
-    tidx, warp, lane = thread_ids()
-    g, q = lane // 4, lane % 4
-    n_blocks = (batch + N_BLOCK - 1) // N_BLOCK
-    # C fragment: (row g, requests 2q, 2q + 1), then row g + 8.
-    for m in cutlass.range_constexpr(2 if dual else 1):
-        for nb in cutlass.range_constexpr(n_blocks):
-            col = nb * N_BLOCK + 2 * q
-            part[warp, m, g, col] = acc[m, nb, 0]
-            part[warp, m, g, col + 1] = acc[m, nb, 1]
-            part[warp, m, g + 8, col] = acc[m, nb, 2]
-            part[warp, m, g + 8, col + 1] = acc[m, nb, 3]
-    consumer_sync()
-    for idx in cutlass.range(tidx, ROWS * batch, NUM_THREADS):
-        i, n = idx // batch, idx % batch
-        s1 = Float32(0.0)
-        s2 = Float32(0.0)
-        for v in cutlass.range_constexpr(NUM_WARPS):
-            s1 = s1 + part[v, 0, i, n]
-            if cutlass.const_expr(dual):
-                s2 = s2 + part[v, 1, i, n]
-        if cutlass.const_expr(not dual):
-            s2 = s1
-        if i < n_valid:
-            epilogue(rb + i, n, s1, s2)
-    consumer_sync()
+    """Every request's inputs k0 .. k0 + k_len into ``stage`` (a vector per
+    thread), normed (``bf16(x * rstd * norm)``, as the reference rounds it)
+    when asked. The caller's barrier publishes them."""
+    tidx, _, _ = thread_ids()
+    batch = x.shape[0]
+    v0 = k0 // VEC
+    for idx in cutlass.range(tidx, batch * STAGE_VECS, NUM_THREADS):
+        n, v = idx // STAGE_VECS, idx % STAGE_VECS
+        if v * VEC < k_len:
+            r = cute.make_rmem_tensor((VEC,), BFloat16)
+            if cutlass.const_expr(normed):
+                xr = cute.make_rmem_tensor((VEC,), BFloat16)
+                cute.autovec_copy(vectors(x[n, None])[None, v0 + v], xr)
+                nr = cute.make_rmem_tensor((VEC,), BFloat16)
+                cute.autovec_copy(vectors(norm)[None, v0 + v], nr)
+                y = xr.load().to(Float32) * rstd[n] * nr.load().to(Float32)
+                r.store(y.to(BFloat16))
+            else:
+                cute.autovec_copy(vectors(x[n, None])[None, v0 + v], r)
+            cute.autovec_copy(r, vectors(stage[n, None])[None, v])
 
 
 @cute.jit
-def gemv_mma(
-    w: cute.Tensor,  # [M, K] bf16 row-major
-    w2: cute.Tensor,  # a second [M, K] matrix, or w itself when not dual
-    x: cute.Tensor,  # [B, K] bf16
-    norm: cute.Tensor,  # [K] bf16 RMSNorm weight (read only when normed)
-    rstd: cute.Tensor,  # [B] fp32 in shared memory (read only when normed)
-    lo: cutlass.Int32,
-    hi: cutlass.Int32,
-    epilogue: cutlass.Constexpr,
-    normed: cutlass.Constexpr,
-    dual: cutlass.Constexpr,
-    red: cute.Tensor,  # smem fp32, at least red_floats(batch) elements
-):
-    _, warp, lane = thread_ids()
-    batch, k_dim = x.shape
-    n_blocks = (batch + N_BLOCK - 1) // N_BLOCK
-    part = partials(red, batch, dual)
+def _frag(vecs: cute.Tensor, j, frag: cute.Tensor):
+    """Vector ``j`` of a bf16 row (one 128-bit shared load) as four packed
+    pairs."""
+    r = cute.make_rmem_tensor((VEC,), BFloat16)
+    cute.autovec_copy(vecs[None, j], r)
+    frag.store(cute.recast_tensor(r, Int32).load())
+
+
+@cute.jit
+def mma_chunk(
+    w: cute.Tensor, w2: cute.Tensor, dual: cutlass.Constexpr, stage: cute.Tensor,
+    rb, sl, ks, kblocks, batch: cutlass.Constexpr, acc: cute.Tensor,
+):  # fmt: skip
+    """This warp's share of one page: rows ``16 rb`` .. ``16 rb + 15`` of
+    ``w`` (and ``w2``) against every staged request, k blocks ``sl``,
+    ``sl + ks``, .. below ``kblocks``, accumulated into ``acc`` [matrices,
+    request blocks, 4]."""
+    _, _, lane = thread_ids()
     g, q = lane // 4, lane % 4
-    for rb in cutlass.range(lo, hi, ROWS):
-        acc = cute.make_rmem_tensor((2 if dual else 1, n_blocks, 4), Float32)
-        acc.fill(0.0)
-        for kb in cutlass.range(warp, k_dim // K_BLOCK, NUM_WARPS, unroll=4):
-            j = kb * (K_BLOCK // VEC) + q  # this lane's 128-bit vector
-            mma_step(w, w2, dual, rb + g, hi, j, x, norm, rstd, j, normed, acc)
-        mma_finish(part, acc, rb, hi - rb, batch, epilogue, dual)
+    row = rb * ROWS + g
+    n_mats = 2 if dual else 1
+    n_blocks = n_pad(batch) // N_BLOCK
+    for kb in cutlass.range(sl, kblocks, ks):
+        j = lane_vector(kb, q)
+        a = cute.make_rmem_tensor((n_mats, 2, 4), Int32)
+        for m in cutlass.range_constexpr(n_mats):
+            mat = w if m == 0 else w2
+            _frag(vectors(mat[row, None]), j, a[m, 0, None])
+            _frag(vectors(mat[row + 8, None]), j, a[m, 1, None])
+        for nb in cutlass.range_constexpr(n_blocks):
+            b = cute.make_rmem_tensor((4,), Int32)
+            _frag(vectors(stage[nb * N_BLOCK + g, None]), j, b)
+            for m in cutlass.range_constexpr(n_mats):
+                for half in cutlass.range_constexpr(2):
+                    e = 2 * half
+                    d = mma_bf16(
+                        a[m, 0, e], a[m, 1, e], a[m, 0, e + 1], a[m, 1, e + 1],
+                        b[e], b[e + 1],
+                        acc[m, nb, 0], acc[m, nb, 1], acc[m, nb, 2], acc[m, nb, 3],
+                    )  # fmt: skip
+                    for c in cutlass.range_constexpr(4):
+                        acc[m, nb, c] = d[c]
+
+
+@cute.jit
+def mma_finish(
+    part: cute.Tensor, acc: cute.Tensor, first, n_valid, sl, ks, blocks,
+    batch: cutlass.Constexpr, epilogue: cutlass.Constexpr, dual: cutlass.Constexpr,
+):  # fmt: skip
+    """The warps' accumulators of a row group meet in ``part`` (which
+    aliases the staging buffers: a barrier first, once every warp has read
+    the last chunk); the sum over the slices of each of the group's first
+    ``n_valid`` rows and each request goes to the epilogue. A barrier after
+    (the next staging overwrites ``part``)."""
+    tidx, warp, lane = thread_ids()
+    g, q = lane // 4, lane % 4
+    n_blocks = n_pad(batch) // N_BLOCK
+    n_mats = 2 if dual else 1
+    consumer_sync()
+    if sl < ks:
+        # C fragment: (row g, requests 2q, 2q + 1), then row g + 8.
+        for m in cutlass.range_constexpr(n_mats):
+            for nb in cutlass.range_constexpr(n_blocks):
+                col = nb * N_BLOCK + 2 * q
+                part[warp, m, g, col] = acc[m, nb, 0]
+                part[warp, m, g, col + 1] = acc[m, nb, 1]
+                part[warp, m, g + 8, col] = acc[m, nb, 2]
+                part[warp, m, g + 8, col + 1] = acc[m, nb, 3]
+    consumer_sync()
+    for idx in cutlass.range(tidx, blocks * ROWS * batch, NUM_THREADS):
+        i, n = idx // batch, idx % batch
+        rb, r = i // ROWS, i % ROWS
+        s1 = Float32(0.0)
+        s2 = Float32(0.0)
+        for s in cutlass.range(ks):
+            s1 = s1 + part[rb + blocks * s, 0, r, n]
+            if cutlass.const_expr(dual):
+                s2 = s2 + part[rb + blocks * s, 1, r, n]
+        if cutlass.const_expr(not dual):
+            s2 = s1
+        if i < n_valid:
+            epilogue(first + i, n, s1, s2)
+    consumer_sync()

@@ -5,7 +5,8 @@ of ``W @ x[b]`` for every request, fp32 accumulation, the caller's
 ``epilogue(row, b, s1, s2)``), checked on the GPU against the same
 references. Each warp releases a page once it has read it
 (``release_page``); only split rows meet at a consumer barrier, for their
-partial sums."""
+partial sums. Batch 1 runs the CUDA-core GEMV over pages of whole rows;
+every larger batch the tensor-core one (``KernelShape.mma_gemv``)."""
 
 import cutlass
 import cutlass.cute as cute
@@ -14,7 +15,6 @@ from cutlass import Float32, Int32
 from vllm_ext.megakernel.kernel.ops.common import (
     NUM_THREADS,
     NUM_WARPS,
-    VEC,
     consumer_sync,
     thread_ids,
     vectors,
@@ -23,11 +23,15 @@ from vllm_ext.megakernel.kernel.ops.gemv import gemv_row
 from vllm_ext.megakernel.kernel.ops.gemv_mma import (
     K_BLOCK,
     N_BLOCK,
+    mma_chunk,
     mma_finish,
-    mma_step,
+    n_pad,
     partials,
+    row_blocks,
+    stage_chunk,
+    staged,
+    warp_task,
 )
-from vllm_ext.megakernel.kernel.ops.gemv_mma import ROWS as MMA_ROWS
 from vllm_ext.megakernel.kernel.ops.weight_pipe import (
     geometry,
     release_page,
@@ -50,8 +54,9 @@ def paged_gemv(
     normed: cutlass.Constexpr,
 ):
     """Rows [row0, row_end) of ``W @ x[b]`` from the pages that hold them
-    (the same contract as ``gemv.gemv``). Short rows: a warp per row. Long
-    rows (fewer than ``NUM_WARPS`` per page): warps split each row's k, and
+    (the same contract as ``gemv.gemv``). Above batch 1 on tensor cores
+    (``_paged_mma``). At batch 1, short rows: a warp per row; long rows
+    (fewer than ``NUM_WARPS`` per page): warps split each row's k, and
     their sums meet in ``p.red``."""
     tile = geometry(p.shape)[op]
     if cutlass.const_expr(p.shape.mma_gemv):
@@ -111,32 +116,40 @@ def _paged_rows(p: cutlass.Constexpr, tile: cutlass.Constexpr, page0, row0, row_
 def _paged_mma(p: cutlass.Constexpr, tile: cutlass.Constexpr, page0, row0, row_end,
                x, norm, rstd, epilogue: cutlass.Constexpr,
                normed: cutlass.Constexpr):  # fmt: skip
-    """The tensor-core GEMV (``gemv_mma``'s step and reduction) over pages
-    of 16 rows by ``k_chunk`` columns: a row block's accumulators carry
-    across its k pages."""
-    tidx, warp, lane = thread_ids()
+    """The tensor-core GEMV (``gemv_mma.py``) over pages of ``per_page``
+    rows by ``k_chunk`` columns, row group after row group: per page, the
+    requests' k-chunk staged once (buffer by page parity), then each warp's
+    row block and k slice; a warp's accumulators carry across its group's
+    k pages; the slices meet in ``mma_finish``."""
+    _, warp, _ = thread_ids()
     batch = x.shape[0]
-    n_blocks = (batch + N_BLOCK - 1) // N_BLOCK
-    part = partials(p.red, batch, tile.dual)
-    g, q = lane // 4, lane % 4
+    rows, k_chunk, dual = tile.per_page, tile.k_chunk, tile.dual
+    part = partials(p.red, batch, dual)
     base = p.base + page0
-    for rb in cutlass.range(row0, row_end, MMA_ROWS):
-        n_valid = cutlass.min(Int32(MMA_ROWS), row_end - rb)
-        acc = cute.make_rmem_tensor((2 if tile.dual else 1, n_blocks, 4), Float32)
+    for grp in cutlass.range((row_end - row0 + rows - 1) // rows):
+        first = row0 + grp * rows
+        n_valid = cutlass.min(Int32(rows), row_end - first)
+        rb, sl, ks = warp_task(warp, n_valid)
+        acc = cute.make_rmem_tensor((2 if dual else 1, n_pad(batch) // N_BLOCK, 4),
+                                    Float32)  # fmt: skip
         acc.fill(0.0)
-        first_page = base + ((rb - row0) // MMA_ROWS) * tile.k_pages
         for kc in cutlass.range(tile.k_pages):
-            pg = first_page + kc
+            pg = base + grp * tile.k_pages + kc
+            k0 = kc * k_chunk
+            k_len = cutlass.min(Int32(k_chunk), tile.k - k0)
+            stage = staged(p.red, batch, pg % 2)
+            stage_chunk(x, norm, rstd, k0, k_len, stage, normed)
+            # The chunk is staged; every warp is past page pg - 1, so its
+            # buffer is free for page pg + 1.
+            consumer_sync()
             wait_page(p, pg)
-            w1 = p.page(pg % p.slots, MMA_ROWS, tile.k_chunk)
+            w1 = p.page(pg % p.slots, rows, k_chunk)
             w2 = w1
-            if cutlass.const_expr(tile.dual):
-                w2 = p.page(pg % p.slots, MMA_ROWS, tile.k_chunk, second=True)
-            k_len = cutlass.min(Int32(tile.k_chunk), tile.k - kc * tile.k_chunk)
-            v0 = kc * (tile.k_chunk // VEC)  # the page's first input vector
-            for kb in cutlass.range(warp, k_len // K_BLOCK, NUM_WARPS, unroll=2):
-                j = kb * (K_BLOCK // VEC) + q  # this lane's vector in the page
-                mma_step(w1, w2, tile.dual, g, n_valid, j, x, norm, rstd, v0 + j,
-                         normed, acc)  # fmt: skip
+            if cutlass.const_expr(dual):
+                w2 = p.page(pg % p.slots, rows, k_chunk, second=True)
+            if sl < ks:
+                mma_chunk(w1, w2, dual, stage, rb, sl, ks, k_len // K_BLOCK, batch,
+                          acc)  # fmt: skip
             release_page(p, pg)
-        mma_finish(part, acc, rb, n_valid, batch, epilogue, tile.dual)
+        mma_finish(part, acc, first, n_valid, sl, ks, row_blocks(n_valid), batch,
+                   epilogue, dual)  # fmt: skip

@@ -52,12 +52,10 @@ def _plain_gemv(
     """The GEMV of a projection with no norm and one matrix: from the
     weight pipeline's pages, or (legacy control, rows wider than a page)
     from global memory."""
-    shape: KernelShape = s
     if cutlass.const_expr(reads_pages(w_stage, op)):
         paged_gemv(w_stage, op, 0, lo, hi, x, x[0, None], rstd, epilogue, False)
     else:
-        gemv(w, w, x, x[0, None], rstd, lo, hi, epilogue, False, False,
-             mma=shape.mma_gemv, red=w_stage)  # fmt: skip
+        gemv(w, w, x, x[0, None], rstd, lo, hi, epilogue, False, False)
 
 
 @cute.jit
@@ -106,11 +104,9 @@ def gate_up(
             paged_gemv(w_stage, Op.GATE_UP, 0, lo, hi, x, norm, rstd, epilogue, True)
     elif cutlass.const_expr(stages_input(shape)):
         stage_normed(x, norm, rstd, x_stage)
-        gemv(gate, up, x_stage, norm, rstd, lo, hi, epilogue, False, True,
-             mma=shape.mma_gemv, red=w_stage)  # fmt: skip
+        gemv(gate, up, x_stage, norm, rstd, lo, hi, epilogue, False, True)
     else:
-        gemv(gate, up, x, norm, rstd, lo, hi, epilogue, True, True,
-             mma=shape.mma_gemv, red=w_stage)  # fmt: skip
+        gemv(gate, up, x, norm, rstd, lo, hi, epilogue, True, True)
 
 
 @cute.jit

@@ -151,11 +151,9 @@ def _whole_heads(
                 paged_gemv(w_stage, Op.QKV, page0, first, first + d, x, norm, rstd,
                            epilogue, True)  # fmt: skip
         elif cutlass.const_expr(stages_input(shape)):
-            gemv(w, w, x_stage, norm, rstd, first, first + d, epilogue, False, False,
-                 mma=shape.mma_gemv, red=w_stage)  # fmt: skip
+            gemv(w, w, x_stage, norm, rstd, first, first + d, epilogue, False, False)
         else:
-            gemv(w, w, x, norm, rstd, first, first + d, epilogue, True, False,
-                 mma=shape.mma_gemv, red=w_stage)  # fmt: skip
+            gemv(w, w, x, norm, rstd, first, first + d, epilogue, True, False)
         consumer_sync()
         if head < nq + nkv:
             if cutlass.const_expr(shape.qk_norm):
@@ -222,10 +220,9 @@ def _head_parts(
                                rstd, epilogue, True)  # fmt: skip
             elif cutlass.const_expr(stages_input(shape)):
                 gemv(w, w, x_stage, norm, rstd, first, first + n, epilogue, False,
-                     False, mma=shape.mma_gemv, red=w_stage)  # fmt: skip
+                     False)  # fmt: skip
             else:
-                gemv(w, w, x, norm, rstd, first, first + n, epilogue, True, False,
-                     mma=shape.mma_gemv, red=w_stage)  # fmt: skip
+                gemv(w, w, x, norm, rstd, first, first + n, epilogue, True, False)
         consumer_sync()
         if head < nq + nkv:
             for idx in cutlass.range(tidx, b * n, NUM_THREADS):

@@ -25,8 +25,10 @@ For the CUDA-core GEMV a page holds whole rows of one matrix (or the same
 rows of gate and up): ``page_rows`` of them, a power of two, so pages
 divide a head for QKV and split the warps evenly when a row is long; an
 opcode whose row does not fit a page reads global memory (it has no pages).
-For the tensor-core GEMV (``mma_gemv``) a page is an MMA's 16 rows by
-``k_chunk`` columns, one copy per row. Producer and consumers
+For the tensor-core GEMV (``mma_gemv``, every batch above 1) a page is a
+row group of 64 rows (32 of each of gate and up; QKV: at most a head part's
+block) by a 256-column k chunk, the group's k chunks in order, one copy per
+row and matrix (``gemv_mma.py`` says why). Producer and consumers
 (``gemv_paged.py``) derive the same page sequence from the instructions and
 ``geometry``; ``tests/megakernel/test_weight_pipe.py`` replays both
 schedules in Python over the real programs.
@@ -43,8 +45,12 @@ from cutlass.experimental import primitives as prims
 
 from vllm_ext.megakernel.isa import WORDS, Op
 from vllm_ext.megakernel.kernel.ops.common import NUM_WARPS
-from vllm_ext.megakernel.kernel.ops.gemv_mma import ROWS as MMA_ROWS
-from vllm_ext.megakernel.kernel.ops.gemv_mma import red_floats
+from vllm_ext.megakernel.kernel.ops.gemv_mma import (
+    K_CHUNK,
+    group_rows,
+    page_index,
+    scratch_floats,
+)
 from vllm_ext.megakernel.kernel.queue import Queue, fetch
 from vllm_ext.megakernel.kernel.shape import (
     PAGE_BYTES,
@@ -108,11 +114,13 @@ def _row_tile(k: int, dual: bool, unit: int, cap: int | None = None,
     return Tile(k, rows if cap is None else min(rows, cap), dual, unit, k, parts)
 
 
-def _mma_tile(k: int, dual: bool, unit: int, parts: int = 1) -> Tile:
-    """The tensor-core GEMV's pages: an MMA's 16 rows by as many columns as
-    fit (1024, or 512 each of gate and up), one bulk copy per row."""
-    k_chunk = PAGE_ELEMS // (MMA_ROWS * (2 if dual else 1))
-    return Tile(k, MMA_ROWS, dual, unit, min(k_chunk, k), parts)
+def _mma_tile(k: int, dual: bool, unit: int, cap: int | None = None,
+              parts: int = 1) -> Tile:  # fmt: skip
+    """The tensor-core GEMV's pages: a row group of 64 rows (32 of each of
+    gate and up; at most ``cap``) by a 256-column k chunk."""
+    rows = group_rows(dual)
+    return Tile(k, rows if cap is None else min(rows, cap), dual, unit,
+                min(K_CHUNK, k), parts)  # fmt: skip
 
 
 def geometry(s: KernelShape) -> dict[Op, Tile]:
@@ -122,14 +130,6 @@ def geometry(s: KernelShape) -> dict[Op, Tile]:
     time, so its pages divide a head (or a block)."""
     d, parts = s.head_dim, s.qkv_parts
     unit = d // parts
-    if s.mma_gemv:
-        return {
-            Op.QKV: _mma_tile(s.hidden, False, unit, parts),
-            Op.O_PROJ: _mma_tile(s.q_size, False, 1),
-            Op.GATE_UP: _mma_tile(s.hidden, True, 1),
-            Op.DOWN: _mma_tile(s.intermediate, False, 1),
-            Op.LM_HEAD: _mma_tile(s.hidden, False, 1),
-        }
     rows = {
         Op.QKV: (s.hidden, False, unit, unit // 2 if parts > 1 else d, parts),
         Op.O_PROJ: (s.q_size, False, 1, None, 1),
@@ -137,6 +137,8 @@ def geometry(s: KernelShape) -> dict[Op, Tile]:
         Op.DOWN: (s.intermediate, False, 1, None, 1),
         Op.LM_HEAD: (s.hidden, False, 1, None, 1),
     }
+    if s.mma_gemv:  # k chunks: every row fits
+        return {op: _mma_tile(*t) for op, t in rows.items()}
     # A row (pair) wider than a page: that opcode reads global memory.
     return {op: _row_tile(*t) for op, t in rows.items() if fits_page(t[0], t[1])}
 
@@ -164,10 +166,11 @@ def pipe_slots(free_bytes: int) -> int:
 
 
 def red_elems(shape: KernelShape) -> int:
-    """fp32 scratch where warps' partial sums meet: the tensor-core GEMV's,
-    or [2 page parities, warps, 2 matrices, batch] for split rows."""
+    """fp32 scratch where warps' partial sums meet: the tensor-core GEMV's
+    (its staged activations too), or [2 page parities, warps, 2 matrices,
+    batch] for split rows."""
     if shape.mma_gemv:
-        return red_floats(shape.batch)
+        return scratch_floats(shape.batch)
     return 2 * NUM_WARPS * 2 * shape.batch
 
 
@@ -218,14 +221,14 @@ class Pipe:
             smem.allocate_tensor(Int64, cute.make_layout(slots), 8),
             smem.allocate_tensor(Int64, cute.make_layout(slots), 8),
             smem.allocate_tensor(Int32, cute.make_layout(STATE_WORDS), 16),
-            smem.allocate_tensor(Float32, cute.make_layout(red_elems(shape)), 16),
+            smem.allocate_tensor(Float32, cute.make_layout(red_elems(shape)), 128),
             **kernel_args,
         )
 
     def page(self, slot, rows: int, k: int, second: bool = False) -> cute.Tensor:
         """Slot ``slot`` as a [rows, k] matrix; ``second``: the up half
         (``rows`` and ``k``: the tile's ``per_page`` and ``k_chunk``)."""
-        offset = slot * PAGE_ELEMS + (rows * k if second else 0)
+        offset = slot * PAGE_ELEMS + page_index(int(second), 0, 0, rows, k)
         return cute.make_tensor(
             self.pages.iterator + offset, cute.make_layout((rows, k), stride=(k, 1))
         )
@@ -305,7 +308,7 @@ def _issue_rows(p: cutlass.Constexpr, slot, t: cutlass.Constexpr, base: Int64, l
             cute.arch.mbarrier_arrive_and_expect_tx(p.full.iterator + slot, total)
             _copy(p, slot, 0, base + Int64(row) * row_bytes, nbytes)
             if cutlass.const_expr(tile.dual):
-                _copy(p, slot, tile.per_page * tile.k,
+                _copy(p, slot, page_index(1, 0, 0, tile.per_page, tile.k),
                       second + Int64(row) * row_bytes, nbytes)  # fmt: skip
     else:
         block, kc = kp // tile.k_pages, kp % tile.k_pages
@@ -324,10 +327,11 @@ def _issue_rows(p: cutlass.Constexpr, slot, t: cutlass.Constexpr, base: Int64, l
                 if cutlass.const_expr(tile.dual):
                     prefetch_l2(second + src, nbytes)
             else:
-                _copy(p, slot, r * tile.k_chunk, base + src, nbytes)
+                _copy(p, slot, page_index(0, r, 0, tile.per_page, tile.k_chunk),
+                      base + src, nbytes)  # fmt: skip
                 if cutlass.const_expr(tile.dual):
-                    _copy(p, slot, (tile.per_page + r) * tile.k_chunk, second + src,
-                          nbytes)  # fmt: skip
+                    _copy(p, slot, page_index(1, r, 0, tile.per_page, tile.k_chunk),
+                          second + src, nbytes)  # fmt: skip
 
 
 @cute.jit
