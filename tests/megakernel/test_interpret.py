@@ -55,7 +55,7 @@ def test_interleavings_agree_bitwise_and_match_reference(arch, dtype, batch):
     program = plan(spec, batch, device, with_lm_head=True)
 
     outs, logits, caches = [], [], []
-    for seed in range(4):
+    for seed in range(3):
         inputs = random_decode_inputs(spec, batch, seed=7)
         interp = ProgramInterpreter(program, weights, seed=seed)
         outs.append(interp.step(inputs))

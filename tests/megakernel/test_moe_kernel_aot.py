@@ -277,8 +277,9 @@ def test_moe_table_round_trips_through_the_standin(arch):
         assert row[LayerSlot.SHARED_DOWN] != 0 and row[LayerSlot.CORRECTION_BIAS] != 0
 
 
-@pytest.mark.parametrize("slot", [LayerSlot.ROUTER, LayerSlot.W2, LayerSlot.XACT],
-                         ids=lambda s: s.name)  # fmt: skip
+# (A weight, W2, and a buffer, XACT; the router's weight is a weight too.
+# CI time.)
+@pytest.mark.parametrize("slot", [LayerSlot.W2, LayerSlot.XACT], ids=lambda s: s.name)
 def test_a_swapped_table_entry_fails(slot):
     """Mixtral's two sparse layers with one of their table entries swapped
     (a weight, or a buffer): the step or a layer's buffer is wrong."""

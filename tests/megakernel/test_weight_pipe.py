@@ -23,6 +23,7 @@ way it is written there.
 """
 
 import dataclasses
+import functools
 import random
 
 import pytest
@@ -118,7 +119,9 @@ def consumer_pages(s: KernelShape, op: Op, lo: int, hi: int) -> list[tuple]:
     return out
 
 
+@functools.cache
 def real_shape(config: str, batch: int, split: bool = False):
+    """(Cached: the page and replay tests share the real programs.)"""
     spec = spec_or_exit("test", config, "bfloat16", batch)
     parts = qkv_parts_to_fill(spec, DEVICES["h200"].num_sms) if split else 1
     program = plan(spec, batch, DEVICES["h200"], with_lm_head=True, qkv_parts=parts)
@@ -132,11 +135,10 @@ def real_shape(config: str, batch: int, split: bool = False):
 
 # Tiles and pages depend on the batch only through the GEMV it selects (the
 # ring's size aside): batch 1 for the rows, 16 for the tensor cores. (QKV
-# head parts: the Llama shapes, whose heads have no QK-norm.)
-CASES = [(c, b, False) for c in ("llama-3.2-1b", "llama-3.1-8b", "qwen3-8b")
-         for b in (1, 16)] + [
-        (c, b, True) for c in ("llama-3.2-1b", "llama-3.1-8b")
-         for b in (1, 16)]  # fmt: skip
+# head parts: the 1B shape, whose heads have no QK-norm. Qwen3-8B's pages
+# are Llama-3.1-8B's: the same widths; CI time.)
+CASES = [(c, b, False) for c in ("llama-3.2-1b", "llama-3.1-8b")
+         for b in (1, 16)] + [("llama-3.2-1b", b, True) for b in (1, 16)]  # fmt: skip
 
 
 @pytest.mark.parametrize("config, batch, split", CASES)
