@@ -9,10 +9,8 @@ arithmetic: test_gemv_mma_mapping.py; its pages: test_weight_pipe.py."""
 import dataclasses
 
 import pytest
-from test_kernel_aot import ROLES_BUDGET, check_sass
+from test_kernel_aot import ROLES_BUDGET, check_sass, real_shape
 
-from vllm_ext.megakernel.build import spec_or_exit
-from vllm_ext.megakernel.cost import DEVICES
 from vllm_ext.megakernel.isa import Op
 from vllm_ext.megakernel.kernel.aot import build
 from vllm_ext.megakernel.kernel.ops.gemv_mma import N_BLOCK, n_pad
@@ -23,17 +21,6 @@ from vllm_ext.megakernel.kernel.persistent import (
     ring_slots,
     shared_bytes,
 )
-from vllm_ext.megakernel.kernel.shape import KernelShape
-from vllm_ext.megakernel.planner import plan
-
-
-def real_shape(config: str, batch: int, **flags) -> KernelShape:
-    # (Two layers: the kernel does not depend on the count; planning is
-    # faster.)
-    spec = spec_or_exit("test", config, "bfloat16", batch)
-    program = plan(spec.with_layers(2), batch, DEVICES["h200"], with_lm_head=True)
-    return KernelShape.from_program(program, 16, **flags)
-
 
 # The smallest bucket on Hopper, 8B's batch 16 on Blackwell, and the
 # largest accumulators and scratch (8B at batch 64, 3 ring slots) on Hopper.
