@@ -33,7 +33,7 @@ from vllm_ext.megakernel.cost import DEVICES
 from vllm_ext.megakernel.interpret import head_part_dims
 from vllm_ext.megakernel.isa import Op
 from vllm_ext.megakernel.kernel.control import QUEUE_SLOTS
-from vllm_ext.megakernel.kernel.ops.common import NUM_WARPS
+from vllm_ext.megakernel.kernel.ops.common import NUM_WARPS, stages_input
 from vllm_ext.megakernel.kernel.ops.gemv_mma import (
     GROUP_ROWS,
     K_CHUNK,
@@ -127,9 +127,9 @@ def real_shape(config: str, batch: int, split: bool = False):
     program = plan(spec, batch, DEVICES["h200"], with_lm_head=True, qkv_parts=parts)
     shape = KernelShape.from_program(program, 16)
     assert shape.qkv_parts == (2 if split else 1)
-    # Batch 1: the CUDA-core GEMV's pages of whole rows; above: the tensor
-    # cores' row groups by k chunks.
-    assert shape.mma_gemv == (batch > 1)
+    # Batch 1 and mixtures: the CUDA-core GEMV's pages of whole rows; above
+    # (dense): the tensor cores' row groups by k chunks.
+    assert shape.mma_gemv == (batch > 1 and not shape.moe)
     return program, shape
 
 
@@ -439,10 +439,15 @@ def test_the_replay_catches_a_deadlock():
 
 
 def test_ring_fits_beside_the_rest_of_shared_memory():
-    # 1B at batch 16 stages its normed input (64 KiB): fewer slots than at
-    # batch 1, still at least three; the legacy control has none.
+    # On tensor cores 1B at batch 16 stages a page's k chunk, not its whole
+    # normed input (64 KiB): as many slots as at batch 1. The mixture's
+    # CUDA-core rows at batch 16 stage it (as wide a hidden): at least three
+    # slots. The legacy control has none.
     _, small = real_shape("llama-3.2-1b", 1)
-    _, staged = real_shape("llama-3.2-1b", 16)
-    assert ring_slots(small) > ring_slots(staged) >= MIN_SLOTS
-    assert shared_bytes(small) <= SMEM_LIMIT and shared_bytes(staged) <= SMEM_LIMIT
+    _, mma = real_shape("llama-3.2-1b", 16)
+    _, rows = real_shape("qwen3-30b-a3b", 16)
+    assert mma.mma_gemv and not stages_input(mma)
+    assert not rows.mma_gemv and stages_input(rows)
+    assert ring_slots(small) == ring_slots(mma) > ring_slots(rows) >= MIN_SLOTS
+    assert all(shared_bytes(s) <= SMEM_LIMIT for s in (small, mma, rows))
     assert not ring_slots(dataclasses.replace(small, legacy_control=True))

@@ -91,8 +91,10 @@ STAGE_BYTES = 64 * 1024
 
 
 def stages_input(shape) -> bool:
-    """Whether the normed input of QKV / GATE_UP fits the staging buffer."""
-    return shape.batch * shape.hidden * 2 <= STAGE_BYTES
+    """Whether QKV / GATE_UP stage their whole normed input: when it fits
+    the staging buffer, and not on tensor cores, which norm and stage each
+    page's k chunk themselves (gemv_mma.stage_chunk)."""
+    return not shape.mma_gemv and shape.batch * shape.hidden * 2 <= STAGE_BYTES
 
 
 @cute.jit
