@@ -235,6 +235,7 @@ class TinyProgram:
         self.order = ((0, 0), (1, 0), (1, 1))
         self._bytes = {topk: (0, topk_bytes), up: (routed, 0), qkv: (paged, 0)}
         self._routed = {up: routed}
+        self.shared_slot = None
 
     def cost(self, instr):
         from vllm_ext.megakernel.cost import Cost
@@ -285,6 +286,72 @@ def test_routed_rows_start_after_the_routing_and_share_the_bandwidth():
     # SM's share for 4 us: they arrive at 24 us, not 20.
     pred = predict(TinyProgram(TINY, topk_bytes=10_000, routed=4_000, paged=20_000))
     assert pred.sm_finish_s[1] == pytest.approx(24.5e-6)
+
+
+class TinyDown(TinyProgram):
+    """TinyProgram with SM 1 running, after its routed EXPERT_UP (4 us of
+    rows), the layer's EXPERT_DOWN (3 us of rows) waiting for it; with
+    ``between``, an instruction of no bytes between the two."""
+
+    def __init__(self, device, between: bool):
+        from vllm_ext.megakernel.isa import Instruction
+
+        super().__init__(device, topk_bytes=0, routed=4_000, paged=0)
+        up = self.queues[1][0]
+        down = Instruction(Op.EXPERT_DOWN, 0, 0, 16, 1, 1, signal_counter=2)
+        other = Instruction(Op.ROUTE, 1, 0, 16)
+        sm1 = (up, other, down) if between else (up, down)
+        self.queues = (self.queues[0], sm1)
+        self.order = ((0, 0), *((1, i) for i in range(len(sm1))))
+        self._bytes |= {down: (3_000, 0), other: (0, 0)}
+        self._routed[down] = 3_000
+
+
+def test_expert_down_rows_stream_behind_the_expert_up_rows():
+    """TOPK ends at 0.5 us; EXPERT_UP's rows stream from 1.5 to 5.5 and it
+    runs to 6.0. The EXPERT_DOWN right after it had its rows hinted with
+    them: in at 8.5, so it runs from 8.5 to 9.0, not from its own wait
+    (7.0) plus its 3 us of rows. Another instruction between the two: the
+    rows start at the EXPERT_DOWN's publish, 7.0, and it ends at 10.5."""
+    from vllm_ext.megakernel.cost import predict
+
+    assert predict(TinyDown(TINY, between=False)).sm_finish_s[1] == pytest.approx(
+        9.0e-6
+    )
+    assert predict(TinyDown(TINY, between=True)).sm_finish_s[1] == pytest.approx(
+        10.5e-6
+    )
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_expert_down_tiles_follow_a_routed_expert_up(batch):
+    """Every EXPERT_DOWN tile comes right after a routed EXPERT_UP of its
+    layer (or another such EXPERT_DOWN) in its SM's queue: the controller
+    hints its rows once TOPK has run. The layer's routed bytes per SM that
+    runs its routed tiles (a step's) stay within one tile of each other's.
+    (Qwen3-30B-A3B's real shape on all of an H200's SMs.)"""
+    from vllm_ext.megakernel.build import spec_or_exit
+
+    device = DEVICES["h200"]
+    program = plan(spec_or_exit("test", "qwen3-30b-a3b", "bfloat16", batch), batch,
+                   device)  # fmt: skip
+    routed = {}
+    for sm, q in enumerate(program.queues):
+        for k, i in enumerate(q):
+            if i.op == Op.EXPERT_DOWN:
+                before = q[k - 1]
+                assert before.layer == i.layer and (
+                    before.op == Op.EXPERT_DOWN
+                    or (before.op == Op.EXPERT_UP and before.arg0 < program.num_slots)
+                )
+            if program.routed_weight_bytes(i):
+                key = (i.layer, sm)
+                routed[key] = routed.get(key, 0) + program.step_cost(i).weight_bytes
+    tile = max(program.step_cost(i).weight_bytes for q in program.queues for i in q
+               if program.routed_weight_bytes(i))  # fmt: skip
+    for layer in {k[0] for k in routed}:
+        sizes = [b for (at, _), b in routed.items() if at == layer]
+        assert max(sizes) - min(sizes) <= tile
 
 
 def test_routed_rows_delay_only_the_stream_in_flight():

@@ -17,8 +17,11 @@ A design tool, not a claim. Its assumptions, all here:
   it (it hints them into L2 then): its wait met, the instructions before
   it published, its ring slot free (instruction k - ``QUEUE_SLOTS``
   ended). A routed EXPERT_UP's wait is met ``dependency_latency_s`` after
-  the layer's TOPK ends; an EXPERT_DOWN's only after every EXPERT_UP of
-  the layer has signalled, so its rows start then. The hints are capped
+  the layer's TOPK ends. The EXPERT_DOWN tiles of its layer right after
+  it in the queue (the planner puts them there) have their rows hinted
+  with its own (an empty slot's too), so they stream behind them; another
+  EXPERT_DOWN's start at its own publish, once every EXPERT_UP of the
+  layer has signalled. The hints are capped
   (ops/prefetch.py's PREFETCH_BYTES per matrix, expert_down.py's
   PREFETCH_SLOTS) and the op loads the rest itself when it runs; the
   model streams all of them from the publish, as if the SM were idle
@@ -170,8 +173,10 @@ def predict(
     need = {i.wait_counter: i.wait_count for q in queues for i in q}
     signallers = _signallers(queues)
     signals: dict[int, list[float]] = {}
+    latest: dict[int, float] = {}  # max(signals[c]), kept as they come
     blocked: dict[int, list[int]] = {}
     pos = [0] * len(queues)
+    hinted: list[dict[int, float]] = [{} for _ in queues]  # routed rows in
     finish = [0.0] * len(queues)
     heap: list[tuple[float, int]] = []
 
@@ -185,16 +190,20 @@ def predict(
             if len(got) < need[instr.wait_counter]:
                 blocked.setdefault(instr.wait_counter, []).append(sm)
                 return
-            ready = max(got) + device.dependency_latency_s
+            ready = latest[instr.wait_counter] + device.dependency_latency_s
         k = pos[sm]
         slot_free = ends[sm][k - QUEUE_SLOTS] if k >= QUEUE_SLOTS else 0.0
         published[sm] = max(published[sm], ready, slot_free)
         weights_in = load_done[sm][k]
-        if routed[sm][k]:
-            rs, dt = max(published[sm], routed_free[sm]), routed[sm][k] / bw
-            routed_free[sm] = rs + dt
-            _yield_stream(load_done[sm], cum_bytes[sm], k, rs, dt, bw)
-            weights_in = max(load_done[sm][k], rs + dt)
+        if k in hinted[sm]:  # (rows hinted with the instruction before)
+            weights_in = max(weights_in, hinted[sm].pop(k))
+        elif routed[sm][k] or _routed_up(program, instr):
+            for j in (k, *_hinted_with(queues[sm], k)):
+                rs, dt = max(published[sm], routed_free[sm]), routed[sm][j] / bw
+                routed_free[sm] = rs + dt
+                _yield_stream(load_done[sm], cum_bytes[sm], k, rs, dt, bw)
+                hinted[sm][j] = rs + dt
+            weights_in = max(load_done[sm][k], hinted[sm].pop(k))
         heapq.heappush(heap, (max(finish[sm], ready, weights_in), sm))
 
     for sm in range(len(queues)):
@@ -207,7 +216,7 @@ def predict(
         c = instr.signal_counter
         if instr.tail != NO_COUNTER and len(signals.get(c, [])) + 1 == signallers[c]:
             # (Started in time order, so an earlier chunk may end later.)
-            end = max([end, *signals.get(c, [])]) + device.dependency_latency_s
+            end = max(end, latest.get(c, end)) + device.dependency_latency_s
             end += _tail_s(program, instr, device)
             ended.append((instr.tail, end))
         _stall_stream(load_done[sm], cum_bytes[sm], pos[sm], end, window, bw)
@@ -220,6 +229,7 @@ def predict(
                 continue
             got = signals.setdefault(counter, [])
             got.append(at)
+            latest[counter] = max(latest.get(counter, at), at)
             if len(got) == need.get(counter):
                 for waiter in blocked.pop(counter, []):
                     schedule(waiter)
@@ -272,6 +282,30 @@ def _stall_stream(done, cum, executed, now, window, bw) -> None:
         if t == done[k]:
             break
         done[k] = t
+
+
+def _routed_up(program, instr) -> bool:
+    """A routed expert's EXPERT_UP tile (its slot filled or not)."""
+    from vllm_ext.megakernel.isa import Op
+
+    return instr.op == Op.EXPERT_UP and instr.arg0 != program.shared_slot
+
+
+def _hinted_with(queue, k: int) -> range:
+    """The instructions whose routed rows the controller hints with
+    instruction k's: after a routed EXPERT_UP, the EXPERT_DOWN tiles of its
+    layer that follow it (kernel/control.py); TOPK's output gives both."""
+    from vllm_ext.megakernel.isa import Op
+
+    end = k + 1
+    if queue[k].op == Op.EXPERT_UP:
+        while (
+            end < len(queue)
+            and queue[end].op == Op.EXPERT_DOWN
+            and queue[end].layer == queue[k].layer
+        ):
+            end += 1
+    return range(k + 1, end)
 
 
 def _routed_step_bytes(program, instr, step_cost: Cost) -> int:

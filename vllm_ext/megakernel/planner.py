@@ -530,11 +530,24 @@ def plan(
     queues: list[list[Instruction]] = [[] for _ in range(n_sm)]
     load = [0] * n_sm
     order = []
+    # A sparse layer's routed bytes per SM (a step's, expected): its
+    # EXPERT_DOWN tiles go to SMs that run a routed EXPERT_UP of the layer,
+    # the least loaded first, so that the controller hints their rows with
+    # that EXPERT_UP's once TOPK has run (kernel/control.py).
+    routed: dict[int, int] = {}
+    routed_layer = -1
     for op, layer, tiles, (wait_c, wait_n), signal, tail in phases:
         for a0, a1 in tiles:
             instr = Instruction(op, layer, a0, a1, wait_c, wait_n, signal, tail)
             cost = program.cost(instr)
-            sm = min(range(n_sm), key=load.__getitem__)
+            if op == Op.EXPERT_DOWN and routed_layer == layer:
+                sm = min(routed, key=lambda i: (routed[i], load[i]))
+            else:
+                sm = min(range(n_sm), key=load.__getitem__)
+            if program.routed_weight_bytes(instr):
+                if routed_layer != layer:
+                    routed, routed_layer = {}, layer
+                routed[sm] = routed.get(sm, 0) + program.step_cost(instr).weight_bytes
             load[sm] += cost.weight_bytes + cost.other_bytes
             order.append((sm, len(queues[sm])))
             queues[sm].append(instr)

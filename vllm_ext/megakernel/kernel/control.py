@@ -117,6 +117,7 @@ def controller(s: cutlass.Constexpr, r: cutlass.Constexpr, q: cutlass.Constexpr,
     published once its inputs are ready. ``paged``: the kernel has a weight
     ring (whose producer streams the paged instructions' weights)."""
     ins = cute.make_rmem_tensor((WORDS,), Int32)
+    hinted = Int32(0)  # the routed rows of instructions below it are hinted
     for pc in cutlass.range(length):
         slot = pc % QUEUE_SLOTS
         if pc >= QUEUE_SLOTS:
@@ -134,26 +135,47 @@ def controller(s: cutlass.Constexpr, r: cutlass.Constexpr, q: cutlass.Constexpr,
         else:
             prefetch_weights(s, ptrs, glob, ins[0], ins[1], ins[2], ins[3])
         wait_inputs(s, counters, ins, epoch, q.sm, pc, max_spins)
-        prefetch_routed(s, ptrs, ins[0], ins[1], ins[2], ins[3])
+        hinted = prefetch_routed(s, q, ptrs, ins, pc, length, hinted)
         # Release at CTA scope: the words above and (through the acquire in
         # wait_inputs) the producers' stores, to the consumers' wait.
         cute.arch.mbarrier_arrive(r.ready.iterator + slot)
 
 
 @cute.jit
-def prefetch_routed(s: cutlass.Constexpr, ptrs: cute.Tensor, op, layer, a0, a1):
+def prefetch_routed(s: cutlass.Constexpr, q: cutlass.Constexpr, ptrs: cute.Tensor,
+                    ins: cute.Tensor, pc, length, hinted):  # fmt: skip
     """The control's thread, right after ``wait_inputs`` met the wait of
-    instruction (op, layer, a0, a1): a routed EXPERT_UP's or EXPERT_DOWN's
-    expert rows into L2. Their addresses are TOPK's output, read here after
-    the acquire load that met the wait (on TOPK's counter, or EXPERT_UP's,
-    whose signal TOPK's happens before), never earlier: so they are this
-    step's, and they stream while the consumers finish the instructions
-    before this one."""
+    instruction ``pc``: a routed EXPERT_UP's or EXPERT_DOWN's expert rows
+    into L2, unless hinted already (``pc < hinted``); after a routed
+    EXPERT_UP, the rows of the EXPERT_DOWN tiles of its layer that follow
+    it in the queue too (planner.py puts them there), so that they stream
+    right behind its own instead of once every EXPERT_UP has signalled.
+    The rows' addresses are TOPK's output, read here after the acquire load
+    that met the wait (on TOPK's counter, or EXPERT_UP's, whose signal
+    TOPK's happens before), never earlier: so they are this step's, and
+    they stream while the consumers finish the instructions before this
+    one. Returns the new ``hinted``."""
     if cutlass.const_expr(s.moe):
-        if op == Op.EXPERT_UP:
-            prefetch_routed_up(s, ptrs, layer, a0, a1)
-        elif op == Op.EXPERT_DOWN:
-            prefetch_routed_down(s, ptrs, layer, a0, a1)
+        op, layer = ins[0], ins[1]
+        if pc >= hinted:
+            if op == Op.EXPERT_UP:
+                prefetch_routed_up(s, ptrs, layer, ins[2], ins[3])
+            elif op == Op.EXPERT_DOWN:
+                prefetch_routed_down(s, ptrs, layer, ins[2], ins[3])
+        if op == Op.EXPERT_UP and ins[2] < s.num_slots:
+            nxt = pc + 1
+            more = Int32(1)
+            while more != 0:
+                more = Int32(0)
+                if nxt < length:
+                    if q.queue[q.sm, nxt, 0] == Int32(Op.EXPERT_DOWN):
+                        if q.queue[q.sm, nxt, 1] == layer:
+                            prefetch_routed_down(s, ptrs, layer, q.queue[q.sm, nxt, 2],
+                                                 q.queue[q.sm, nxt, 3])  # fmt: skip
+                            nxt = nxt + 1
+                            more = Int32(1)
+            hinted = nxt
+    return hinted
 
 
 @cute.jit
