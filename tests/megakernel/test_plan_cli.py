@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """`python -m vllm_ext.megakernel.plan`: the command people run."""
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -8,16 +10,29 @@ import sys
 import pytest
 
 from vllm_ext import configs
+from vllm_ext.megakernel.plan import main
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
+def command(*args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "vllm_ext.megakernel.plan", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
 
+def run(*args: str) -> subprocess.CompletedProcess:
+    """The command's ``main`` in this process, its output captured (CI time:
+    its imports once; test_json_summary runs the command itself)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:
+            code = e.code
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 def test_json_summary():
     # (--interleavings: test_program_variants_verify_and_interpret; CI time.)
-    result = run(
+    result = command(
         "--config", str(configs.path("qwen2.5-0.5b")), "--batch", "4",
         "--arch", "sm_90a", "--json",
     )  # fmt: skip

@@ -31,6 +31,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+import numpy as np
+
 from vllm_ext.megakernel.isa import NO_COUNTER, Instruction, Op, unpack_cols
 
 
@@ -311,20 +313,41 @@ def _check_data(program, queues, schedule, hb) -> None:
                     f"written twice: SM {k0[0]} #{k0[1]} and SM {k1[0]} #{k1[1]}"
                 )
 
+    # The spans of a buffer are disjoint (checked above), so sorted by lo
+    # they are sorted by hi too: a read's writers are a contiguous run. As
+    # arrays, with each writer's place in the schedule, so that a read's
+    # run is checked at once (DeepSeek-V3: 7 M reader-writer pairs).
+    table = {
+        name: tuple(np.array(col, dtype=np.int64) for col in zip(*(
+            (lo, hi, index[w]) for lo, hi, w in spans), strict=True))
+        for name, spans in writers.items()
+    }  # fmt: skip
+    none = (np.zeros(0, np.int64),) * 3
+    width = (len(schedule) + 7) // 8
+    known_key = None
     for region, key in reads:
-        spans = writers.get((region.buffer, region.layer), [])
-        covered = 0
-        for lo, hi, writer in spans:
-            if hi <= region.lo or lo >= region.hi:
-                continue
-            covered += min(hi, region.hi) - max(lo, region.lo)
-            if writer != key and not hb[key] >> index[writer] & 1:
-                instr, w_instr = queues[key[0]][key[1]], queues[writer[0]][writer[1]]
-                raise VerificationError(
-                    f"SM {key[0]} #{key[1]} {instr} reads {region.buffer}"
-                    f"[layer {region.layer}] before SM {writer[0]} #{writer[1]} "
-                    f"{w_instr} is known to have written it"
-                )
+        if key != known_key:
+            # What happens before the reader, as bytes (and the reader itself).
+            known = np.frombuffer(
+                (hb[key] | 1 << index[key]).to_bytes(width, "little"), np.uint8
+            )
+            known_key = key
+        los, his, who = table.get((region.buffer, region.layer), none)
+        a = int(np.searchsorted(his, region.lo, side="right"))
+        b = int(np.searchsorted(los, region.hi, side="left"))
+        covered = int(
+            (np.minimum(his[a:b], region.hi) - np.maximum(los[a:b], region.lo)).sum()
+        )
+        run = who[a:b]
+        late = np.flatnonzero((known[run >> 3] >> (run & 7) & 1) == 0)
+        if late.size:
+            writer = schedule[who[a + late[0]]]
+            instr, w_instr = queues[key[0]][key[1]], queues[writer[0]][writer[1]]
+            raise VerificationError(
+                f"SM {key[0]} #{key[1]} {instr} reads {region.buffer}"
+                f"[layer {region.layer}] before SM {writer[0]} #{writer[1]} "
+                f"{w_instr} is known to have written it"
+            )
         if covered != region.hi - region.lo:
             raise VerificationError(
                 f"SM {key[0]} #{key[1]} reads {region.buffer}[layer "
