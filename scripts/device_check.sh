@@ -93,7 +93,7 @@ rm -rf "$BUNDLE"
 mkdir -p "$BUNDLE"
 cd "$ROOT"
 
-build_case() {  # MODEL BATCH OUT [build flags]
+build_one() {  # MODEL BATCH OUT [build flags]
     local model=$1 batch=$2 out=$3
     shift 3
     "$VENV/bin/python" -m vllm_ext.megakernel.build --config "$model" \
@@ -101,6 +101,23 @@ build_case() {  # MODEL BATCH OUT [build flags]
     # Only the library, the program and the manifest travel.
     rm -rf "$out/dump" "$out"/*.o "$out"/*.h
     mv "$out.json" "$out/build.json"
+}
+# Builds run in the background, DEVICE_CHECK_JOBS at a time (each is one
+# single-threaded compile); the steps between them run beside them.
+JOBS=${DEVICE_CHECK_JOBS:-$(nproc)}
+builds=()
+build_case() {  # MODEL BATCH OUT [build flags]
+    while (($(jobs -rp | wc -l) >= JOBS)); do wait -n || true; done
+    build_one "$@" &
+    builds+=($!)
+}
+wait_builds() {  # (a reaped job's status is still known to wait PID)
+    local pid failed=0
+    for pid in "${builds[@]}"; do wait "$pid" || failed=1; done
+    if ((failed)); then
+        echo "device_check: a build failed (its error is above)" >&2
+        exit 1
+    fi
 }
 
 for model in $MODELS; do
@@ -168,6 +185,7 @@ done
 if [[ ${DEVICE_CHECK_FLASHINFER:-1} == 1 ]]; then
     "$VENV/bin/python" "$ROOT/scripts/baseline/build_flashinfer.py" "$BUNDLE" >/dev/null
 fi
+wait_builds
 # shellcheck disable=SC2086  # the cases are words
 # "first": the case the GPU side runs first, with the trap and sanitizers on
 # its kernel: the planted bugs' correct twin.

@@ -113,6 +113,23 @@ def test_dry_run_builds_a_small_bundle():
     assert size < 60 << 20
 
 
+def test_a_failed_build_fails_the_dry_run():
+    """The builds run in the background: one that fails still stops the
+    script, with a message."""
+    env = {**os.environ, "DEVICE_CHECK_MODELS": "no-such-model",
+           "DEVICE_CHECK_BATCHES": "1", "DEVICE_CHECK_FLASHINFER": "0",
+           "DEVICE_CHECK_VARIANTS": "", "DEVICE_CHECK_PLANTED": "",
+           "DEVICE_CHECK_COVERAGE": "", "DEVICE_CHECK_MOE": "",
+           "DEVICE_CHECK_MLA": ""}  # fmt: skip
+    proc = subprocess.run(
+        [str(ROOT / "scripts" / "device_check.sh"), "--dry-run"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert "no such config: no-such-model" in proc.stderr
+    assert "a build failed" in proc.stderr
+
+
 @pytest.fixture
 def harness(request, tmp_path, monkeypatch):
     """device_run on CPU: a tiny Qwen3-shaped case, the kernel replaced by

@@ -13,7 +13,6 @@ import ctypes
 import dataclasses
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -352,13 +351,10 @@ def test_mla_timing_times_a_per_op_step_of_the_same_function(harness, monkeypatc
 
 
 @pytest.fixture(scope="module")
-def mla_library(tmp_path_factory) -> Path:
+def mla_library(baseline_builds) -> Path:
     """FlashInfer's MLA decode built as device_check.sh builds it (~30 s;
     FlashInfer's own headers warn about unused variables: not asserted)."""
-    out = tmp_path_factory.mktemp("flashinfer_mla")
-    script = ROOT / "scripts" / "baseline" / "build_flashinfer_mla.py"
-    proc = subprocess.run([sys.executable, str(script), str(out)],
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    proc, out = baseline_builds.result("build_flashinfer_mla.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out / load_script("scripts/baseline/flashinfer_mla.py").LIBRARY
 

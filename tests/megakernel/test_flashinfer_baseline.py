@@ -8,7 +8,6 @@ bind and report errors as CUDA error codes."""
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -223,13 +222,8 @@ def test_no_library_no_baseline(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def library(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("flashinfer")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "baseline" / "build_flashinfer.py"),
-         str(out)],
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+def library(baseline_builds) -> Path:
+    proc, out = baseline_builds.result("build_flashinfer.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     # nvcc's warnings ("file(line): warning #..."), not pip's about its
     # index locations.

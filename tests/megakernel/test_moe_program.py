@@ -354,6 +354,28 @@ def test_expert_down_tiles_follow_a_routed_expert_up(batch):
         assert max(sizes) - min(sizes) <= tile
 
 
+@pytest.mark.parametrize("batch, tiles", [(1, 16), (4, 4), (16, 8)])
+def test_expert_tiles_spread_the_filled_slots(batch, tiles):
+    """Qwen3-30B-A3B on an H200: each routed slot's EXPERT_UP in ``tiles``
+    column tiles (planner.expert_split): one per SM at batch 1; at batch 16
+    (82 of 128 slots filled) eighths of an expert, so that the busiest SM's
+    filled EXPERT_UP rows stay within a quarter of the average (with a
+    whole expert per tile, 1.6 times it)."""
+    from vllm_ext.megakernel.build import spec_or_exit
+
+    device = DEVICES["h200"]
+    program = plan(spec_or_exit("test", "qwen3-30b-a3b", "bfloat16", batch), batch,
+                   device)  # fmt: skip
+    layer = program.spec.num_layers - 1
+    up = [(sm, i) for sm, q in enumerate(program.queues) for i in q
+          if i.op == Op.EXPERT_UP and i.layer == layer]  # fmt: skip
+    assert sum(1 for _, i in up if i.arg0 == 0) == tiles
+    rows = [0] * device.num_sms
+    for sm, i in up:
+        rows[sm] += program.step_cost(i).weight_bytes
+    assert max(rows) <= 1.25 * sum(rows) / len(rows)
+
+
 def test_routed_rows_delay_only_the_stream_in_flight():
     """cost._yield_stream: loads of 1 s each (10 bytes/s); routed rows over
     [1.5, 3.5) push back the load in flight and what follows it back to

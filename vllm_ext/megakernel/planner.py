@@ -120,11 +120,7 @@ class Program:
     def expected_experts(self) -> float:
         """Distinct experts a sparse layer reads per step, expected under
         uniform routing (each request picks top_k distinct experts)."""
-        moe = self.spec.moe
-        if moe is None:
-            return 0.0
-        e, k = moe.num_experts, moe.top_k
-        return e * (1 - (1 - k / e) ** self.batch)
+        return expected_experts(self.spec, self.batch)
 
     def in_global_order(self) -> Iterator[tuple[int, int, Instruction]]:
         for sm, idx in self.order:
@@ -137,9 +133,7 @@ class Program:
     def occupied_slots(self) -> int:
         """Expert slots a step fills, as the cost model assumes: the
         expected distinct experts, rounded (0 without a mixture)."""
-        if self.spec.moe is None:
-            return 0
-        return min(self.num_slots, max(1, round(self.expected_experts)))
+        return occupied_slots(self.spec, self.batch)
 
     def step_cost(self, instr: Instruction) -> Cost:
         """``cost(instr)`` in a step that fills ``occupied_slots`` slots: an
@@ -347,6 +341,49 @@ def expert_slots(spec: ModelSpec, batch: int) -> int:
     return 0 if moe is None else min(batch * moe.top_k, moe.num_experts)
 
 
+def expected_experts(spec: ModelSpec, batch: int) -> float:
+    """Distinct experts a sparse layer reads per step, expected under
+    uniform routing (each request picks top_k distinct experts)."""
+    moe = spec.moe
+    if moe is None:
+        return 0.0
+    e, k = moe.num_experts, moe.top_k
+    return e * (1 - (1 - k / e) ** batch)
+
+
+def occupied_slots(spec: ModelSpec, batch: int) -> int:
+    """Expert slots a step fills, as the cost model assumes: the expected
+    distinct experts, rounded (0 without a mixture)."""
+    if spec.moe is None:
+        return 0
+    return min(expert_slots(spec, batch), max(1, round(expected_experts(spec, batch))))
+
+
+def expert_split(spec: ModelSpec, batch: int, device: Device) -> int:
+    """Column tiles per routed slot's EXPERT_UP: the count that minimizes
+    the busiest SM's share of a step's filled tiles (``occupied_slots``,
+    spread evenly), each tile's rows plus an instruction's overhead in
+    bytes. One tile per SM where the filled slots' tiles fit (batch 1:
+    Qwen3-30B-A3B 16 per slot, Mixtral 66);
+    at batch 16 of Qwen3-30B-A3B, 82 filled slots on 132 SMs, eighths of
+    an expert instead of whole ones (a whole expert's tile would make the
+    SMs that hold filled slots carry all of the layer's rows)."""
+    moe = spec.moe
+    assert moe is not None
+    units = math.ceil(moe.expert_intermediate / COL_MULTIPLE)
+    row = 2 * COL_MULTIPLE * spec.hidden_size * spec.dtype.itemsize  # gate, up
+    overhead = device.instruction_overhead_s * device.sm_bytes_per_s
+    filled, n_sm = occupied_slots(spec, batch), device.num_sms
+
+    def busiest(tiles: int) -> float:
+        largest = math.ceil(units / tiles) * row
+        return math.ceil(filled * tiles / n_sm) * (largest + overhead)
+
+    # Ties: more tiles, so that more SMs run one and can take the layer's
+    # EXPERT_DOWN tiles (Mixtral at batch 1: 66 per slot, one per SM).
+    return min(range(1, units + 1), key=lambda t: (busiest(t), -t))
+
+
 def qkv_parts_to_fill(spec: ModelSpec, num_sms: int) -> int:
     """The most parts per head that still leave QKV at most one tile per SM
     (1 where heads cannot be split: see ``_qkv_parts_error``)."""
@@ -470,6 +507,7 @@ def plan(
 
     h = spec.hidden_size
     moe, slots = spec.moe, expert_slots(spec, batch)
+    per_slot = expert_split(spec, batch, device) if moe is not None else 1
     small = split(h, max(1, h // 512), COL_MULTIPLE)  # embed / final norm
     chunks = max(1, min(max_attn_chunks, n_sm // spec.num_kv_heads))
     mla = spec.mla
@@ -486,7 +524,8 @@ def plan(
         o = phase(Op.O_PROJ, layer, gemv_tiles(h), combined, f"L{layer}.o_proj")
         if moe is not None and moe.sparse_layers[layer]:
             # The mixture: router logits over all SMs, one TOPK, then each
-            # slot's expert split over its share of the SMs.
+            # slot's expert split in column tiles (expert_split) that spread
+            # a step's filled slots over the SMs.
             r = phase(Op.ROUTE, layer, gemv_tiles(moe.num_experts), o,
                       f"L{layer}.route")  # fmt: skip
             # The shared expert needs no routing: its tiles wait for O_PROJ
@@ -500,7 +539,6 @@ def plan(
             ] if moe.shared_intermediate else []  # fmt: skip
             phases.append((Op.EXPERT_UP, layer, shared, o, up_c, NO_COUNTER))
             t = phase(Op.TOPK, layer, [(0, 0)], r, f"L{layer}.topk")
-            per_slot = max(1, n_sm // slots)
             routed = [
                 (slot, pack_cols(lo, hi))
                 for slot in range(slots)
