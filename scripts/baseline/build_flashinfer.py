@@ -13,9 +13,12 @@ extra; else $CUDA_HOME or a system CUDA 13 toolkit), into
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,9 +35,27 @@ PREFIXES = {
 CACHE = ROOT / ".cache" / "flashinfer"
 
 
+@contextlib.contextmanager
+def cache_lock() -> Iterator[None]:
+    """The cache, one process at a time: two builds may start together (the
+    test suite builds this library and the MLA one at once)."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 def fetch() -> tuple[Path, Path]:
     """(FlashInfer's include dir, CCCL's include dir), unpacked once."""
-    CACHE.mkdir(parents=True, exist_ok=True)
+    with cache_lock():
+        _fetch()
+    return (
+        CACHE / "flashinfer-python" / "flashinfer" / "data" / "include",
+        CACHE / "nvidia-cuda-cccl" / "nvidia" / "cu13" / "include" / "cccl",
+    )
+
+
+def _fetch() -> None:
     for name, version in WHEELS.items():
         stamp = CACHE / f"{name}-{version}.done"
         if stamp.exists():
@@ -52,10 +73,6 @@ def fetch() -> tuple[Path, Path]:
                 CACHE / name, [n for n in z.namelist() if n.startswith(PREFIXES[name])]
             )
         stamp.touch()
-    return (
-        CACHE / "flashinfer-python" / "flashinfer" / "data" / "include",
-        CACHE / "nvidia-cuda-cccl" / "nvidia" / "cu13" / "include" / "cccl",
-    )
 
 
 def compile_library(source: Path, library: Path, includes: tuple = ()) -> None:

@@ -18,7 +18,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from build_flashinfer import CACHE, WHEELS, compile_library, fetch  # noqa: E402
+from build_flashinfer import (  # noqa: E402
+    CACHE,
+    WHEELS,
+    cache_lock,
+    compile_library,
+    fetch,
+)
 from flashinfer_mla import LIBRARY  # noqa: E402
 
 CUTLASS_PREFIX = "flashinfer/data/cutlass/include/"
@@ -29,12 +35,13 @@ def cutlass_headers() -> Path:
     version = WHEELS["flashinfer-python"]
     stamp = CACHE / f"cutlass-{version}.done"
     root = CACHE / "cutlass-headers"
-    if not stamp.exists():
-        wheel = next((CACHE / "wheels").glob(f"flashinfer_python-{version}-*.whl"))
-        with zipfile.ZipFile(wheel) as z:
-            names = [n for n in z.namelist() if n.startswith(CUTLASS_PREFIX)]
-            z.extractall(root, names)
-        stamp.touch()
+    with cache_lock():
+        if not stamp.exists():
+            wheel = next((CACHE / "wheels").glob(f"flashinfer_python-{version}-*.whl"))
+            with zipfile.ZipFile(wheel) as z:
+                names = [n for n in z.namelist() if n.startswith(CUTLASS_PREFIX)]
+                z.extractall(root, names)
+            stamp.touch()
     return root / CUTLASS_PREFIX
 
 
