@@ -172,8 +172,9 @@ def predict(
     # the start of the instruction that signalled them).
     need = {i.wait_counter: i.wait_count for q in queues for i in q}
     signallers = _signallers(queues)
-    signals: dict[int, list[float]] = {}
-    latest: dict[int, float] = {}  # max(signals[c]), kept as they come
+    # Per counter: the signals so far, and when the latest arrived.
+    signals: dict[int, int] = {}
+    latest: dict[int, float] = {}
     blocked: dict[int, list[int]] = {}
     pos = [0] * len(queues)
     hinted: list[dict[int, float]] = [{} for _ in queues]  # routed rows in
@@ -186,8 +187,7 @@ def predict(
         instr = queues[sm][pos[sm]]
         ready = 0.0
         if instr.wait_counter != NO_COUNTER:
-            got = signals.get(instr.wait_counter, [])
-            if len(got) < need[instr.wait_counter]:
+            if signals.get(instr.wait_counter, 0) < need[instr.wait_counter]:
                 blocked.setdefault(instr.wait_counter, []).append(sm)
                 return
             ready = latest[instr.wait_counter] + device.dependency_latency_s
@@ -214,7 +214,7 @@ def predict(
         end = start + device.instruction_overhead_s + cost.other_bytes / bw
         ended = [(instr.signal_counter, end)]
         c = instr.signal_counter
-        if instr.tail != NO_COUNTER and len(signals.get(c, [])) + 1 == signallers[c]:
+        if instr.tail != NO_COUNTER and signals.get(c, 0) + 1 == signallers[c]:
             # (Started in time order, so an earlier chunk may end later.)
             end = max(end, latest.get(c, end)) + device.dependency_latency_s
             end += _tail_s(program, instr, device)
@@ -227,10 +227,9 @@ def predict(
         for counter, at in ended:
             if counter == NO_COUNTER:
                 continue
-            got = signals.setdefault(counter, [])
-            got.append(at)
+            signals[counter] = signals.get(counter, 0) + 1
             latest[counter] = max(latest.get(counter, at), at)
-            if len(got) == need.get(counter):
+            if signals[counter] == need.get(counter):
                 for waiter in blocked.pop(counter, []):
                     schedule(waiter)
     if any(p != len(q) for p, q in zip(pos, queues, strict=True)):

@@ -364,10 +364,10 @@ def expert_split(spec: ModelSpec, batch: int, device: Device) -> int:
     the busiest SM's share of a step's filled tiles (``occupied_slots``,
     spread evenly), each tile's rows plus an instruction's overhead in
     bytes. One tile per SM where the filled slots' tiles fit (batch 1:
-    Qwen3-30B-A3B 16 per slot, Mixtral 66);
-    at batch 16 of Qwen3-30B-A3B, 82 filled slots on 132 SMs, eighths of
-    an expert instead of whole ones (a whole expert's tile would make the
-    SMs that hold filled slots carry all of the layer's rows)."""
+    Qwen3-30B-A3B 16 per slot, Mixtral 66); at batch 16 of Qwen3-30B-A3B,
+    82 filled slots on 132 SMs, eighths of an expert instead of whole ones
+    (a whole expert's tile would make the SMs that hold filled slots carry
+    all of the layer's rows)."""
     moe = spec.moe
     assert moe is not None
     units = math.ceil(moe.expert_intermediate / COL_MULTIPLE)
