@@ -13,6 +13,7 @@ series can be applied with ``git am`` (scripts/apply_patches.py --tree).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import os
 import re
@@ -67,15 +68,21 @@ def source_tree(dest: Path) -> Path:
     """The pristine v0.32.0 tree as a git repo with one base commit."""
     dest.mkdir(parents=True, exist_ok=True)
     tree = dest / f"vllm-{VERSION}"
-    if (tree / ".git").exists():
-        return tree
+    # One maker at a time: parallel test workers ask for the tree at once.
+    with open(dest / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (tree / ".git").exists():
+            _make_tree(dest, tree)
+    return tree
+
+
+def _make_tree(dest: Path, tree: Path) -> None:
     archive = download(dest)
     with tarfile.open(archive) as tar:
         tar.extractall(dest, filter="data")
     git = ["git", "-c", "user.name=vllm-megakernel", "-c", "user.email=ci@localhost"]
     for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", f"vLLM v{VERSION}"]):
         subprocess.run(git + cmd, cwd=tree, check=True, stdout=subprocess.DEVNULL)
-    return tree
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import fcntl
 import inspect
 import json
 from dataclasses import dataclass, field
@@ -249,9 +250,6 @@ def build_model(
 
     Idempotent: a directory that already holds this model is left alone.
     """
-    import torch
-    import transformers
-
     if arch not in DEMO_ARCHS:
         raise ValueError(
             f"unknown demo architecture {arch!r}; choose one of {sorted(DEMO_ARCHS)}"
@@ -266,8 +264,22 @@ def build_model(
         meta["vocab_size"] = vocab_size
     if stamp.exists() and json.loads(stamp.read_text()) == meta:
         return out
-
     out.mkdir(parents=True, exist_ok=True)
+    # One writer at a time: parallel test workers ask for the same models.
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (stamp.exists() and json.loads(stamp.read_text()) == meta):
+            _write_model(arch, out, seed, vocab_size)
+            # Whole or absent to readers that do not take the lock.
+            stamp.with_suffix(".tmp").write_text(json.dumps(meta))
+            stamp.with_suffix(".tmp").replace(stamp)
+    return out
+
+
+def _write_model(arch: str, out: Path, seed: int, vocab_size: int) -> None:
+    import torch
+    import transformers
+
     config = hf_config(arch, vocab_size)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
@@ -283,8 +295,6 @@ def build_model(
                 b.normal_(0.0, 0.05)
     model.save_pretrained(out)
     build_tokenizer(out, vocab_size)
-    stamp.write_text(json.dumps(meta))
-    return out
 
 
 def main() -> None:
