@@ -40,6 +40,14 @@ from vllm_ext.megakernel.cost import DEVICES
 from vllm_ext.megakernel.interpret import ProgramInterpreter, pad_inputs
 from vllm_ext.megakernel.kernel.aot import BuildResult, build
 from vllm_ext.megakernel.kernel.launcher import KernelExecutor
+from vllm_ext.megakernel.kernel.ops.weight_pipe import MIN_SLOTS
+from vllm_ext.megakernel.kernel.persistent import (
+    SMEM_LIMIT,
+    mla_buffers,
+    mla_union_parts,
+    ring_slots,
+    shared_bytes,
+)
 from vllm_ext.megakernel.kernel.shape import (
     MLA_SLOTS,
     KernelShape,
@@ -104,6 +112,18 @@ def test_real_shapes_compile_clean(builds, case):
     assert re.search(r"\bMUFU\.EX2\b", sass) and re.search(r"\bSHFL\.BFLY\b", sass)
     if case[3] == 2 and case[0] == "kimi-k2":  # the sparse layer's TOPK too
         assert re.search(r"\bVOTE\.ANY\b", sass) and re.search(r"\bPOPC\b", sass)
+
+
+@pytest.mark.parametrize("batch", [16, 64])
+def test_latent_attention_leaves_the_weight_ring_room(batch):
+    # No grouped-query scratch in a latent attention kernel, and MLA_COMBINE's
+    # latent rows laid over MLA_Q's buffers: DeepSeek-V3 at batch 64 keeps a
+    # ring (it had none), at 16 a fourth page (it had three).
+    shape = real_shape("deepseek-v3", batch)
+    assert ring_slots(shape) >= (MIN_SLOTS if batch == 64 else MIN_SLOTS + 1)
+    assert shared_bytes(shape) <= SMEM_LIMIT
+    q_part, combine_part = mla_union_parts(shape)
+    assert mla_buffers(shape)[1] < sum(q_part) + sum(combine_part)  # shared
 
 
 @pytest.mark.parametrize("model", ["deepseek-v3", "kimi-k2"])

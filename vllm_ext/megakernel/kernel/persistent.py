@@ -24,7 +24,8 @@ variants (``variants.py``) are ``KernelShape`` flags, compiled out when
 off. So is the mixture of experts (ROUTE, TOPK, EXPERT_UP, EXPERT_DOWN and
 their shared scratch): compiled in only for a shape with one; and so is the
 multi-head latent attention (MLA_QKV_A, MLA_Q, MLA_APPEND, MLA_ATTN,
-MLA_COMBINE and their scratch).
+MLA_COMBINE and their scratch), in place of QKV, ATTN and COMBINE and
+theirs.
 """
 
 import dataclasses
@@ -112,11 +113,8 @@ def _buffers(s: KernelShape) -> list[int]:
     """The CTA's shared buffers but the weight pipeline's, in bytes."""
     return [
         4 * s.batch,  # rstd
-        4 * s.batch * s.head_dim,  # head_buf
-        4 * s.batch,  # head_rstd
         2 * (s.batch * s.hidden if stages_input(s) else VEC),  # x_stage
-        2 * 4 * NUM_WARPS * s.group,  # warp_m, warp_l
-        4 * NUM_WARPS * s.group * s.head_dim,  # warp_o
+        *gqa_buffers(s),
         *([] if s.legacy_control else ring_bytes()),
         4 if s.fused_combine else 0,  # tail flag
         4 * moe_words(s),  # the mixture's int32 scratch
@@ -131,20 +129,44 @@ def mla_stage_shape(s: KernelShape) -> tuple[int, int]:
     return (s.batch, q_input_width(s)) if stages_q_input(s) else (1, VEC)
 
 
+def gqa_buffers(s: KernelShape) -> list[int]:
+    """Grouped-query attention's shared buffers, in bytes: QKV's head_buf
+    and head_rstd, ATTN's warp_m, warp_l and warp_o. None in a latent
+    attention kernel, which has no QKV, ATTN or COMBINE."""
+    if s.mla:
+        return []
+    return [
+        4 * s.batch * s.head_dim,  # head_buf
+        4 * s.batch,  # head_rstd
+        2 * 4 * NUM_WARPS * s.group,  # warp_m, warp_l
+        4 * NUM_WARPS * s.group * s.head_dim,  # warp_o
+    ]
+
+
+def mla_red_floats(s: KernelShape) -> int:
+    """The fp32 scratch of W_UK's partial sums (MLA_Q), MLA_COMBINE's chunk
+    weights too."""
+    return max(wuk_scratch_floats(), s.batch * (s.attn_chunks + 1))
+
+
+def mla_union_parts(s: KernelShape) -> tuple[list[int], list[int]]:
+    """The two users of one shared region, in bytes: MLA_Q's staged input
+    and a head's q in fp32; MLA_COMBINE's merged latent rows. One
+    instruction runs at a time (the consumers meet between two), so they
+    never live together."""
+    rows, cols = mla_stage_shape(s)
+    return [2 * rows * cols, 4 * s.batch * s.qk_head_dim], [
+        2 * s.batch * s.kv_lora_rank
+    ]
+
+
 def mla_buffers(s: KernelShape) -> list[int]:
     """The latent attention's shared buffers, in bytes (none in a kernel
-    without one): MLA_Q's staged input, a head's q in fp32, the fp32
-    scratch of W_UK's partial sums (MLA_COMBINE's chunk weights too), and
-    MLA_COMBINE's merged latent rows."""
+    without one): the scratch of ``mla_red_floats``, then the region of
+    ``mla_union_parts``."""
     if not s.mla:
         return []
-    rows, cols = mla_stage_shape(s)
-    return [
-        2 * rows * cols,
-        4 * s.batch * s.qk_head_dim,
-        4 * max(wuk_scratch_floats(), s.batch * (s.attn_chunks + 1)),
-        2 * s.batch * s.kv_lora_rank,
-    ]
+    return [4 * mla_red_floats(s), max(map(_padded, mla_union_parts(s)))]
 
 
 def moe_words(s: KernelShape) -> int:
@@ -250,28 +272,33 @@ class Megakernel:
 
         smem = SmemAllocator()
         rstd = smem.allocate_tensor(Float32, cute.make_layout(s.batch), 16)
-        head_buf = smem.allocate_tensor(
-            Float32, cute.make_layout((s.batch, s.head_dim), stride=(s.head_dim, 1)), 16
-        )
-        head_rstd = smem.allocate_tensor(Float32, cute.make_layout(s.batch), 16)
         stage = (s.batch, s.hidden) if stages_input(s) else (1, VEC)
         x_stage = smem.allocate_tensor(
             BFloat16, cute.make_layout(stage, stride=(stage[1], 1)), 16
         )
-        warp_m = smem.allocate_tensor(
-            Float32, cute.make_layout((NUM_WARPS, s.group), stride=(s.group, 1)), 16
-        )
-        warp_l = smem.allocate_tensor(
-            Float32, cute.make_layout((NUM_WARPS, s.group), stride=(s.group, 1)), 16
-        )
-        warp_o = smem.allocate_tensor(
-            Float32,
-            cute.make_layout(
-                (NUM_WARPS, s.group, s.head_dim),
-                stride=(s.group * s.head_dim, s.head_dim, 1),
-            ),
-            16,
-        )
+        # Grouped-query attention's scratch (not in a latent attention kernel).
+        head_buf = head_rstd = warp_m = warp_l = warp_o = None
+        if cutlass.const_expr(not s.mla):
+            head_buf = smem.allocate_tensor(
+                Float32,
+                cute.make_layout((s.batch, s.head_dim), stride=(s.head_dim, 1)),
+                16,
+            )
+            head_rstd = smem.allocate_tensor(Float32, cute.make_layout(s.batch), 16)
+            warp_m = smem.allocate_tensor(
+                Float32, cute.make_layout((NUM_WARPS, s.group), stride=(s.group, 1)), 16
+            )
+            warp_l = smem.allocate_tensor(
+                Float32, cute.make_layout((NUM_WARPS, s.group), stride=(s.group, 1)), 16
+            )
+            warp_o = smem.allocate_tensor(
+                Float32,
+                cute.make_layout(
+                    (NUM_WARPS, s.group, s.head_dim),
+                    stride=(s.group * s.head_dim, s.head_dim, 1),
+                ),
+                16,
+            )
 
         # The mixture's scratch (only in a kernel with one).
         moe_i = moe_f = None
@@ -284,26 +311,27 @@ class Megakernel:
         # The latent attention's scratch (only in a kernel with one).
         mla_x = mla_qb = mla_red = mla_lat = None
         if cutlass.const_expr(s.mla):
-            rows, cols = mla_stage_shape(s)
-            mla_x = smem.allocate_tensor(
-                BFloat16, cute.make_layout((rows, cols), stride=(cols, 1)), 16
-            )
-            mla_qb = smem.allocate_tensor(
-                Float32,
-                cute.make_layout((s.batch, s.qk_head_dim), stride=(s.qk_head_dim, 1)),
-                16,
-            )
             mla_red = smem.allocate_tensor(
-                Float32,
-                cute.make_layout(
-                    max(wuk_scratch_floats(), s.batch * (s.attn_chunks + 1))
-                ),
-                16,
+                Float32, cute.make_layout(mla_red_floats(s)), 16
             )
-            mla_lat = smem.allocate_tensor(
-                BFloat16,
+            # MLA_Q's two buffers and MLA_COMBINE's one share a region
+            # (mla_union_parts), each buffer at a 128-byte boundary.
+            (x_bytes, _), _ = mla_union_parts(s)
+            region = smem.allocate_tensor(
+                cutlass.Uint8, cute.make_layout(mla_buffers(s)[1]), 128
+            ).iterator
+            rows, cols = mla_stage_shape(s)
+            mla_x = cute.make_tensor(
+                cute.recast_ptr(region, dtype=BFloat16),
+                cute.make_layout((rows, cols), stride=(cols, 1)),
+            )
+            mla_qb = cute.make_tensor(
+                cute.recast_ptr(region + _padded([x_bytes]), dtype=Float32),
+                cute.make_layout((s.batch, s.qk_head_dim), stride=(s.qk_head_dim, 1)),
+            )
+            mla_lat = cute.make_tensor(
+                cute.recast_ptr(region, dtype=BFloat16),
                 cute.make_layout((s.batch, s.kv_lora_rank), stride=(s.kv_lora_rank, 1)),
-                16,
             )
 
         # Thread 0 tells the consumers whether its ATTN completed the head.
@@ -451,20 +479,11 @@ def _execute(s: cutlass.Constexpr, op, layer, a0, a1, a: cutlass.Constexpr,
              m: cutlass.Constexpr, w_stage: cutlass.Constexpr, pc):  # fmt: skip
     """Instruction (op, layer, a0, a1) by the consumers."""
     ptrs, glob = a.ptrs, a.glob
-    if op == Op.QKV:
-        qkv(s, ptrs, layer, glob, a0, a1, a.kv_block_stride, m.rstd, m.head_buf,
-            m.head_rstd, m.x_stage, w_stage)  # fmt: skip
-    elif op == Op.ATTN:
-        if cutlass.const_expr(s.wide_attn):
-            attn_wide(s, ptrs, layer, glob, a0, a1, a.kv_block_stride,
-                      a.block_table_stride, a.attn_scale, m.warp_m, m.warp_l,
-                      m.warp_o)  # fmt: skip
+    if (op == Op.QKV) | (op == Op.ATTN) | (op == Op.COMBINE):
+        if cutlass.const_expr(s.mla):
+            _bad_opcode(op, a.sm, pc)
         else:
-            attn(s, ptrs, layer, glob, a0, a1, a.kv_block_stride,
-                 a.block_table_stride, a.attn_scale, m.warp_m, m.warp_l,
-                 m.warp_o)  # fmt: skip
-    elif op == Op.COMBINE:
-        combine(s, ptrs, layer, a0)
+            _grouped_query_op(s, op, layer, a0, a1, a, m, w_stage)
     elif op == Op.O_PROJ:
         o_proj(s, ptrs, layer, a0, a1, m.rstd, w_stage)
     elif op == Op.GATE_UP:
@@ -497,6 +516,28 @@ def _execute(s: cutlass.Constexpr, op, layer, a0, a1, a: cutlass.Constexpr,
         else:
             _moe_op(s, ptrs, op, layer, glob, a0, a1, m.rstd, m.x_stage, m.moe_i,
                     m.moe_f, a.sm, pc)  # fmt: skip
+
+
+@cute.jit
+def _grouped_query_op(s: cutlass.Constexpr, op, layer, a0, a1, a: cutlass.Constexpr,
+                      m: cutlass.Constexpr, w_stage: cutlass.Constexpr):  # fmt: skip
+    """QKV, ATTN or COMBINE (grouped-query attention: compiled in only for a
+    shape without latent attention)."""
+    ptrs, glob = a.ptrs, a.glob
+    if op == Op.QKV:
+        qkv(s, ptrs, layer, glob, a0, a1, a.kv_block_stride, m.rstd, m.head_buf,
+            m.head_rstd, m.x_stage, w_stage)  # fmt: skip
+    elif op == Op.ATTN:
+        if cutlass.const_expr(s.wide_attn):
+            attn_wide(s, ptrs, layer, glob, a0, a1, a.kv_block_stride,
+                      a.block_table_stride, a.attn_scale, m.warp_m, m.warp_l,
+                      m.warp_o)  # fmt: skip
+        else:
+            attn(s, ptrs, layer, glob, a0, a1, a.kv_block_stride,
+                 a.block_table_stride, a.attn_scale, m.warp_m, m.warp_l,
+                 m.warp_o)  # fmt: skip
+    else:
+        combine(s, ptrs, layer, a0)
 
 
 @cute.jit

@@ -30,6 +30,14 @@ NEG_INF = float("-inf")
 MAX_BLOCKS = 1 << 20
 
 
+def chunk_span(n, chunk, chunks: int):
+    """Tokens [lo, hi) of chunk ``chunk`` of a sequence of length ``n``:
+    ``ceil(n / chunks)`` a chunk, clipped to n (trace time, dynamic values)."""
+    size = (n + chunks - 1) // chunks
+    lo = cutlass.min(chunk * size, n)
+    return lo, cutlass.min(lo + size, n)
+
+
 def attn_views(shape: KernelShape, ptrs: cute.Tensor, layer, glob, block_table_stride):
     """What ATTN reads and writes (every variant of it): q, the sequence
     lengths, the block table, the partial (o, lse) and this layer's cache."""
@@ -69,14 +77,7 @@ def attn(
     tidx, warp, lane = thread_ids()
 
     for i in cutlass.range(b):
-        n = seq_lens[i]
-        size = (n + chunks - 1) // chunks
-        t_lo = chunk * size
-        if t_lo > n:
-            t_lo = n
-        t_hi = t_lo + size
-        if t_hi > n:
-            t_hi = n
+        t_lo, t_hi = chunk_span(seq_lens[i], chunk, chunks)
         qf = cute.make_rmem_tensor((group, per_lane), Float32)
         for gi in cutlass.range_constexpr(group):
             qv = cute.zipped_divide(q[i, g * group + gi, None], (per_lane,))

@@ -24,7 +24,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from vllm_ext.megakernel.kernel.ops.attn import attn_views
+from vllm_ext.megakernel.kernel.ops.attn import attn_views, chunk_span
 from vllm_ext.megakernel.kernel.ops.common import (
     NUM_THREADS,
     NUM_WARPS,
@@ -100,10 +100,7 @@ def attn_wide(
         # Warps past reqs * warps (8 % reqs != 0) and rows past the batch
         # idle; whole warps, so the shuffles below stay uniform.
         if (slot < reqs) & (i < b):
-            n = seq_lens[i]
-            size = (n + chunks - 1) // chunks
-            t_lo = cutlass.min(chunk * size, n)
-            t_hi = cutlass.min(t_lo + size, n)
+            t_lo, t_hi = chunk_span(seq_lens[i], chunk, chunks)
             qf = cute.make_rmem_tensor((group, VEC), Float32)
             for gi in cutlass.range_constexpr(group):
                 v = load_f32(vectors(q[i, g * group + gi, None]), part)

@@ -21,7 +21,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
-from vllm_ext.megakernel.kernel.ops.attn import MAX_BLOCKS, NEG_INF
+from vllm_ext.megakernel.kernel.ops.attn import MAX_BLOCKS, NEG_INF, chunk_span
 from vllm_ext.megakernel.kernel.ops.common import (
     NUM_WARPS,
     VEC,
@@ -84,14 +84,7 @@ def _warp_heads(s: cutlass.Constexpr, ptrs, layer, glob, g, chunk, kv_block_stri
     _, warp, lane = thread_ids()
 
     for i in cutlass.range(b):
-        n = seq_lens[i]
-        size = (n + chunks - 1) // chunks
-        t_lo = chunk * size
-        if t_lo > n:
-            t_lo = n
-        t_hi = t_lo + size
-        if t_hi > n:
-            t_hi = n
+        t_lo, t_hi = chunk_span(seq_lens[i], chunk, chunks)
         qf = cute.make_rmem_tensor((hpw, r), Float32)
         qp = cute.make_rmem_tensor((hpw, VEC), Float32)
         qp.fill(0.0)
