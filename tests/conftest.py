@@ -1,7 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
+import fcntl
+import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -31,40 +34,45 @@ def demo_model():
 class BaselineBuilds:
     """FlashInfer's paged decode and MLA decode libraries, built as
     scripts/device_check.sh builds them (scripts/baseline/), both started
-    at the first use (CI time: ~35 s of nvcc each, one core each)."""
+    at the first use (CI time: ~35 s of nvcc each, one core each), once per
+    test run: the first worker to ask builds into ``root``, the others wait
+    on its lock and take its result."""
 
     SCRIPTS = ("build_flashinfer.py", "build_flashinfer_mla.py")
 
-    def __init__(self, tmp_path_factory: pytest.TempPathFactory):
-        self._started = {}
-        for name in self.SCRIPTS:
-            out = tmp_path_factory.mktemp(name.removesuffix(".py"))
-            cmd = [sys.executable, str(ROOT / "scripts" / "baseline" / name), str(out)]
-            proc = subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
-            self._started[name] = (proc, out)
-        self._done: dict[str, tuple[subprocess.CompletedProcess, Path]] = {}
+    def __init__(self, root: Path):
+        self._pool = ThreadPoolExecutor(max_workers=len(self.SCRIPTS))
+        self._runs = {
+            name: self._pool.submit(self._build, name, root) for name in self.SCRIPTS
+        }
+
+    @staticmethod
+    def _build(name: str, root: Path) -> tuple[subprocess.CompletedProcess, Path]:
+        out = root / name.removesuffix(".py")
+        record = root / f"{out.name}.json"
+        with open(root / f"{out.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not record.exists():
+                cmd = [sys.executable, str(ROOT / "scripts" / "baseline" / name),
+                       str(out)]  # fmt: skip
+                run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+                record.write_text(json.dumps([cmd, run.returncode, run.stdout,
+                                              run.stderr]))  # fmt: skip
+        return subprocess.CompletedProcess(*json.loads(record.read_text())), out
 
     def result(self, name: str) -> tuple[subprocess.CompletedProcess, Path]:
         """The script's finished run and its output folder."""
-        if name not in self._done:
-            proc, out = self._started[name]
-            stdout, stderr = proc.communicate(timeout=900)
-            done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout,
-                                               stderr)  # fmt: skip
-            self._done[name] = done, out
-        return self._done[name]
+        return self._runs[name].result()
 
     def close(self) -> None:
-        for proc, _ in self._started.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        self._pool.shutdown(cancel_futures=True)
 
 
 @pytest.fixture(scope="session")
 def baseline_builds(tmp_path_factory):
-    builds = BaselineBuilds(tmp_path_factory)
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # (the run's, shared by its workers)
+    builds = BaselineBuilds(root)
     yield builds
     builds.close()
