@@ -6,7 +6,8 @@ ahead of time here (no GPU) and judged from its SASS as CI judges its fixed
 subset (tests/megakernel/test_kernel_aot.py): zero spills, no local load
 outside a failing wait's printf, one CTA-wide barrier (start-up), the
 register split (two ``setmaxnreg``), the release signal. Prints a Markdown
-table for docs/perf.md; exits 1 if any build fails or breaks a rule.
+table for docs/perf.md (with the bulk-copy and ``HMMA`` sites: the weight
+ring and the tensor-core GEMV); exits 1 if any build fails or breaks a rule.
 
     .venv/bin/python scripts/compile_grid.py [--batches 1,4,16,64]
         [--archs sm_90a,sm_100a] [--configs llama-3.2-1b,...] [--jobs 2]
@@ -67,9 +68,10 @@ def main() -> int:
             for a in args.archs.split(",")]  # fmt: skip
     failed = 0
     print("| model | batch | arch | registers used | spills | local loads "
-          "outside printf | CTA barriers | setmaxnreg | bulk copies | compile s "
-          "| verdict |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "outside printf | CTA barriers | setmaxnreg | bulk copies | HMMA "
+          "| compile s | verdict |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
+          "| --- |")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
         jobs = [
             pool.submit(build, c, b, a, Path(tmp) / f"{c}-b{b}-{a}") for c, b, a in grid
@@ -78,13 +80,15 @@ def main() -> int:
             r = job.result()
             if "error" in r:
                 failed += 1
-                print(f"| {c} | {b} | {a} | | | | | | | | build failed: {r['error']} |")
+                print(f"| {c} | {b} | {a} | | | | | | | | | build failed: "
+                      f"{r['error']} |")  # fmt: skip
                 continue
             broken = rules(r)
             failed += bool(broken)
             print(f"| {c} | {b} | {a} | {r['max_register']} | {r['spill_bytes']} "
                   f"| {r['hot_local_loads']} | {r['cta_barriers']} "
-                  f"| {r['setmaxnreg']} | {r['bulk_copies']} | {r['compile_s']} "
+                  f"| {r['setmaxnreg']} | {r['bulk_copies']} | {r['mma_ops']} "
+                  f"| {r['compile_s']} "
                   f"| {'; '.join(broken) or 'ok'} |", flush=True)  # fmt: skip
     print(f"\n{len(grid) - failed} of {len(grid)} builds clean", file=sys.stderr)
     return 1 if failed else 0

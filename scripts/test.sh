@@ -22,11 +22,9 @@ echo "[test] lint"
 
 echo "[test] project tests"
 # A worker per core, at most 4 (each holds a vLLM engine at a time); a module
-# to a worker, so its fixtures (AOT builds, engines) are made once; the
-# heaviest modules first (tests/conftest.py), in the order collected.
+# to a worker, so its fixtures (AOT builds, engines) are made once.
 WORKERS=$(( $(nproc) < 4 ? $(nproc) : 4 ))
-(cd "$ROOT" && "$PY" -m pytest -n "$WORKERS" --dist loadscope \
-    --no-loadscope-reorder tests "$@")
+(cd "$ROOT" && "$PY" -m pytest -n "$WORKERS" --dist loadscope tests "$@")
 
 echo "[test] vLLM's harness: the tests the series adds to vLLM's tests/"
 "$ROOT/scripts/vllm_harness.sh" "$@"

@@ -20,19 +20,6 @@ MODEL_CACHE = Path(
 )
 
 
-def pytest_collection_modifyitems(items):
-    """The heaviest modules first (``heavy(seconds)``: a module's rough time
-    on two cores; unmarked: short). scripts/test.sh's workers take whole
-    modules in this order (``--no-loadscope-reorder``), so a run does not
-    end on one long module while the other workers idle."""
-
-    def seconds(item: pytest.Item) -> float:
-        mark = item.get_closest_marker("heavy")
-        return mark.args[0] if mark else 0
-
-    items.sort(key=seconds, reverse=True)  # (stable: modules stay whole)
-
-
 @pytest.fixture(scope="session")
 def demo_model():
     """Build (once) and return the directory of a tiny demo model."""

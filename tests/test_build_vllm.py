@@ -22,7 +22,7 @@ from tests.utils import base_commit
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "build_vllm.sh"
 
-pytestmark = [pytest.mark.timeout(900), pytest.mark.heavy(80)]
+pytestmark = pytest.mark.timeout(900)
 
 
 def _script_module(name: str):

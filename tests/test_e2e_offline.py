@@ -13,7 +13,7 @@ import torch
 
 from tests.utils import DEFAULT_RUNS, check_logprobs_close
 
-pytestmark = [pytest.mark.e2e, pytest.mark.heavy(400)]
+pytestmark = pytest.mark.e2e
 
 # Prompts of different lengths and outputs of different lengths: with the
 # MEGAKERNEL attention backend's 16-token blocks the sequences cross block

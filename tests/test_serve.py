@@ -18,7 +18,7 @@ import pytest
 
 from tests.test_e2e_offline import MAX_TOKENS, PROMPTS, _default
 
-pytestmark = [pytest.mark.e2e, pytest.mark.heavy(180)]
+pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT_S = 300
 

@@ -18,8 +18,6 @@ from vllm_ext.megakernel.kernel.shape import KernelShape
 from vllm_ext.megakernel.planner import plan
 from vllm_ext.model_spec import ModelSpec
 
-pytestmark = pytest.mark.heavy(70)
-
 BUILD_FIELDS = [f.name for f in dataclasses.fields(aot.BuildResult)]
 
 

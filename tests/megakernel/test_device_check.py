@@ -29,8 +29,6 @@ from vllm_ext.megakernel.planner import plan
 from vllm_ext.model_spec import ModelSpec
 from vllm_ext.testing import BLOCK_SIZE, random_weights
 
-pytestmark = pytest.mark.heavy(170)
-
 ROOT = Path(__file__).resolve().parents[2]
 
 

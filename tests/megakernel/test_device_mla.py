@@ -30,8 +30,6 @@ from vllm_ext.megakernel.planner import plan
 from vllm_ext.reference import ReferenceExecutor
 from vllm_ext.testing import BLOCK_SIZE, random_decode_inputs, random_weights
 
-pytestmark = pytest.mark.heavy(55)
-
 MLA_CHECKS = {"MLA_QKV_A", "MLA_Q", "MLA_Q_PE", "MLA_APPEND", "MLA_ATTN",
               "MLA_ATTN_LSE", "MLA_COMBINE", "O_PROJ", "GATE_UP", "DOWN", "ROUTE",
               "TOPK", "EXPERT_UP", "EXPERT_DOWN", "KV_STRAY", "GUARD", "INPUTS",

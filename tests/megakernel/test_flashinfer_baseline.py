@@ -16,8 +16,6 @@ import torch
 from tests.utils import load_script
 from vllm_ext.reference import decode_attention
 
-pytestmark = pytest.mark.heavy(60)
-
 ROOT = Path(__file__).resolve().parents[2]
 H200_SMS = 132
 BS = 16  # block (page) size, as vLLM's default

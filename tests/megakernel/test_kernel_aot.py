@@ -31,8 +31,6 @@ from vllm_ext.megakernel.kernel.shape import KernelShape, page_rows
 from vllm_ext.megakernel.planner import plan
 from vllm_ext.model_spec import ModelSpec
 
-pytestmark = pytest.mark.heavy(120)
-
 # One CTA per SM must fit the 64K-register file (a cooperative launch needs
 # every CTA resident): 255 registers per thread at 256 threads (legacy), 168
 # at 384 (the launch's grant; setmaxnreg then moves registers between the

@@ -61,8 +61,6 @@ from vllm_ext.megakernel.variants import KERNEL
 from vllm_ext.model_spec import ModelSpec
 from vllm_ext.testing import BLOCK_SIZE, random_decode_inputs, random_weights
 
-pytestmark = pytest.mark.heavy(110)
-
 H200 = DEVICES["h200"]
 SMALL = dataclasses.replace(H200, num_sms=16)
 

@@ -12,8 +12,6 @@ import pytest
 from vllm_ext import configs
 from vllm_ext.megakernel.plan import main
 
-pytestmark = pytest.mark.heavy(80)
-
 
 def command(*args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "vllm_ext.megakernel.plan", *args]

@@ -21,8 +21,6 @@ from vllm_ext.megakernel.planner import (
 from vllm_ext.megakernel.verify import verify
 from vllm_ext.model_spec import ModelSpec
 
-pytestmark = pytest.mark.heavy(80)
-
 REAL = ["llama-3.2-1b", "llama-3.1-8b", "qwen3-0.6b", "qwen3-8b", "mistral-7b-v0.3"]
 BUCKETS = batch_buckets(64)
 

@@ -25,8 +25,6 @@ from vllm_ext.megakernel.plan import spec_or_exit
 from vllm_ext.megakernel.planner import plan
 from vllm_ext.megakernel.variants import KERNEL, PROGRAM, Variants
 
-pytestmark = pytest.mark.heavy(60)
-
 CONFIG, BATCH = "llama-3.2-1b", 1
 
 
