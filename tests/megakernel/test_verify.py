@@ -106,6 +106,24 @@ def test_wait_on_the_wrong_phase_is_a_race(program):
         verify(bad)
 
 
+def test_read_before_its_writer_in_the_same_queue_is_a_race():
+    # One SM: GATE_UP, its wait dropped, moved ahead of the last O_PROJ of
+    # its layer. Counting and progress still hold; queue order alone says
+    # that the O_PROJ tile it reads has not run yet.
+    p = plan(SPEC, 1, dataclasses.replace(DEVICE, num_sms=1), with_lm_head=True)
+    verify(p)
+    (q,) = p.queues
+    gate_up = next(i for i, instr in enumerate(q) if instr.op == Op.GATE_UP)
+    last_o = max(
+        i for i, instr in enumerate(q[:gate_up]) if instr.op == Op.O_PROJ
+    )  # fmt: skip
+    moved = dataclasses.replace(q[gate_up], wait_counter=NO_COUNTER, wait_count=0)
+    rest = [instr for i, instr in enumerate(q) if i != gate_up]
+    bad = mutate(p, 0, [*rest[:last_o], moved, *rest[last_o:]])
+    with pytest.raises(VerificationError, match="reads hmid.*before SM 0"):
+        verify(bad)
+
+
 def test_double_write(program):
     where = find(program, Op.DOWN, 0)
     instr = program.queues[where[0]][where[1]]

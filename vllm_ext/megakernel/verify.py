@@ -28,6 +28,7 @@ instruction's.
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -164,8 +165,7 @@ def verify(program) -> Report:
     queues = program.queues + _tail_queues(program)
     _check_counting(program, queues)
     schedule = _simulate(queues)
-    hb = _happens_before(queues, schedule)
-    _check_data(program, queues, schedule, hb)
+    _check_data(program, queues, schedule, _Clocks(queues, schedule))
     return Report(
         num_sms=len(program.queues),
         num_instructions=sum(len(q) for q in program.queues),
@@ -268,30 +268,50 @@ def _simulate(queues) -> list[tuple[int, int]]:
     return schedule
 
 
-def _happens_before(queues, schedule) -> dict[tuple[int, int], int]:
-    """For each instruction, the set (a bitmask over ``schedule`` positions)
-    of instructions that must finish before it starts."""
-    index = {key: i for i, key in enumerate(schedule)}
-    closure_of_counter: dict[int, int] = defaultdict(int)
-    hb: dict[tuple[int, int], int] = {}
-    for sm, idx in schedule:
-        instr = queues[sm][idx]
-        before = 0
-        if idx > 0:
-            prev = (sm, idx - 1)
-            before = hb[prev] | (1 << index[prev])
-        if instr.wait_counter != NO_COUNTER:
-            # Counting (checked first) makes a met wait imply that every
-            # signaller finished; they all precede this in the schedule.
-            before |= closure_of_counter[instr.wait_counter]
-        hb[(sm, idx)] = before
-        if instr.signal_counter != NO_COUNTER:
-            closure_of_counter[instr.signal_counter] |= before | (1 << index[(sm, idx)])
-    return hb
+class _Clocks:
+    """Happens-before as vector clocks: for an instruction, how many of each
+    queue's instructions must finish before it starts. Such a set is closed
+    downwards along each queue (queue order is an edge), so one count per
+    queue holds it exactly; and a clock only grows at a wait, so a queue
+    keeps one clock per wait that teaches it something. (Bitmasks over the
+    schedule took N^2 bits: Kimi-K2 at batch 64, 790 k instructions, ran
+    out of memory.)"""
+
+    def __init__(self, queues, schedule) -> None:
+        n = len(queues)
+        empty = np.zeros(n, np.int64)
+        self._starts: list[list[int]] = [[0] for _ in queues]
+        self._clocks: list[list[np.ndarray]] = [[empty] for _ in queues]
+        of_counter: dict[int, np.ndarray] = {}
+        for sm, idx in schedule:
+            instr = queues[sm][idx]
+            now = self._clocks[sm][-1]
+            if instr.wait_counter != NO_COUNTER:
+                # Counting (checked first) makes a met wait imply that every
+                # signaller finished; they all precede this in the schedule.
+                signalled = of_counter[instr.wait_counter]
+                if (signalled > now).any():
+                    now = np.maximum(now, signalled)
+                    self._starts[sm].append(idx)
+                    self._clocks[sm].append(now)
+            if instr.signal_counter != NO_COUNTER:
+                known = of_counter.get(instr.signal_counter)
+                if known is None:
+                    known = of_counter[instr.signal_counter] = now.copy()
+                else:
+                    np.maximum(known, now, out=known)
+                known[sm] = max(known[sm], idx + 1)
+
+    def before(self, sm: int, idx: int) -> np.ndarray:
+        """Per queue, the count of its instructions known to finish before
+        (sm, idx) starts, counting (sm, idx) itself."""
+        seg = bisect.bisect_right(self._starts[sm], idx) - 1
+        clock = self._clocks[sm][seg].copy()
+        clock[sm] = idx + 1
+        return clock
 
 
-def _check_data(program, queues, schedule, hb) -> None:
-    index = {key: i for i, key in enumerate(schedule)}
+def _check_data(program, queues, schedule, clocks: _Clocks) -> None:
     writers: dict[tuple[str, int], list[tuple[int, int, tuple[int, int]]]] = (
         defaultdict(list)
     )
@@ -315,33 +335,28 @@ def _check_data(program, queues, schedule, hb) -> None:
 
     # The spans of a buffer are disjoint (checked above), so sorted by lo
     # they are sorted by hi too: a read's writers are a contiguous run. As
-    # arrays, with each writer's place in the schedule, so that a read's
+    # arrays, with each writer's queue and place in it, so that a read's
     # run is checked at once (DeepSeek-V3: 7 M reader-writer pairs).
     table = {
         name: tuple(np.array(col, dtype=np.int64) for col in zip(*(
-            (lo, hi, index[w]) for lo, hi, w in spans), strict=True))
+            (lo, hi, w[0], w[1]) for lo, hi, w in spans), strict=True))
         for name, spans in writers.items()
     }  # fmt: skip
-    none = (np.zeros(0, np.int64),) * 3
-    width = (len(schedule) + 7) // 8
+    none = (np.zeros(0, np.int64),) * 4
     known_key = None
     for region, key in reads:
         if key != known_key:
-            # What happens before the reader, as bytes (and the reader itself).
-            known = np.frombuffer(
-                (hb[key] | 1 << index[key]).to_bytes(width, "little"), np.uint8
-            )
+            known = clocks.before(*key)
             known_key = key
-        los, his, who = table.get((region.buffer, region.layer), none)
+        los, his, queue, place = table.get((region.buffer, region.layer), none)
         a = int(np.searchsorted(his, region.lo, side="right"))
         b = int(np.searchsorted(los, region.hi, side="left"))
         covered = int(
             (np.minimum(his[a:b], region.hi) - np.maximum(los[a:b], region.lo)).sum()
         )
-        run = who[a:b]
-        late = np.flatnonzero((known[run >> 3] >> (run & 7) & 1) == 0)
+        late = np.flatnonzero(place[a:b] >= known[queue[a:b]])
         if late.size:
-            writer = schedule[who[a + late[0]]]
+            writer = (int(queue[a + late[0]]), int(place[a + late[0]]))
             instr, w_instr = queues[key[0]][key[1]], queues[writer[0]][writer[1]]
             raise VerificationError(
                 f"SM {key[0]} #{key[1]} {instr} reads {region.buffer}"
