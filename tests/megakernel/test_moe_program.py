@@ -6,6 +6,8 @@ expert beside the routing; the cost model's routed rows (streamed from
 the routing on, beside an in-order stream that never waits for them)."""
 
 import dataclasses
+import itertools
+import random
 
 import pytest
 import torch
@@ -377,17 +379,73 @@ def test_expert_tiles_spread_the_filled_slots(batch, tiles):
 
 
 def test_routed_rows_delay_only_the_stream_in_flight():
-    """cost._yield_stream: loads of 1 s each (10 bytes/s); routed rows over
-    [1.5, 3.5) push back the load in flight and what follows it back to
+    """cost._Stream.yield_to: loads of 1 s each (10 bytes/s); routed rows
+    over [1.5, 3.5) push back the load in flight and what follows it back to
     back, but not a load the lookahead had already held back past 3.5."""
     from vllm_ext.megakernel import cost
 
-    done, cum = [1.0, 2.0, 3.0, 4.0], [10, 20, 30, 40]
-    cost._yield_stream(done, cum, 1, 1.5, 2.0, 10.0)
-    assert done == [1.0, 4.0, 5.0, 6.0]
-    done = [1.0, 2.0, 9.0, 10.0]
-    cost._yield_stream(done, cum, 1, 1.5, 2.0, 10.0)
-    assert done == [1.0, 4.0, 9.0, 10.0]
+    cum = [10, 20, 30, 40, 50]
+    s = cost._Stream(cum, 10.0)
+    s.yield_to(1, 1.5, 2.0)
+    assert [s.done(k) for k in range(1, 5)] == [4.0, 5.0, 6.0, 7.0]
+    s = cost._Stream(cum, 10.0)
+    s.stall(0, 8.0, 10)  # loads 2.. held back: 10 bytes of lookahead
+    assert [s.done(k) for k in range(1, 5)] == [2.0, 9.0, 10.0, 11.0]
+    s.yield_to(1, 1.5, 2.0)
+    assert [s.done(k) for k in range(1, 5)] == [4.0, 9.0, 10.0, 11.0]
+
+
+def test_the_stream_keeps_apart_only_the_loads_events_move():
+    """cost._Stream against the plain list it stands for (the model before
+    it: every load a number, each event walking the rest of the queue), on
+    random streams and events."""
+    from vllm_ext.megakernel import cost
+
+    def stall(done, cum, executed, now, window, bw):
+        consumed = cum[executed]
+        for k in range(executed + 1, len(done)):
+            excess = cum[k] - consumed - window
+            if excess <= 0:
+                continue  # within the window
+            t = max(done[k], now + excess / bw)
+            if k > executed + 1:
+                t = max(t, done[k - 1] + (cum[k] - cum[k - 1]) / bw)
+            if t == done[k]:
+                break
+            done[k] = t
+
+    def yield_to(done, cum, k, start, dt, bw):
+        free, prev = start + dt, None
+        for j in range(k, len(done)):
+            t = done[j]
+            if t > start:
+                b = (cum[j] - (cum[j - 1] if j > 0 else 0)) / bw
+                t = t + dt if t - b < start else max(t, free + b)
+                if prev is not None:
+                    t = max(t, prev + b)
+                if t == done[j]:
+                    break
+                done[j] = t
+            prev = t
+
+    rng = random.Random(0)
+    for _ in range(200):
+        n, bw, window = rng.randint(1, 40), 8.0, rng.choice((0, 16, 32, 64))
+        cum = list(itertools.accumulate(rng.choice((8, 16, 24)) for _ in range(n)))
+        plain, stream = [c / bw for c in cum], cost._Stream(cum, bw)
+        now = 0.0
+        for k in range(n):
+            assert stream.done(k) == pytest.approx(plain[k], rel=1e-12)
+            if rng.random() < 0.4:
+                start, dt = rng.uniform(0.0, now + 4.0), rng.choice((0.5, 2.0))
+                yield_to(plain, cum, k, start, dt, bw)
+                stream.yield_to(k, start, dt)
+                assert stream.done(k) == pytest.approx(plain[k], rel=1e-12)
+            now = max(now, plain[k]) + rng.choice((0.0, 0.1, 1.0, 4.0))
+            stall(plain, cum, k, now, window, bw)
+            stream.stall(k, now, window)
+            for j in range(k + 1, n):
+                assert stream.done(j) == pytest.approx(plain[j], rel=1e-12)
 
 
 @pytest.mark.parametrize("batch", [1, 3, 64])

@@ -53,6 +53,7 @@ measured figures side by side.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from dataclasses import dataclass
 
@@ -152,15 +153,13 @@ def predict(
     ]
     # When each instruction's in-order weights are in, per SM (the stream
     # never waits for a dependency).
-    load_done: list[list[float]] = []
-    cum_bytes: list[list[int]] = []
+    streams: list[_Stream] = []
     for sm_costs, sm_routed in zip(costs, routed, strict=True):
         total, cum = 0, []
         for c, r in zip(sm_costs, sm_routed, strict=True):
             total += c.weight_bytes - r
             cum.append(total)
-        cum_bytes.append(cum)
-        load_done.append([b / bw for b in cum])
+        streams.append(_Stream(cum, bw))
     # The controller: when it published each SM's last instruction, and
     # when that SM's routed stream is free; the SM's instruction ends.
     published = [0.0] * len(queues)
@@ -194,16 +193,16 @@ def predict(
         k = pos[sm]
         slot_free = ends[sm][k - QUEUE_SLOTS] if k >= QUEUE_SLOTS else 0.0
         published[sm] = max(published[sm], ready, slot_free)
-        weights_in = load_done[sm][k]
+        weights_in = streams[sm].done(k)
         if k in hinted[sm]:  # (rows hinted with the instruction before)
             weights_in = max(weights_in, hinted[sm].pop(k))
         elif routed[sm][k] or _routed_up(program, instr):
             for j in (k, *_hinted_with(queues[sm], k)):
                 rs, dt = max(published[sm], routed_free[sm]), routed[sm][j] / bw
                 routed_free[sm] = rs + dt
-                _yield_stream(load_done[sm], cum_bytes[sm], k, rs, dt, bw)
+                streams[sm].yield_to(k, rs, dt)
                 hinted[sm][j] = rs + dt
-            weights_in = max(load_done[sm][k], hinted[sm].pop(k))
+            weights_in = max(streams[sm].done(k), hinted[sm].pop(k))
         heapq.heappush(heap, (max(finish[sm], ready, weights_in), sm))
 
     for sm in range(len(queues)):
@@ -219,7 +218,7 @@ def predict(
             end = max(end, latest.get(c, end)) + device.dependency_latency_s
             end += _tail_s(program, instr, device)
             ended.append((instr.tail, end))
-        _stall_stream(load_done[sm], cum_bytes[sm], pos[sm], end, window, bw)
+        streams[sm].stall(pos[sm], end, window)
         finish[sm] = end
         ends[sm].append(end)
         pos[sm] += 1
@@ -265,22 +264,82 @@ def _tail_s(program, attn, device: Device) -> float:
     )
 
 
-def _stall_stream(done, cum, executed, now, window, bw) -> None:
-    """Instruction ``executed`` ends at ``now`` and frees its buffer: stream
-    bytes past ``window`` beyond everything consumed so far could not have
-    arrived before ``now``. Push the later load times back accordingly (the
-    stream is sequential, so each push carries to what follows)."""
-    consumed = cum[executed]
-    for k in range(executed + 1, len(done)):
-        t = done[k]
-        excess = cum[k] - consumed - window
-        if excess > 0:
-            t = max(t, now + excess / bw)
-        if k > executed + 1:
-            t = max(t, done[k - 1] + (cum[k] - cum[k - 1]) / bw)
-        if t == done[k]:
-            break
-        done[k] = t
+class _Stream:
+    """When each of one SM's in-order weight loads is in (``done(k)``).
+
+    The loads follow each other at the SM's bandwidth (``cum``: bytes up to
+    and including load k), so load k is in at ``lag(k) + cum[k] / bw``
+    where the lag never falls from one load to the next. Both events raise
+    the lag of a suffix of the queue to at least some value: a lookahead
+    stall the loads past the window, a routed transfer the load in flight
+    and those after it. So the lags are a step function, kept as its steps
+    (``starts``, ``lags``): an event costs the steps it merges, not the
+    rest of the queue (Kimi-K2 at batch 64 has 6,000 instructions a queue;
+    walking them per event made ``predict`` quadratic)."""
+
+    def __init__(self, cum: list[int], bw: float) -> None:
+        self.cum, self.bw = cum, bw
+        self.starts: list[int] = [0]
+        self.lags: list[float] = [0.0]
+
+    def _step(self, k: int) -> int:
+        return bisect.bisect_right(self.starts, k) - 1
+
+    def done(self, k: int) -> float:
+        return self.lags[self._step(k)] + self.cum[k] / self.bw
+
+    def _raise_from(self, k: int, lag: float) -> None:
+        """Loads k, k + 1, .. are in no earlier than ``lag + cum / bw``."""
+        i = self._step(k)
+        if self.lags[i] >= lag:
+            return  # (and so are the steps after it)
+        end = bisect.bisect_left(self.lags, lag, lo=i)
+        head = self.starts[i] < k
+        self.starts[i:end] = [self.starts[i], k] if head else [k]
+        self.lags[i:end] = [self.lags[i], lag] if head else [lag]
+
+    def _forget_before(self, k: int) -> None:
+        """Loads before k (the next to run) are never asked for again."""
+        i = self._step(k)
+        if i > 16:
+            del self.starts[:i], self.lags[:i]
+
+    def stall(self, executed: int, now: float, window: int) -> None:
+        """Instruction ``executed`` ends at ``now`` and frees its buffer:
+        bytes past ``window`` beyond everything consumed so far could not
+        have arrived before ``now``."""
+        self._forget_before(executed + 1)
+        past = self.cum[executed] + window
+        first = max(executed + 1, bisect.bisect_right(self.cum, past))
+        if first < len(self.cum):
+            self._raise_from(first, now - past / self.bw)
+
+    def yield_to(self, k: int, start: float, dt: float) -> None:
+        """Routed rows take the SM's bandwidth over [start, start + dt): the
+        in-order loads from ``k`` on lose that time, a transfer in flight at
+        ``start`` by all of it, one that would start inside the interval
+        until its end, and the loads after them follow them; idle time in
+        the stream (a lookahead stall) absorbs it."""
+        self._forget_before(k)
+        j = self._first_after(k, start)
+        if j is None:
+            return
+        t, b = self.done(j), (self.cum[j] - (self.cum[j - 1] if j else 0)) / self.bw
+        t = t + dt if t - b < start else max(t, start + dt + b)
+        self._raise_from(j, t - self.cum[j] / self.bw)
+
+    def _first_after(self, k: int, start: float) -> int | None:
+        """The first load from k on that is in after ``start``."""
+        for i in range(self._step(k), len(self.starts)):
+            lo = max(k, self.starts[i])
+            hi = self.starts[i + 1] if i + 1 < len(self.starts) else len(self.cum)
+            lag = self.lags[i]
+            j = bisect.bisect_right(
+                self.cum, start, lo, hi, key=lambda c, lag=lag: lag + c / self.bw
+            )
+            if j < hi:
+                return j
+        return None
 
 
 def _routed_up(program, instr) -> bool:
@@ -315,26 +374,6 @@ def _routed_step_bytes(program, instr, step_cost: Cost) -> int:
     if not r:
         return 0
     return r - (program.cost(instr).weight_bytes - step_cost.weight_bytes)
-
-
-def _yield_stream(done, cum, k, start, dt, bw) -> None:
-    """Routed rows take the SM's bandwidth over [start, start + dt): the
-    in-order loads from ``k`` on lose that time, a transfer in flight at
-    ``start`` by all of it, one that would start inside the interval until
-    its end; idle time in the stream (a lookahead stall) absorbs it."""
-    free = start + dt
-    prev = None
-    for j in range(k, len(done)):
-        t = done[j]
-        if t > start:
-            b = (cum[j] - (cum[j - 1] if j > 0 else 0)) / bw
-            t = t + dt if t - b < start else max(t, free + b)
-            if prev is not None:
-                t = max(t, prev + b)
-            if t == done[j]:
-                break  # (it starts after the routed rows: so do the next)
-            done[j] = t
-        prev = t
 
 
 def _critical_path(program, costs, device: Device) -> float:
