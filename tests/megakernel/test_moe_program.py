@@ -395,10 +395,10 @@ def test_routed_rows_delay_only_the_stream_in_flight():
     assert [s.done(k) for k in range(1, 5)] == [4.0, 9.0, 10.0, 11.0]
 
 
-def test_the_stream_keeps_apart_only_the_loads_events_move():
-    """cost._Stream against the plain list it stands for (the model before
-    it: every load a number, each event walking the rest of the queue), on
-    random streams and events."""
+def test_the_stream_as_steps_matches_the_plain_list():
+    """cost._Stream against the plain list it stands for (every load a
+    number, each event walking the rest of the queue; the lookahead bound
+    skipping the loads inside the window), on random streams and events."""
     from vllm_ext.megakernel import cost
 
     def stall(done, cum, executed, now, window, bw):

@@ -298,17 +298,10 @@ class _Stream:
         self.starts[i:end] = [self.starts[i], k] if head else [k]
         self.lags[i:end] = [self.lags[i], lag] if head else [lag]
 
-    def _forget_before(self, k: int) -> None:
-        """Loads before k (the next to run) are never asked for again."""
-        i = self._step(k)
-        if i > 16:
-            del self.starts[:i], self.lags[:i]
-
     def stall(self, executed: int, now: float, window: int) -> None:
         """Instruction ``executed`` ends at ``now`` and frees its buffer:
         bytes past ``window`` beyond everything consumed so far could not
         have arrived before ``now``."""
-        self._forget_before(executed + 1)
         past = self.cum[executed] + window
         first = max(executed + 1, bisect.bisect_right(self.cum, past))
         if first < len(self.cum):
@@ -320,7 +313,6 @@ class _Stream:
         ``start`` by all of it, one that would start inside the interval
         until its end, and the loads after them follow them; idle time in
         the stream (a lookahead stall) absorbs it."""
-        self._forget_before(k)
         j = self._first_after(k, start)
         if j is None:
             return
