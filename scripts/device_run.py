@@ -847,7 +847,8 @@ def timing(case_dir: Path) -> dict:
               # What the calibration re-plans, and the kernel it models
               # (vllm_ext/megakernel/calibrate.py).
               "program": {"fuse_combine": program.fuse_combine,
-                          "qkv_parts": program.qkv_parts},
+                          "qkv_parts": program.qkv_parts,
+                          "queue_lengths": [len(q) for q in program.queues]},
               "shape": torch.load(case_dir / "program.pt")["shape"]}  # fmt: skip
 
     def mk():

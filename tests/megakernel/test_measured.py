@@ -105,7 +105,10 @@ def test_a_failed_check_vouches_for_nothing(tmp_path):
 
 def test_the_recorded_gpu_runs_open_nothing(tmp_path):
     """Their per-op baselines were weaker than vLLM's decode."""
-    for report in sorted((ROOT / "docs" / "gpu-runs").glob("*.json")):
+    runs = sorted((ROOT / "docs" / "gpu-runs").glob("*.json"))
+    reports = [r for r in runs if not r.name.endswith(".queues.json")]
+    assert reports
+    for report in reports:
         assert measured.record(report, tmp_path / "table.json") == []
 
 

@@ -18,8 +18,12 @@ its breakdown ran, re-planned here:
   which the weight pipeline was designed against, for reports that do not
   record the kernel), beside the measured step.
 
-The programs are planned by this checkout: run it at the report's commit
-(or one whose planner is unchanged since), as the GPU run's session does.
+The all-NOP time is divided by the longest queue of the program that ran:
+reports record its queue lengths (older ones have them in a side file,
+``REPORT.queues.json``, planned at the report's commit). The rest is
+modelled on the program this checkout plans: the waits probe is solved only
+when that is the program that ran (run it at the report's commit
+otherwise), and the predicted step is this checkout's program's.
 """
 
 from __future__ import annotations
@@ -129,6 +133,7 @@ def fit_case(name: str, timing: dict, device: Device, bandwidth: float | None,
     rows = timing.get("breakdown") or {}
     if "NOP" not in rows or "megakernel_ms" not in timing:
         return None
+    planned = program is not None  # by the caller: its queues are the run's
     if program is None:
         m = CASE.match(name)
         if m is None:
@@ -140,13 +145,24 @@ def fit_case(name: str, timing: dict, device: Device, bandwidth: float | None,
         program = plan(spec, int(m["batch"]), device, with_lm_head=True,
                        fuse_combine=options.get("fuse_combine", False),
                        qkv_parts=options.get("qkv_parts", 1))  # fmt: skip
-    longest = max(len(q) for q in program.queues)
-    overhead = rows["NOP"]["ms"] * 1e-3 / longest
+    lengths = [len(q) for q in program.queues]
+    ran = (timing.get("program") or {}).get("queue_lengths")
+    if ran is None and not planned:
+        raise ValueError(
+            f"{name}: no queue lengths, in the report or in REPORT.queues.json"
+        )
+    ran = lengths if ran is None else ran
+    overhead = rows["NOP"]["ms"] * 1e-3 / max(ran)
     fitted = dataclasses.replace(device, instruction_overhead_s=overhead)
     if bandwidth:
         fitted = dataclasses.replace(fitted, hbm_bytes_per_s=bandwidth)
     latency = None
     if "NOP, waits" in rows:
+        if ran != lengths:
+            raise ValueError(
+                f"{name}: the program planned here is not the one that ran: "
+                "run calibrate at the report's commit"
+            )
         latency = solve_latency(program, fitted, rows["NOP, waits"]["ms"] * 1e-3)
     if latency is not None:
         fitted = dataclasses.replace(fitted, dependency_latency_s=latency)
@@ -157,6 +173,22 @@ def fit_case(name: str, timing: dict, device: Device, bandwidth: float | None,
     lookahead = kernel_lookahead_bytes(timing.get("shape"))
     return Fit(name, step_ms, overhead, latency, per_phase,
                predict(program, fitted, lookahead).step_s * 1e3)  # fmt: skip
+
+
+def load_report(path: Path) -> dict:
+    """A GPU check's report, with the queue lengths of ``path``'s side file
+    (``REPORT.queues.json``) for the cases that do not record their own."""
+    report = json.loads(path.read_text())
+    side = path.with_suffix(".queues.json")
+    if side.exists():
+        recorded = json.loads(side.read_text())["queue_lengths"]
+        for name, case in report["cases"].items():
+            timing = case.get("timing")
+            if isinstance(timing, dict) and name in recorded:
+                timing.setdefault("program", {}).setdefault(
+                    "queue_lengths", recorded[name]
+                )
+    return report
 
 
 def calibrate(report: dict, device: Device | None = None) -> list[Fit]:
@@ -202,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     try:
-        report = json.loads(args.report.read_text())
-    except (OSError, ValueError) as e:
+        report = load_report(args.report)
+    except (OSError, ValueError, KeyError) as e:
         print(f"calibrate: cannot read {args.report}: {e}", file=sys.stderr)
         return 2
     fits = calibrate(report, DEVICES[args.device])

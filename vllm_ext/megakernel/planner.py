@@ -3,15 +3,16 @@
 
 The planner lists the step's instructions phase by phase in one global
 topological order (embedding; per layer QKV, ATTN, COMBINE, O_PROJ, GATE_UP,
-DOWN; final norm; LM head) and deals each to the SM with the fewest bytes so
-far. Every queue is therefore a subsequence of the global order, which is
-what makes the program deadlock-free when all CTAs are co-resident (see
-verify.py). An instruction waits through one counter for the instructions
-that write what it reads: the whole previous phase, except where the data
-allows finer (a kv group's ATTN waits for that group's QKV tiles only, an
-MLA layer's MLA_Q for q_a's tiles of the down projection and MLA_APPEND
-for kv_a's). Tiles are sized from bytes so every phase spreads over all
-SMs.
+DOWN; final norm; LM head) and deals each to the SM with the fewest bytes a
+step reads so far, but no SM more than its share of the phase's tiles or of
+the opcode's in the layer. Every queue is therefore a subsequence of the
+global order, which is what makes the program deadlock-free when all CTAs
+are co-resident (see verify.py). An instruction waits through one counter
+for the instructions that write what it reads: the whole previous phase,
+except where the data allows finer (a kv group's ATTN waits for that group's
+QKV tiles only, an MLA layer's MLA_Q for q_a's tiles of the down projection
+and MLA_APPEND for kv_a's). Tiles are sized from bytes so every phase
+spreads over all SMs.
 
 With ``fuse_combine`` there are no COMBINE instructions: the last ATTN chunk
 of each kv head merges the head's partials itself (``tail`` in isa.py), which
@@ -30,6 +31,7 @@ per (head, v part) in place of QKV, ATTN and COMBINE (``mla_split``).
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -574,18 +576,38 @@ def plan(
     # that EXPERT_UP's once TOPK has run (kernel/control.py).
     routed: dict[int, int] = {}
     routed_layer = -1
+    # The least loaded SM (by what a step reads: an expected-empty slot's
+    # tiles weigh nothing) takes a tile, but none more than its share of the
+    # phase's tiles, nor of the opcode's in the layer (a layer's QKV groups,
+    # its attention chunks): by bytes alone a phase's tiles pile onto the
+    # SMs the last phases left light, and a phase ends with its most loaded
+    # SM (docs/design.md, "Placement").
+    op_tiles = Counter((op, layer) for op, layer, tiles, *_ in phases
+                       for _ in tiles)  # fmt: skip
+    taken: dict[tuple[Op, int], list[int]] = {}
     for op, layer, tiles, (wait_c, wait_n), signal, tail in phases:
+        in_phase = [0] * n_sm
+        in_op = taken.setdefault((op, layer), [0] * n_sm)
+        phase_cap = math.ceil(len(tiles) / n_sm)
+        op_cap = math.ceil(op_tiles[op, layer] / n_sm)
         for a0, a1 in tiles:
             instr = Instruction(op, layer, a0, a1, wait_c, wait_n, signal, tail)
-            cost = program.cost(instr)
+            cost = program.step_cost(instr)
             if op == Op.EXPERT_DOWN and routed_layer == layer:
                 sm = min(routed, key=lambda i: (routed[i], load[i]))
             else:
-                sm = min(range(n_sm), key=load.__getitem__)
+                # (The phase's share always has room; the opcode's may not.)
+                open_ = [i for i in range(n_sm) if in_phase[i] < phase_cap]
+                sm = min(
+                    [i for i in open_ if in_op[i] < op_cap] or open_,
+                    key=load.__getitem__,
+                )
+            in_phase[sm] += 1
+            in_op[sm] += 1
             if program.routed_weight_bytes(instr):
                 if routed_layer != layer:
                     routed, routed_layer = {}, layer
-                routed[sm] = routed.get(sm, 0) + program.step_cost(instr).weight_bytes
+                routed[sm] = routed.get(sm, 0) + cost.weight_bytes
             load[sm] += cost.weight_bytes + cost.other_bytes
             order.append((sm, len(queues[sm])))
             queues[sm].append(instr)
