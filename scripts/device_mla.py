@@ -98,7 +98,7 @@ def layer_errors(
             o, lse = mla_attn.reference(
                 q_lat[:, heads], q_pe[:, heads], cache, table, lens, c, chunks, scale
             )
-            note("MLA_ATTN", i, part_o[c, g, :n], o, "fp32")
+            note("MLA_ATTN", i, part_o[c, g, :n], o, "attn")
             note("MLA_ATTN_LSE", i, part_lse[c, g, :n], lse, "fp32")
     w_uv = lw.mla.w_uv(mla.num_heads, mla.qk_nope_head_dim)
     attn = ws["attn"][i][:n]

@@ -104,7 +104,11 @@ BENCH_CONTEXT = 512  # every request's history in the timings
 # boundary: one step of bf16 is up to 2^-7 of a value, and RoPE and SiLU-mul
 # combine two such values before their own rounding, so up to four steps of
 # the largest element. fp32 outputs differ only by the summation order.
-TOLERANCE = {"bf16": 2**-5, "fp32": 1e-3}
+# MLA_ATTN's partial o is fp32, but its P goes to the tensor cores rounded
+# to bf16 (as FlashAttention rounds it): up to 2^-9 of each term, 5e-3 of
+# an element at worst in tests/megakernel/test_mla_attn_mapping.py's
+# float64 emulation, so it is held to the attention's bound.
+TOLERANCE = {"bf16": 2**-5, "fp32": 1e-3, "attn": 2**-6}
 # Element-wise, each output is also held to |a - b| <= tol * (|b| + f * max|b|)
 # (see judge()), where f is the fraction below: the rounding of one output
 # element scales with that element, except where an output combines two

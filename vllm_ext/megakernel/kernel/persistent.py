@@ -65,6 +65,7 @@ from vllm_ext.megakernel.kernel.ops.expert_up import expert_up, gather_words
 from vllm_ext.megakernel.kernel.ops.final_norm import final_norm
 from vllm_ext.megakernel.kernel.ops.mla_append import mla_append
 from vllm_ext.megakernel.kernel.ops.mla_attn import mla_attn
+from vllm_ext.megakernel.kernel.ops.mla_attn import scratch_floats as attn_floats
 from vllm_ext.megakernel.kernel.ops.mla_combine import mla_combine
 from vllm_ext.megakernel.kernel.ops.mla_q import (
     mla_q,
@@ -145,8 +146,12 @@ def gqa_buffers(s: KernelShape) -> list[int]:
 
 def mla_red_floats(s: KernelShape) -> int:
     """The fp32 scratch of W_UK's partial sums (MLA_Q), MLA_COMBINE's chunk
-    weights too."""
-    return max(wuk_scratch_floats(), s.batch * (s.attn_chunks + 1))
+    weights and MLA_ATTN's staged queries and P too (one at a time)."""
+    return max(
+        wuk_scratch_floats(),
+        s.batch * (s.attn_chunks + 1),
+        attn_floats(s.kv_lora_rank + s.qk_rope),
+    )
 
 
 def mla_union_parts(s: KernelShape) -> tuple[list[int], list[int]]:
@@ -507,7 +512,7 @@ def _execute(s: cutlass.Constexpr, op, layer, a0, a1, a: cutlass.Constexpr,
                 mla_append(s, ptrs, layer, glob, a.kv_block_stride, m.rstd)
             elif op == Op.MLA_ATTN:
                 mla_attn(s, ptrs, layer, glob, a0, a1, a.kv_block_stride,
-                         a.block_table_stride, a.attn_scale)  # fmt: skip
+                         a.block_table_stride, a.attn_scale, m.mla_red)  # fmt: skip
             elif op == Op.MLA_COMBINE:
                 mla_combine(s, ptrs, layer, a0, a1, m.rstd, m.mla_lat, m.mla_red)
             else:

@@ -1,0 +1,239 @@
+# SPDX-License-Identifier: Apache-2.0
+"""MLA_ATTN on tensor cores (kernel/ops/mla_attn.py): its index arithmetic
+checked without a GPU, in float64.
+
+``emulate_chunk`` runs a head group over one chunk as the kernel does, lane
+by lane through the PTX fragment layout (``mma_lanes`` of
+test_gemv_mma_mapping.py) and the kernel's own index functions and
+constants (``q_stride``, ``score_token``, ``lane_vector``, ``pv_tokens``,
+``v_dim``, ``heads_per_tile``, ``TOKENS``): the head tile's queries staged
+with the padded stride (the padding NaN: never read), each warp's eight
+tokens of a block scored over the permuted k, the masked tokens past the
+chunk (they read the chunk's last row), the block maxima shared between
+warps, P through shared memory, each warp's 64 latent dims of P @ V, the
+denominators summed in warp order.
+
+Tolerances: with P kept in float64 the emulation must equal the float64
+softmax to 1e-12 (inputs are bf16 values, so only the order of the sums
+differs), and a shifted token or dim index must not. With P rounded to
+bf16, as the kernel rounds it, it is within 2^-8 of the fp32 reference
+``ops/mla_attn.reference`` (one bf16 rounding of each weight: at most 2^-9
+of each term). The kernel itself runs on the GPU (scripts/device_run.py).
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from test_gemv_mma_mapping import mma_lanes
+
+from vllm_ext.megakernel.kernel.ops.common import NUM_WARPS, VEC
+from vllm_ext.megakernel.kernel.ops.gemv_mma import K_BLOCK, N_BLOCK, lane_vector
+from vllm_ext.megakernel.kernel.ops.mla_attn import (
+    HEAD_ROWS,
+    K_STEP,
+    P_STRIDE,
+    TOKENS,
+    heads_per_tile,
+    pv_tokens,
+    q_stride,
+    score_token,
+    scratch_floats,
+    v_dim,
+)
+from vllm_ext.megakernel.ops import mla_attn
+
+RANK, ROPE = 512, 64
+WIDTH = RANK + ROPE
+LANES = np.arange(32)
+G, Q = LANES // 4, LANES % 4
+MUTATIONS = ("score_token", "pv_tokens", "v_dim")
+
+
+def bf16(x: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(x).to(torch.bfloat16).double().numpy()
+
+
+def pairs(vec: np.ndarray) -> np.ndarray:
+    """A lane's 8 values as its four registers' packed pairs [4, 2]."""
+    return vec.reshape(4, 2)
+
+
+def emulate_chunk(q: np.ndarray, rows: np.ndarray, scale: float,
+                  round_p: bool = True, mutation: str = "") -> tuple:  # fmt: skip
+    """(o [heads, RANK], lse [heads]) of one request's head group ``q``
+    [heads, WIDTH] (q_latent | q_pe) over the chunk's rows [T, WIDTH]."""
+    heads, t_hi = q.shape[0], rows.shape[0]
+    o, lse = np.zeros((heads, RANK)), np.full(heads, -math.inf)
+    stride = q_stride(WIDTH)
+    tile0 = 0
+    for n_rows in heads_per_tile(heads):
+        qs = np.full((HEAD_ROWS, stride), np.nan)  # padding: never read
+        qs[:, :WIDTH] = 0.0
+        qs[:n_rows, :WIDTH] = q[tile0 : tile0 + n_rows]
+        m = np.full((NUM_WARPS, 32, 2), -math.inf)
+        den = np.zeros((NUM_WARPS, 32, 2))
+        acc = np.zeros((NUM_WARPS, N_BLOCK, 32, 4))
+        for t0 in range(0, t_hi, TOKENS):
+            _block(qs, rows, t0, t_hi, scale, m, den, acc, round_p, mutation)
+        for w in range(NUM_WARPS):
+            for lane in range(32):
+                g, qq = G[lane], Q[lane]
+                for half in range(2):
+                    r = g + 8 * half
+                    total = sum(den[v, 4 * g, half] for v in range(NUM_WARPS))
+                    if r >= n_rows or total == 0:
+                        continue
+                    lse[tile0 + r] = m[w, lane, half] + math.log(total)
+                    for c in range(2):
+                        for nb in range(N_BLOCK):
+                            dim = v_dim(w, 2 * qq + c, nb)
+                            o[tile0 + r, dim] = acc[w, nb, lane, 2 * half + c] / total
+        tile0 += n_rows
+    return o, lse
+
+
+def _block(qs, rows, t0, t_hi, scale, m, den, acc, round_p, mutation):
+    def row(t):
+        return rows[min(t, t_hi - 1)]
+
+    ps = np.full((HEAD_ROWS, P_STRIDE), np.nan)
+    sc = np.zeros((NUM_WARPS, 32, 4))
+    for w in range(NUM_WARPS):
+        tok = [score_token(w, g) for g in G]
+        if mutation == "score_token":
+            tok = [score_token(w, (g + 1) % 8) for g in G]
+        for kb in range(WIDTH // K_BLOCK):
+            j = [VEC * lane_vector(kb, qq) for qq in Q]
+            a_lo = np.stack(
+                [pairs(qs[g, k : k + VEC]) for g, k in zip(G, j, strict=True)]
+            )
+            a_hi = np.stack(
+                [pairs(qs[g + 8, k : k + VEC]) for g, k in zip(G, j, strict=True)]
+            )
+            kv = np.stack(
+                [pairs(row(t0 + t)[k : k + VEC]) for t, k in zip(tok, j, strict=True)]
+            )
+            for e in (0, 2):
+                a = np.stack(
+                    [a_lo[:, e], a_hi[:, e], a_lo[:, e + 1], a_hi[:, e + 1]], 1
+                )
+                sc[w] = mma_lanes(a, kv[:, e : e + 2], sc[w])
+    col = np.array(
+        [[t0 + score_token(w, 0) + 2 * qq for qq in Q] for w in range(NUM_WARPS)]
+    )
+    sc = sc * scale
+    for c in range(4):
+        sc[:, :, c] = np.where(col + c % 2 >= t_hi, -math.inf, sc[:, :, c])
+    # Each head's block maximum over every warp's quads (lane 4g's value).
+    quad_max = np.stack(
+        [np.maximum.reduce([sc[:, :, 2 * h], sc[:, :, 2 * h + 1]]) for h in range(2)],
+        -1,
+    )  # [warp, lane, half]
+    for w in range(NUM_WARPS):
+        for lane in range(32):
+            g = G[lane]
+            for half in range(2):
+                bm = max(
+                    quad_max[v, 4 * g + k, half]
+                    for v in range(NUM_WARPS)
+                    for k in range(4)
+                )
+                m_new = max(m[w, lane, half], bm)
+                corr = math.exp(m[w, lane, half] - m_new)
+                p = np.exp(sc[w, lane, 2 * half : 2 * half + 2] - m_new)
+                quad = [np.exp(sc[w, 4 * g + k, 2 * half : 2 * half + 2] - m_new).sum()
+                        for k in range(4)]  # fmt: skip
+                den[w, lane, half] = den[w, lane, half] * corr + sum(quad)
+                acc[w, :, lane, 2 * half : 2 * half + 2] *= corr
+                m[w, lane, half] = m_new
+                c0 = score_token(w, 0) + 2 * Q[lane]
+                ps[g + 8 * half, c0 : c0 + 2] = bf16(p) if round_p else p
+    for w in range(NUM_WARPS):
+        for step in range(TOKENS // K_STEP):
+            ts = [pv_tokens(step, qq) for qq in Q]
+            if mutation == "pv_tokens":
+                ts = [(t[1], t[0], t[2], t[3]) for t in ts]
+            a = np.stack(
+                [np.stack([ps[g, t[0] : t[0] + 2], ps[g + 8, t[0] : t[0] + 2],
+                           ps[g, t[2] : t[2] + 2], ps[g + 8, t[2] : t[2] + 2]])
+                 for g, t in zip(G, ts, strict=True)]
+            )  # fmt: skip
+            cols = [v_dim(w, g, 0) for g in G]
+            if mutation == "v_dim":
+                cols = [v_dim(w, g, 0) + 1 for g in G]
+            vecs = np.stack(
+                [
+                    np.stack([row(t0 + tk)[c : c + VEC] for tk in t])
+                    for t, c in zip(ts, cols, strict=True)
+                ]
+            )  # [lane, 4 tokens, 8 dims]
+            for nb in range(N_BLOCK):
+                b = np.stack([vecs[:, 0:2, nb], vecs[:, 2:4, nb]], 1)
+                acc[w, nb] = mma_lanes(a, b, acc[w, nb])
+
+
+def reference64(q: np.ndarray, rows: np.ndarray, scale: float):
+    s = q @ rows.T * scale
+    m = s.max(1, keepdims=True)
+    p = np.exp(s - m)
+    den = p.sum(1, keepdims=True)
+    return p @ rows[:, :RANK] / den, (m + np.log(den))[:, 0]
+
+
+def _inputs(heads: int, tokens: int, seed: int):
+    rng = np.random.default_rng(seed)
+    q = bf16(rng.normal(size=(heads, WIDTH)))
+    rows = bf16(rng.normal(size=(tokens, WIDTH)))
+    return q, rows, 1 / math.sqrt(192)
+
+
+@pytest.mark.parametrize("heads", [16, 8, 24])  # DeepSeek-V3, Kimi-K2, two tiles
+@pytest.mark.parametrize("tokens", [1, 64, 150])
+def test_the_mapping_is_the_softmax(heads, tokens):
+    q, rows, scale = _inputs(heads, tokens, heads * 1000 + tokens)
+    o, lse = emulate_chunk(q, rows, scale, round_p=False)
+    want_o, want_lse = reference64(q, rows, scale)
+    np.testing.assert_allclose(o, want_o, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12)
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS)
+def test_a_shifted_index_is_caught(mutation):
+    q, rows, scale = _inputs(16, 150, 7)
+    o, _ = emulate_chunk(q, rows, scale, round_p=False, mutation=mutation)
+    assert not np.allclose(o, reference64(q, rows, scale)[0], rtol=1e-3, atol=1e-3)
+
+
+def test_bf16_p_is_within_the_stated_tolerance_of_the_reference():
+    """The kernel's rounding (P to bf16) against ops/mla_attn.reference in
+    fp32, through the cache layout the kernel reads."""
+    heads, tokens, block = 16, 150, 16
+    q, rows, scale = _inputs(heads, tokens, 3)
+    n_blocks = -(-tokens // block)
+    cache = torch.zeros(n_blocks, block, WIDTH, dtype=torch.bfloat16)
+    cache.view(-1, WIDTH)[:tokens] = torch.from_numpy(rows).to(torch.bfloat16)
+    q_t = torch.from_numpy(q).to(torch.bfloat16)[None]
+    o_ref, lse_ref = mla_attn.reference(
+        q_t[..., :RANK], q_t[..., RANK:], cache, torch.arange(n_blocks)[None],
+        torch.tensor([tokens]), 0, 1, scale,
+    )  # fmt: skip
+    o, lse = emulate_chunk(q, rows, scale)
+    want = o_ref[0].double().numpy()
+    err = np.abs(o - want).max() / np.abs(want).max()
+    assert err < 2**-8
+    np.testing.assert_allclose(lse, lse_ref[0].double().numpy(), rtol=1e-5)
+
+
+def test_the_scratch_holds_the_staged_rows():
+    """Queries, P and the warps' maxima fit the words the kernel asks for;
+    a query row's stride keeps lanes g and g + 1 of a quarter warp on
+    disjoint banks (64 bytes apart modulo 128)."""
+    stride = q_stride(WIDTH)
+    assert stride >= WIDTH and stride * 2 % 128 == 64
+    words = (HEAD_ROWS * stride + HEAD_ROWS * P_STRIDE) // 2 + NUM_WARPS * HEAD_ROWS
+    assert scratch_floats(WIDTH) == words
+    # P rows: 36 words apart, so the 32 lanes' 32-bit loads hit 32 banks.
+    banks = {(g * P_STRIDE // 2 + q) % 32 for g in range(8) for q in range(4)}
+    assert len(banks) == 32
