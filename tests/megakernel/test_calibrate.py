@@ -141,3 +141,24 @@ def test_the_overhead_is_over_the_queues_that_ran(tmp_path):
     timing["breakdown"]["NOP, waits"] = {"ms": 0.5}
     with pytest.raises(ValueError, match="not the one that ran"):
         calibrate({"cases": {case: report["cases"][case]}})
+
+
+def test_a_case_of_fewer_layers_is_replanned_at_its_depth():
+    """A case the bundle ran with its first layers only (the mixtures' and
+    latent attention's cases) is re-planned at that depth: its recorded
+    queues are then the program's, and the waits probe is solved."""
+    device = DEVICES["h200"]
+    spec = load_spec("llama-3.2-1b", torch.bfloat16).with_layers(2)
+    program = plan(spec, 1, device, with_lm_head=True)
+    walk = predict(probe(program, keep=(), waits=False), device).step_s * 1e3
+    chain = predict(probe(program, keep=()), device).step_s * 1e3
+    timing = {
+        "megakernel_ms": 2 * chain,
+        "layers": 2,
+        "program": {"queue_lengths": [len(q) for q in program.queues]},
+        "breakdown": {"NOP": {"ms": walk}, "NOP, waits": {"ms": chain}},
+    }
+    fit = fit_case("llama-3.2-1b-b1", timing, device, None)
+    assert fit.dependency_latency_s == pytest.approx(
+        device.dependency_latency_s, rel=1e-3
+    )

@@ -141,6 +141,8 @@ def fit_case(name: str, timing: dict, device: Device, bandwidth: float | None,
         from vllm_ext.megakernel.plan import load_spec
 
         spec = load_spec(m["config"], torch.bfloat16)
+        if "layers" in timing:  # a case run with its first layers only
+            spec = spec.with_layers(timing["layers"])
         options = timing.get("program", {})  # absent before 2026-11-30's 4th run
         program = plan(spec, int(m["batch"]), device, with_lm_head=True,
                        fuse_combine=options.get("fuse_combine", False),
