@@ -598,6 +598,11 @@ def plan(
             else:
                 # (The phase's share always has room; the opcode's may not.)
                 open_ = [i for i in range(n_sm) if in_phase[i] < phase_cap]
+                if op == Op.TOPK:
+                    # Not behind a shared expert's tile (they sit before
+                    # TOPK in the queues): the routed tiles wait for it.
+                    up = taken.get((Op.EXPERT_UP, layer), [0] * n_sm)
+                    open_ = [i for i in open_ if not up[i]] or open_
                 sm = min(
                     [i for i in open_ if in_op[i] < op_cap] or open_,
                     key=load.__getitem__,
