@@ -227,14 +227,23 @@ def test_bf16_p_is_within_the_stated_tolerance_of_the_reference():
     np.testing.assert_allclose(lse, lse_ref[0].double().numpy(), rtol=1e-5)
 
 
-def test_the_scratch_holds_the_staged_rows():
-    """Queries, P and the warps' maxima fit the words the kernel asks for;
-    a query row's stride keeps lanes g and g + 1 of a quarter warp on
-    disjoint banks (64 bytes apart modulo 128)."""
+@pytest.mark.parametrize("model", ["deepseek-v3", "kimi-k2"])
+def test_the_scratch_holds_the_staged_rows(model):
+    """The kernel's shared scratch for MLA_ATTN (MLA_Q's W_UK sums,
+    persistent.mla_red_floats) holds a tile's queries, P and the warps'
+    maxima, at every bucket; a query row's stride keeps lanes g and g + 1
+    of a quarter warp on disjoint banks (64 bytes apart modulo 128), and
+    P's rows put the 32 lanes' 32-bit loads on 32 banks."""
+    from test_mla_kernel_aot import real_shape
+
+    from vllm_ext.megakernel.kernel.persistent import mla_red_floats
+
     stride = q_stride(WIDTH)
     assert stride >= WIDTH and stride * 2 % 128 == 64
-    words = (HEAD_ROWS * stride + HEAD_ROWS * P_STRIDE) // 2 + NUM_WARPS * HEAD_ROWS
-    assert scratch_floats(WIDTH) == words
-    # P rows: 36 words apart, so the 32 lanes' 32-bit loads hit 32 banks.
+    need = (HEAD_ROWS * stride + HEAD_ROWS * P_STRIDE) // 2 + NUM_WARPS * HEAD_ROWS
+    for batch in (1, 64):
+        shape = real_shape(model, batch, layers=1)
+        assert shape.kv_lora_rank + shape.qk_rope == WIDTH
+        assert mla_red_floats(shape) >= need == scratch_floats(WIDTH)
     banks = {(g * P_STRIDE // 2 + q) % 32 for g in range(8) for q in range(4)}
     assert len(banks) == 32

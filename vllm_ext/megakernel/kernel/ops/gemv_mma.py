@@ -218,7 +218,7 @@ def stage_chunk(
 
 
 @cute.jit
-def _frag(vecs: cute.Tensor, j, frag: cute.Tensor):
+def load_frag(vecs: cute.Tensor, j, frag: cute.Tensor):
     """Vector ``j`` of a bf16 row (one 128-bit shared load) as four packed
     pairs."""
     r = cute.make_rmem_tensor((VEC,), BFloat16)
@@ -245,11 +245,11 @@ def mma_chunk(
         a = cute.make_rmem_tensor((n_mats, 2, 4), Int32)
         for m in cutlass.range_constexpr(n_mats):
             mat = w if m == 0 else w2
-            _frag(vectors(mat[row, None]), j, a[m, 0, None])
-            _frag(vectors(mat[row + 8, None]), j, a[m, 1, None])
+            load_frag(vectors(mat[row, None]), j, a[m, 0, None])
+            load_frag(vectors(mat[row + 8, None]), j, a[m, 1, None])
         for nb in cutlass.range_constexpr(n_blocks):
             b = cute.make_rmem_tensor((4,), Int32)
-            _frag(vectors(stage[nb * N_BLOCK + g, None]), j, b)
+            load_frag(vectors(stage[nb * N_BLOCK + g, None]), j, b)
             for m in cutlass.range_constexpr(n_mats):
                 for half in cutlass.range_constexpr(2):
                     e = 2 * half

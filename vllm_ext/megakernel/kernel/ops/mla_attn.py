@@ -56,6 +56,7 @@ from vllm_ext.megakernel.kernel.ops.gemv_mma import (
     N_BLOCK,
     ROWS,
     lane_vector,
+    load_frag,
     mma_bf16,
 )
 from vllm_ext.megakernel.kernel.ops.kv import latent_row
@@ -245,7 +246,12 @@ def _block(
     qhi = cute.zipped_divide(qs[gl + 8, None], (VEC,))
     for kb in cutlass.range_constexpr(width // K_BLOCK):
         j = lane_vector(kb, q)
-        a_lo, a_hi, kv = (_frag4(qlo, j), _frag4(qhi, j), _frag4(krow, j))
+        a_lo = cute.make_rmem_tensor((4,), Int32)
+        a_hi = cute.make_rmem_tensor((4,), Int32)
+        kv = cute.make_rmem_tensor((4,), Int32)
+        load_frag(qlo, j, a_lo)
+        load_frag(qhi, j, a_hi)
+        load_frag(krow, j, kv)
         for e in cutlass.range_constexpr(0, 4, 2):
             d = mma_bf16(a_lo[e], a_hi[e], a_lo[e + 1], a_hi[e + 1], kv[e], kv[e + 1],
                          sc[0], sc[1], sc[2], sc[3])  # fmt: skip
@@ -318,13 +324,6 @@ def _row(shape: KernelShape, cache, table, i, t, t_hi, kv_block_stride):
     tc = cutlass.min(t, t_hi - 1)
     bs = shape.block_size
     return latent_row(shape, cache, table[i, tc // bs], tc % bs, kv_block_stride)
-
-
-def _frag4(vecs: cute.Tensor, j) -> cute.Tensor:
-    """Vector ``j`` of a bf16 row (one 128-bit load) as four packed pairs."""
-    r = cute.make_rmem_tensor((VEC,), BFloat16)
-    cute.autovec_copy(vecs[None, j], r)
-    return cute.recast_tensor(r, Int32)
 
 
 def _pair(pairs: cute.Tensor, j) -> Int32:
