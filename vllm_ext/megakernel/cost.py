@@ -42,6 +42,14 @@ A design tool, not a claim. Its assumptions, all here:
   release/acquire round trip through L2). Executing costs
   ``instruction_overhead_s`` plus its activation and KV bytes at the SM's
   share of bandwidth.
+* An attention chunk's past cache rows (ATTN's K/V, MLA_ATTN's latent
+  rows) are hinted into L2 by the controller before the chunk's wait
+  (kernel/ops/kv_hint.py): when it moves on to the instruction, once it has
+  published the one before and the instruction's ring slot is free. They
+  stream from then on like routed rows (the SM's bandwidth first), each SM
+  its slice of the chunk's blocks, up to ``KV_HINT_BYTES``; the rows read
+  at execution are the rest (``Cost.early_bytes``: what the SM hints).
+  The controller's own time to walk the block table is not modelled.
 * A tail (isa.py: the last ATTN chunk of a head runs its COMBINE) starts
   ``dependency_latency_s`` after that chunk's signal (its atomic's round
   trip) and costs what a COMBINE instruction costs, on the same SM.
@@ -61,6 +69,9 @@ from dataclasses import dataclass
 # (kernel/control.py's QUEUE_SLOTS; a test keeps the two equal, and this
 # module free of the kernel's imports).
 QUEUE_SLOTS = 4
+# An attention chunk's past cache rows one SM hints into L2, at most
+# (kernel/ops/kv_hint.py's KV_HINT_BYTES; the same test keeps them equal).
+KV_HINT_BYTES = 96 * 1024
 
 
 @dataclass(frozen=True)
@@ -111,11 +122,14 @@ DEFAULT_DEVICE = {"sm_90a": "h200", "sm_100a": "b200"}
 
 @dataclass(frozen=True)
 class Cost:
-    """Bytes one instruction moves: weights (prefetchable) and the rest
-    (activations, KV cache: read once its wait is met)."""
+    """Bytes one instruction moves: weights (prefetchable), the rest
+    (activations, KV cache: read once its wait is met), and the KV cache
+    rows the SM hints into L2 before the wait (``early_bytes``; not
+    weights, and not in ``other_bytes``)."""
 
     weight_bytes: int
     other_bytes: int
+    early_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -177,6 +191,7 @@ def predict(
     blocked: dict[int, list[int]] = {}
     pos = [0] * len(queues)
     hinted: list[dict[int, float]] = [{} for _ in queues]  # routed rows in
+    kv_in: list[dict[int, float]] = [{} for _ in queues]  # hinted KV rows in
     finish = [0.0] * len(queues)
     heap: list[tuple[float, int]] = []
 
@@ -184,16 +199,25 @@ def predict(
         if pos[sm] == len(queues[sm]):
             return
         instr = queues[sm][pos[sm]]
+        k = pos[sm]
+        slot_free = ends[sm][k - QUEUE_SLOTS] if k >= QUEUE_SLOTS else 0.0
+        early = costs[sm][k].early_bytes
+        if early and k not in kv_in[sm]:
+            # The controller reached it: the instruction before published,
+            # its ring slot free. (The first call for k: k - 1 has ended.)
+            rs = max(published[sm], slot_free, routed_free[sm])
+            dt = early / bw
+            routed_free[sm] = rs + dt
+            streams[sm].yield_to(k, rs, dt)
+            kv_in[sm][k] = rs + dt
         ready = 0.0
         if instr.wait_counter != NO_COUNTER:
             if signals.get(instr.wait_counter, 0) < need[instr.wait_counter]:
                 blocked.setdefault(instr.wait_counter, []).append(sm)
                 return
             ready = latest[instr.wait_counter] + device.dependency_latency_s
-        k = pos[sm]
-        slot_free = ends[sm][k - QUEUE_SLOTS] if k >= QUEUE_SLOTS else 0.0
         published[sm] = max(published[sm], ready, slot_free)
-        weights_in = streams[sm].done(k)
+        weights_in = max(streams[sm].done(k), kv_in[sm].pop(k, 0.0))
         if k in hinted[sm]:  # (rows hinted with the instruction before)
             weights_in = max(weights_in, hinted[sm].pop(k))
         elif routed[sm][k] or _routed_up(program, instr):

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_ext.megakernel.cost import Cost, Device
+from vllm_ext.megakernel.cost import KV_HINT_BYTES, Cost, Device
 from vllm_ext.megakernel.isa import (
     NO_COUNTER,
     Instruction,
@@ -196,7 +196,8 @@ class Program:
             group = s.num_q_heads // s.num_kv_heads
             tokens = math.ceil(NOMINAL_CONTEXT / self.attn_chunks)
             kv = b * tokens * 2 * d * e
-            return Cost(0, kv + b * group * d * (e + 4) + b * group * 4)
+            late, early = _hinted(kv, s.num_kv_heads * kv, s.num_kv_heads)
+            return Cost(0, late + b * group * d * (e + 4) + b * group * 4, early)
         if instr.op == Op.COMBINE:
             group = s.num_q_heads // s.num_kv_heads
             return Cost(
@@ -259,12 +260,24 @@ class Program:
             tokens = math.ceil(NOMINAL_CONTEXT / self.attn_chunks)
             rows = b * tokens * mla.latent_width * e
             queries = b * group * (rank + rope) * e
-            return Cost(0, rows + queries + b * group * (rank + 1) * 4)
+            late, early = _hinted(rows, rows, self.mla_head_groups)
+            return Cost(0, late + queries + b * group * (rank + 1) * 4, early)
         if instr.op == Op.MLA_COMBINE:
             cols = mla.v_head_dim // self.mla_v_parts
             parts = self.attn_chunks * b * (rank + 1) * 4
             return Cost(cols * rank * e, parts + b * cols * e)
         raise ValueError(f"no cost for {instr}")
+
+
+def _hinted(reads: int, blocks: int, sharers: int) -> tuple[int, int]:
+    """An attention chunk that reads ``reads`` bytes of cache blocks of
+    ``blocks`` bytes (all heads), shared by ``sharers`` SMs that each hint
+    a slice of every block up to ``KV_HINT_BYTES`` (cost.py,
+    kernel/ops/kv_hint.py): the bytes it still reads from HBM once its wait
+    is met, and those it hints."""
+    early = min(blocks // sharers, KV_HINT_BYTES)
+    covered = min(1.0, early * sharers / blocks) if blocks else 1.0
+    return round(reads * (1 - covered)), early
 
 
 _MLA_OPS = (Op.MLA_QKV_A, Op.MLA_Q, Op.MLA_APPEND, Op.MLA_ATTN, Op.MLA_COMBINE)

@@ -8,7 +8,8 @@ Roles (the default kernel; ``persistent.py`` assigns the warps):
 * The controller (one lane of the producer warpgroup, ``controller``):
   walks the queue ahead of the consumers. Per instruction it waits for a
   free slot of the instruction ring (``queue_empty``), copies the words into
-  it, hints the weights of an instruction without pages into L2, waits for
+  it, hints the weights of an instruction without pages and an attention
+  chunk's past cache rows into L2 (``ops/kv_hint.py``), waits for
   the instruction's inputs (``wait_inputs``), hints a routed expert tile's
   rows into L2 (``prefetch_routed``: their addresses are known only now),
   then arrives on the slot's ``queue_ready`` mbarrier. So the fetch and the
@@ -62,6 +63,7 @@ from vllm_ext.megakernel.kernel.ops.expert_down import (
 from vllm_ext.megakernel.kernel.ops.expert_up import (
     prefetch_routed as prefetch_routed_up,
 )
+from vllm_ext.megakernel.kernel.ops.kv_hint import hint_kv
 from vllm_ext.megakernel.kernel.ops.prefetch import prefetch_weights
 from vllm_ext.megakernel.kernel.ops.weight_pipe import instr_pages
 from vllm_ext.megakernel.kernel.queue import fetch
@@ -112,7 +114,8 @@ def ring_init(r: cutlass.Constexpr):
 @cute.jit
 def controller(s: cutlass.Constexpr, r: cutlass.Constexpr, q: cutlass.Constexpr,
                length, counters: cute.Tensor, epoch, max_spins, ptrs: cute.Tensor,
-               glob, paged: cutlass.Constexpr):  # fmt: skip
+               glob, paged: cutlass.Constexpr, kv_block_stride,
+               block_table_stride):  # fmt: skip
     """The controller lane: every instruction of the queue into the ring,
     published once its inputs are ready. ``paged``: the kernel has a weight
     ring (whose producer streams the paged instructions' weights)."""
@@ -134,6 +137,14 @@ def controller(s: cutlass.Constexpr, r: cutlass.Constexpr, q: cutlass.Constexpr,
                 prefetch_weights(s, ptrs, glob, ins[0], ins[1], ins[2], ins[3])
         else:
             prefetch_weights(s, ptrs, glob, ins[0], ins[1], ins[2], ins[3])
+        # So do the past tokens' cache rows of an attention chunk.
+        if cutlass.const_expr(s.mla):
+            if ins[0] == Op.MLA_ATTN:
+                hint_kv(s, ptrs, ins[1], glob, ins[2], s.mla_groups, ins[3],
+                        kv_block_stride, block_table_stride)  # fmt: skip
+        elif ins[0] == Op.ATTN:
+            hint_kv(s, ptrs, ins[1], glob, ins[2], s.kv_heads, ins[3],
+                    kv_block_stride, block_table_stride)  # fmt: skip
         wait_inputs(s, counters, ins, epoch, q.sm, pc, max_spins)
         hinted = prefetch_routed(s, q, ptrs, ins, pc, length, hinted)
         # Release at CTA scope: the words above and (through the acquire in

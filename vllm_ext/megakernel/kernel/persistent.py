@@ -377,7 +377,8 @@ class Megakernel:
                         produce(pipe)
                 elif tidx == CONTROLLER_WARP * 32:
                     controller(s, ring, q, lengths[sm], counters, epoch, max_spins,
-                               ptrs, glob, slots > 0)  # fmt: skip
+                               ptrs, glob, slots > 0, kv_block_stride,
+                               block_table_stride)  # fmt: skip
             else:
                 cute.arch.setmaxregister_increase(CONSUMER_REGS)
                 _consumer_loop(s, q, lengths[sm], args, scratch, pipe, ring)
