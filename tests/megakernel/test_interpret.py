@@ -102,8 +102,9 @@ def test_program_variants_give_the_plain_programs_bits(arch, batch, fuse, split)
     assert ops.count(Op.QKV) == tiles * spec.num_layers
     heads = spec.num_q_heads + 2 * spec.num_kv_heads
     assert tiles == min(heads * parts, 16) or heads * parts > 16
-    tails = spec.num_layers * spec.num_kv_heads if fuse else 0
-    assert len(ops) == plain.num_instructions - tails + ops.count(Op.QKV) - (
+    # (The plain program's COMBINE: a tile per q head.)
+    merges = spec.num_layers * spec.num_q_heads if fuse else 0
+    assert len(ops) == plain.num_instructions - merges + ops.count(Op.QKV) - (
         min(heads, 16) * spec.num_layers)  # fmt: skip
 
     def run(program, seed):

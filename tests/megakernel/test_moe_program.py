@@ -496,3 +496,15 @@ def test_a_step_reads_the_filled_slots_only(batch):
     per_expert = 3 * h * inter * e * sum(spec.moe.sparse_layers)
     gap = abs(total - program.weight_bytes())
     assert gap <= per_expert * abs(filled - program.expected_experts) + 64 * h * e
+
+
+def test_a_step_reads_the_floors_expert_bytes():
+    """A step's reads (``step_cost``) count the expected experts with their
+    fraction, as the floor does: Mixtral-8x7B at batch 4 expects 5.47, and
+    read as 5 filled slots its prediction came out under its floor."""
+    from vllm_ext.megakernel.build import spec_or_exit
+
+    program = plan(spec_or_exit("test", "mixtral-8x7b", "bfloat16", 4), 4,
+                   DEVICES["h200"])  # fmt: skip
+    step = sum(program.step_cost(i).weight_bytes for q in program.queues for i in q)
+    assert step == pytest.approx(program.weight_bytes(), rel=1e-4)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vllm_ext.megakernel.cost import DEVICES
-from vllm_ext.megakernel.isa import NO_COUNTER, Op
+from vllm_ext.megakernel.isa import NO_COUNTER, Op, unpack_cols
 from vllm_ext.megakernel.planner import plan
 from vllm_ext.megakernel.verify import VerificationError, verify
 from vllm_ext.model_spec import ModelSpec
@@ -130,6 +130,20 @@ def test_double_write(program):
     bad = replace_instr(program, where, arg1=instr.arg1 + 16)
     with pytest.raises(VerificationError, match="written twice"):
         verify(bad)
+
+
+@pytest.mark.parametrize(
+    "heads, error", [((0, 2), "written twice"), ((1, 1), "no instruction writes")]
+)
+def test_combine_heads_written_twice_or_not_at_all(program, heads, error):
+    """COMBINE runs a tile per q head (isa.pack_cols): one that takes its
+    neighbour's head too, or none, is caught."""
+    where = find(program, Op.COMBINE, 0)
+    assert unpack_cols(program.queues[where[0]][where[1]].arg1) == (0, 1)
+    lo, hi = heads
+    arg1 = lo << 16 | hi  # (pack_cols refuses an empty range)
+    with pytest.raises(VerificationError, match=error):
+        verify(replace_instr(program, where, arg1=arg1))
 
 
 def test_unwritten_read(program):

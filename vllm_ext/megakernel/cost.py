@@ -279,9 +279,9 @@ def _signallers(queues) -> dict[int, int]:
 
 def _tail_s(program, attn, device: Device) -> float:
     """Execution time of the COMBINE an ATTN's tail runs."""
-    from vllm_ext.megakernel.isa import Instruction, Op
+    from vllm_ext.megakernel.isa import tail_combine
 
-    combine = Instruction(Op.COMBINE, attn.layer, attn.arg0, 0)
+    combine = tail_combine(program, attn)
     return (
         device.instruction_overhead_s
         + program.cost(combine).other_bytes / device.sm_bytes_per_s

@@ -17,7 +17,13 @@ import random
 
 import torch
 
-from vllm_ext.megakernel.isa import NO_COUNTER, Instruction, Op, unpack_cols
+from vllm_ext.megakernel.isa import (
+    NO_COUNTER,
+    Instruction,
+    Op,
+    tail_combine,
+    unpack_cols,
+)
 from vllm_ext.megakernel.ops import (
     attn,
     combine,
@@ -108,7 +114,7 @@ class ProgramInterpreter:
                 signal(c)
                 done = self.epoch * self.signallers[c]
                 if instr.tail != NO_COUNTER and self.counters[c] == done:
-                    self._execute(Instruction(Op.COMBINE, instr.layer, instr.arg0, 0))
+                    self._execute(tail_combine(self.program, instr))
                     signal(instr.tail)
             arrive(sm)
         stuck = [sm for sm in range(len(queues)) if pos[sm] < len(queues[sm])]
@@ -229,10 +235,13 @@ class ProgramInterpreter:
             buf["part_lse"][layer][b, a] = lse
         elif i.op == Op.COMBINE:
             group = s.num_q_heads // s.num_kv_heads
+            lo, hi = unpack_cols(b)
             merged = combine.reference(
-                buf["part_o"][layer][:, a], buf["part_lse"][layer][:, a], dtype
+                buf["part_o"][layer][:, a, :, lo:hi],
+                buf["part_lse"][layer][:, a, :, lo:hi],
+                dtype,
             )
-            buf["attn"][layer][:, a * group : (a + 1) * group] = merged
+            buf["attn"][layer][:, a * group + lo : a * group + hi] = merged
         elif i.op == Op.O_PROJ:
             attn_flat = buf["attn"][layer].reshape(self.program.batch, -1)
             buf["hmid"][layer][:, a:b] = o_proj.reference(

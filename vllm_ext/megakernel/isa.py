@@ -12,7 +12,8 @@ then adds 1 to ``counters[signal_counter]``. ``tail`` is ATTN's alone
 (NO_COUNTER elsewhere, and for ATTN in the default program): the chunk whose
 signal completes its head (brings ``counters[signal_counter]`` to
 ``epoch * attn_chunks``: every chunk of kv head g has stored its partial)
-then runs COMBINE for g on the same CTA and adds 1 to ``counters[tail]``.
+then runs COMBINE for all of g's q heads on the same CTA and adds 1 to
+``counters[tail]``.
 The merge thus starts as soon as its last input exists, with no phase
 boundary and no instruction of its own. ``epoch`` is the 1-based step
 number, kept on the device (the cell after the last counter, bumped before
@@ -32,8 +33,9 @@ QKV        RMSNorm(h[l]) @ Wqkv (+bias) for heads   fused head parts
 ATTN       partial attention of kv head g's q       g, chunk c (of
            heads over chunk c of each sequence      ``attn_chunks``)
            -> (o, lse) in fp32
-COMBINE    merge kv head g's chunks by lse          g
-           -> attn[l][:, heads of g]
+COMBINE    merge kv head g's chunks by lse for      g, packed q heads
+           its q heads [lo, hi) -> attn[l][:, g     [lo, hi) of g
+           * group + lo : g * group + hi]           (``pack_cols``)
 O_PROJ     hmid[l][:, lo:hi] = h[l][:, lo:hi]       hidden cols [lo, hi)
            + attn[l] @ Wo[lo:hi].T
 GATE_UP    act[l][:, lo:hi] = SiLU(x @ Wg.T) *      intermediate cols
@@ -135,7 +137,8 @@ class Op(IntEnum):
 
 
 def pack_cols(lo: int, hi: int) -> int:
-    """EXPERT_UP's column range in one argument word."""
+    """EXPERT_UP's column range (COMBINE's q heads) in one argument
+    word."""
     if not 0 <= lo < hi < 1 << 15:
         raise ValueError(f"columns [{lo}, {hi}) do not pack")
     return lo << 16 | hi
@@ -203,3 +206,11 @@ def decode(table: torch.Tensor, lengths: torch.Tensor) -> list[list[Instruction]
         [Instruction.from_words(table[sm, i].tolist()) for i in range(int(n))]
         for sm, n in enumerate(lengths.tolist())
     ]
+
+
+def tail_combine(program, attn: Instruction) -> Instruction:
+    """The COMBINE an ATTN chunk's tail runs: all of its kv head's q heads
+    (``program``: a planner.Program)."""
+    spec = program.spec
+    group = spec.num_q_heads // spec.num_kv_heads
+    return Instruction(Op.COMBINE, attn.layer, attn.arg0, pack_cols(0, group))

@@ -14,8 +14,9 @@ QKV tiles only, an MLA layer's MLA_Q for q_a's tiles of the down projection
 and MLA_APPEND for kv_a's). Tiles are sized from bytes so every phase
 spreads over all SMs.
 
-With ``fuse_combine`` there are no COMBINE instructions: the last ATTN chunk
-of each kv head merges the head's partials itself (``tail`` in isa.py), which
+COMBINE runs a tile per q head. With ``fuse_combine`` there are no COMBINE
+instructions: the last ATTN chunk of each kv head merges the head's partials
+itself (``tail`` in isa.py), which
 removes one of the six phase boundaries of a layer.
 
 With ``qkv_parts`` = P > 1, QKV tiles are parts of heads (isa.py), so the
@@ -138,16 +139,24 @@ class Program:
         return occupied_slots(self.spec, self.batch)
 
     def step_cost(self, instr: Instruction) -> Cost:
-        """``cost(instr)`` in a step that fills ``occupied_slots`` slots: an
-        empty slot's EXPERT_UP reads nothing, EXPERT_DOWN only the filled
-        slots' rows."""
+        """``cost(instr)`` in a step that fills the expected number of slots
+        (``expected_experts``, the floor's): slots below it are filled, the
+        one it falls in by its fraction, the rest read nothing; EXPERT_DOWN
+        reads the filled slots' rows. (Rounding it to whole slots let
+        Mixtral-8x7B at batch 4, 5.47 experts, come out under its floor.)"""
         routed = self.routed_weight_bytes(instr)
         if not routed:
             return self.cost(instr)
         full = self.cost(instr)
+        expected = self.expected_experts
         if instr.op == Op.EXPERT_UP:
-            return full if instr.arg0 < self.occupied_slots else Cost(0, 0)
-        unread = routed - routed * self.occupied_slots // self.num_slots
+            share = min(1.0, max(0.0, expected - instr.arg0))
+            if share == 1.0:
+                return full
+            return Cost(
+                round(full.weight_bytes * share), round(full.other_bytes * share)
+            )
+        unread = routed - round(routed * expected / self.num_slots)
         return Cost(full.weight_bytes - unread, full.other_bytes)
 
     def weight_bytes(self) -> int:
@@ -199,9 +208,10 @@ class Program:
             late, early = _hinted(kv, s.num_kv_heads * kv, s.num_kv_heads)
             return Cost(0, late + b * group * d * (e + 4) + b * group * 4, early)
         if instr.op == Op.COMBINE:
-            group = s.num_q_heads // s.num_kv_heads
+            lo, hi = unpack_cols(instr.arg1)
+            heads = hi - lo
             return Cost(
-                0, self.attn_chunks * b * group * (d + 1) * 4 + b * group * d * e
+                0, self.attn_chunks * b * heads * (d + 1) * 4 + b * heads * d * e
             )
         if instr.op == Op.O_PROJ:
             width = s.q_size if s.mla is None else s.mla.num_heads * s.mla.v_head_dim
@@ -469,14 +479,19 @@ def plan(
             for g, tiles in enumerate(qkv_group_tiles(spec, qkv_parts, n_sm))
         ]
         combine_c = counter(f"L{layer}.combine")
+        group = spec.num_q_heads // spec.num_kv_heads
         for g in range(spec.num_kv_heads):
             attn_tiles = [(g, c) for c in range(chunks)]
             tail = combine_c if fuse_combine else NO_COUNTER
             a = phase(Op.ATTN, layer, attn_tiles, ready[g], f"L{layer}.attn.g{g}",
                       tail)  # fmt: skip
             if not fuse_combine:
-                phases.append((Op.COMBINE, layer, [(g, 0)], a, combine_c, NO_COUNTER))
-        return (combine_c, spec.num_kv_heads)
+                # A tile per q head: a group's merge is spread over its
+                # heads' SMs, not read by one (Qwen3-30B-A3B at batch 1:
+                # 66 KB of partials, 2 us at an SM's share of bandwidth).
+                heads = [(g, pack_cols(j, j + 1)) for j in range(group)]
+                phases.append((Op.COMBINE, layer, heads, a, combine_c, NO_COUNTER))
+        return (combine_c, spec.num_kv_heads if fuse_combine else spec.num_q_heads)
 
     def latent_attention(layer: int, prev) -> tuple[int, int]:
         assert mla is not None
@@ -594,7 +609,10 @@ def plan(
     # phase's tiles, nor of the opcode's in the layer (a layer's QKV groups,
     # its attention chunks): by bytes alone a phase's tiles pile onto the
     # SMs the last phases left light, and a phase ends with its most loaded
-    # SM (docs/design.md, "Placement").
+    # SM (docs/design.md, "Placement"). An attention chunk's hinted cache
+    # rows (Cost.early_bytes) are not load: they stream through the phases
+    # before it (counted, the model's Llama-3.2-1B batch-4 step is 682 us,
+    # not 616).
     op_tiles = Counter((op, layer) for op, layer, tiles, *_ in phases
                        for _ in tiles)  # fmt: skip
     taken: dict[tuple[Op, int], list[int]] = {}
@@ -616,10 +634,15 @@ def plan(
                     # TOPK in the queues): the routed tiles wait for it.
                     up = taken.get((Op.EXPERT_UP, layer), [0] * n_sm)
                     open_ = [i for i in open_ if not up[i]] or open_
-                sm = min(
-                    [i for i in open_ if in_op[i] < op_cap] or open_,
-                    key=load.__getitem__,
-                )
+                if program.routed_weight_bytes(instr):
+                    # A routed tile: even routed rows first (they all stream
+                    # after TOPK, and EXPERT_DOWN waits for the last).
+                    if routed_layer != layer:
+                        routed, routed_layer = {}, layer
+                    key = lambda i, r=routed: (r.get(i, 0), load[i])  # noqa: E731
+                else:
+                    key = load.__getitem__
+                sm = min([i for i in open_ if in_op[i] < op_cap] or open_, key=key)
             in_phase[sm] += 1
             in_op[sm] += 1
             if program.routed_weight_bytes(instr):

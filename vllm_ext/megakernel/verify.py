@@ -34,7 +34,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_ext.megakernel.isa import NO_COUNTER, Instruction, Op, unpack_cols
+from vllm_ext.megakernel.isa import (
+    NO_COUNTER,
+    Instruction,
+    Op,
+    tail_combine,
+    unpack_cols,
+)
 
 
 class VerificationError(ValueError):
@@ -81,8 +87,9 @@ def accesses(program, instr: Instruction) -> tuple[list[Region], list[Region]]:
         ]
         return reads, [Region("part", ly, a * chunks + b, a * chunks + b + 1)]
     if op == Op.COMBINE:
+        lo, hi = unpack_cols(b)
         reads = [Region("part", ly, a * chunks, (a + 1) * chunks)]
-        return reads, [Region("attn", ly, a * group, (a + 1) * group)]
+        return reads, [Region("attn", ly, a * group + lo, a * group + hi)]
     if op == Op.O_PROJ:
         # MLA: attn units are (head, v part) pairs (MLA_COMBINE's tiles).
         units = nq * program.mla_v_parts if s.mla is not None else nq
@@ -198,8 +205,9 @@ def _tail_queues(program) -> tuple[tuple[Instruction, ...], ...]:
             )
         if not 0 <= first.tail < program.num_counters:
             raise VerificationError(f"{first}: no such counter")
-        tails.append((Instruction(Op.COMBINE, first.layer, first.arg0, 0, counter,
-                                  len(chunks), first.tail),))  # fmt: skip
+        merge = tail_combine(program, first)
+        tails.append((Instruction(Op.COMBINE, first.layer, first.arg0, merge.arg1,
+                                  counter, len(chunks), first.tail),))  # fmt: skip
     return tuple(tails)
 
 

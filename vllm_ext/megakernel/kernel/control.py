@@ -271,7 +271,7 @@ def run_tail(s: cutlass.Constexpr, ptrs: cute.Tensor, counters: cute.Tensor,
     tidx, _, _ = cute.arch.thread_idx()
     consumer_sync()
     if tail[0] != 0:
-        combine(s, ptrs, layer, g)
+        combine(s, ptrs, layer, g, 0, s.group)
         consumer_sync()
         if tidx == 0:
             cute.arch.atomic_add(counters.iterator + ins[7], Int32(1),

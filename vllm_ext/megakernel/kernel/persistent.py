@@ -543,7 +543,7 @@ def _grouped_query_op(s: cutlass.Constexpr, op, layer, a0, a1, a: cutlass.Conste
                  a.block_table_stride, a.attn_scale, m.warp_m, m.warp_l,
                  m.warp_o)  # fmt: skip
     else:
-        combine(s, ptrs, layer, a0)
+        combine(s, ptrs, layer, a0, a1 >> 16, a1 & 0xFFFF)  # (isa.pack_cols)
 
 
 @cute.jit

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """COMBINE (reference: ``ops/combine.py``): merge kv head g's chunk
-partials by log-sum-exp in fp32, in chunk order, into the layer's
-attention output (bf16). A row with no tokens (padding) gives zeros."""
+partials of its q heads [lo, hi) by log-sum-exp in fp32, in chunk order,
+into the layer's attention output (bf16). A row with no tokens (padding)
+gives zeros."""
 
 import cutlass
 import cutlass.cute as cute
@@ -12,7 +13,7 @@ from vllm_ext.megakernel.kernel.shape import KernelShape, LayerSlot
 
 
 @cute.jit
-def combine(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, g):
+def combine(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, g, lo, hi):
     shape: KernelShape = s
     b, d, group, chunks = shape.batch, shape.head_dim, shape.group, shape.attn_chunks
     nkv = shape.kv_heads
@@ -20,9 +21,10 @@ def combine(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, g):
     part_lse = gmem(Float32, ptrs[layer, LayerSlot.PART_LSE], (chunks, nkv, b, group))
     attn = gmem(BFloat16, ptrs[layer, LayerSlot.ATTN], (b, shape.q_heads, d))
     tidx, _, _ = thread_ids()
-    for idx in cutlass.range(tidx, b * group * d, NUM_THREADS):
-        i, rest = idx // (group * d), idx % (group * d)
-        gi, dim = rest // d, rest % d
+    n = hi - lo
+    for idx in cutlass.range(tidx, b * n * d, NUM_THREADS):
+        i, rest = idx // (n * d), idx % (n * d)
+        gi, dim = lo + rest // d, rest % d
         top = Float32(float("-inf"))
         for c in cutlass.range_constexpr(chunks):
             top = cute.math.max(top, part_lse[c, g, i, gi])
