@@ -112,7 +112,7 @@ def test_dependency_latency_is_stated_and_costs_time():
         assert result.returncode == 0, result.stdout + result.stderr
         got[us] = json.loads(result.stdout.strip().splitlines()[-1])
         assert got[us]["dependency_us"] == float(us)
-        assert got[us]["predicted_with_slots_filled"] == 8
+        assert got[us]["planned_slots_filled"] == 8
     assert got["1"]["floor_us"] == got["5"]["floor_us"]
     assert got["1"]["predicted_us"] < got["5"]["predicted_us"]
     result = run("--config", "qwen3-30b-a3b", "--batch", "1", "--dependency-us", "-1")

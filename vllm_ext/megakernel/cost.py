@@ -34,9 +34,9 @@ A design tool, not a claim. Its assumptions, all here:
   routed loads follow each other. The static weights of instructions
   without pages (the router's rows, the shared expert's, the latent
   attention's) stay in the in-order stream: the controller hints them
-  before their waits. A step fills ``Program.occupied_slots`` expert
-  slots (the expected distinct experts under uniform routing); the others
-  read nothing.
+  before their waits. A step fills the expected number of distinct
+  experts under uniform routing, the slot it falls in by its fraction
+  (``Program.step_cost``); the others read nothing.
 * An instruction executes once its weights are in and its wait is met; the
   wait is met ``dependency_latency_s`` after the last signal it needs (a
   release/acquire round trip through L2). Executing costs
@@ -175,7 +175,8 @@ def predict(
             cum.append(total)
         streams.append(_Stream(cum, bw))
     # The controller: when it published each SM's last instruction, and
-    # when that SM's routed stream is free; the SM's instruction ends.
+    # when that SM's routed stream (routed rows, hinted KV rows) is free; the
+    # SM's instruction ends.
     published = [0.0] * len(queues)
     routed_free = [0.0] * len(queues)
     ends: list[list[float]] = [[] for _ in queues]
@@ -384,7 +385,7 @@ def _hinted_with(queue, k: int) -> range:
 
 def _routed_step_bytes(program, instr, step_cost: Cost) -> int:
     """The routed rows ``instr`` reads in a step (``step_cost``: its cost
-    with ``occupied_slots`` slots filled); the rest of its weights are
+    with the expected experts filled); the rest of its weights are
     static."""
     r = program.routed_weight_bytes(instr)
     if not r:

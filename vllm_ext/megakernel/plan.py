@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         result.update(
             expert_slots=program.num_slots,
             expected_experts=round(program.expected_experts, 2),
-            predicted_with_slots_filled=program.occupied_slots,
+            planned_slots_filled=program.occupied_slots,
         )
     if pred is not None:
         result.update(

@@ -134,8 +134,9 @@ class Program:
 
     @property
     def occupied_slots(self) -> int:
-        """Expert slots a step fills, as the cost model assumes: the
-        expected distinct experts, rounded (0 without a mixture)."""
+        """Expert slots the planner sizes and places tiles for: the
+        expected distinct experts, rounded (0 without a mixture). The cost
+        model reads the fraction (``step_cost``)."""
         return occupied_slots(self.spec, self.batch)
 
     def step_cost(self, instr: Instruction) -> Cost:
@@ -377,7 +378,7 @@ def expected_experts(spec: ModelSpec, batch: int) -> float:
 
 
 def occupied_slots(spec: ModelSpec, batch: int) -> int:
-    """Expert slots a step fills, as the cost model assumes: the expected
+    """Expert slots the planner sizes and places tiles for: the expected
     distinct experts, rounded (0 without a mixture)."""
     if spec.moe is None:
         return 0
@@ -617,6 +618,8 @@ def plan(
                        for _ in tiles)  # fmt: skip
     taken: dict[tuple[Op, int], list[int]] = {}
     for op, layer, tiles, (wait_c, wait_n), signal, tail in phases:
+        if layer != routed_layer:
+            routed, routed_layer = {}, layer
         in_phase = [0] * n_sm
         in_op = taken.setdefault((op, layer), [0] * n_sm)
         phase_cap = math.ceil(len(tiles) / n_sm)
@@ -624,7 +627,7 @@ def plan(
         for a0, a1 in tiles:
             instr = Instruction(op, layer, a0, a1, wait_c, wait_n, signal, tail)
             cost = program.step_cost(instr)
-            if op == Op.EXPERT_DOWN and routed_layer == layer:
+            if op == Op.EXPERT_DOWN:
                 sm = min(routed, key=lambda i: (routed[i], load[i]))
             else:
                 # (The phase's share always has room; the opcode's may not.)
@@ -634,20 +637,16 @@ def plan(
                     # TOPK in the queues): the routed tiles wait for it.
                     up = taken.get((Op.EXPERT_UP, layer), [0] * n_sm)
                     open_ = [i for i in open_ if not up[i]] or open_
-                if program.routed_weight_bytes(instr):
-                    # A routed tile: even routed rows first (they all stream
-                    # after TOPK, and EXPERT_DOWN waits for the last).
-                    if routed_layer != layer:
-                        routed, routed_layer = {}, layer
-                    key = lambda i, r=routed: (r.get(i, 0), load[i])  # noqa: E731
-                else:
-                    key = load.__getitem__
-                sm = min([i for i in open_ if in_op[i] < op_cap] or open_, key=key)
+                # A routed tile: even routed rows first (they all stream
+                # after TOPK, and EXPERT_DOWN waits for the last).
+                first = routed if program.routed_weight_bytes(instr) else {}
+                sm = min(
+                    [i for i in open_ if in_op[i] < op_cap] or open_,
+                    key=lambda i: (first.get(i, 0), load[i]),
+                )
             in_phase[sm] += 1
             in_op[sm] += 1
             if program.routed_weight_bytes(instr):
-                if routed_layer != layer:
-                    routed, routed_layer = {}, layer
                 routed[sm] = routed.get(sm, 0) + cost.weight_bytes
             load[sm] += cost.weight_bytes + cost.other_bytes
             order.append((sm, len(queues[sm])))
