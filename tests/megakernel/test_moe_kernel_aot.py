@@ -134,12 +134,14 @@ def test_real_shapes_compile_clean(builds, case):
     sass = sass_of(built)
     # TOPK's distinct-expert prefix count: a ballot and population counts.
     assert re.search(r"\bVOTE\.ANY\b", sass) and re.search(r"\bPOPC\b", sass)
-    # The controller hints a routed tile's rows into L2 between its acquire
-    # and its publish: EXPERT_UP's two matrices, EXPERT_DOWN's first slots,
-    # and after an EXPERT_UP the following EXPERT_DOWN tiles' (none there
-    # when the ops hinted their rows themselves).
+    # The controller hints an EXPERT_DOWN tile's rows into L2 between its
+    # acquire and its publish (its first slots' experts); a routed
+    # EXPERT_UP's consumers hint their tile's two matrices and the following
+    # EXPERT_DOWN tiles' (expert_up.hint_routed), outside that window.
     slots = real_shape(case[0], case[1]).num_slots
-    assert controller_routed_prefetches(sass) >= 2 + 2 * min(slots, PREFETCH_SLOTS)
+    controller = controller_routed_prefetches(sass)
+    assert controller >= min(slots, PREFETCH_SLOTS)
+    assert sass.count("UBLKPF.L2") >= controller + 2 + min(slots, PREFETCH_SLOTS)
 
 
 def controller_routed_prefetches(sass: str) -> int:
@@ -154,12 +156,16 @@ def controller_routed_prefetches(sass: str) -> int:
 
 
 def test_the_cost_model_knows_the_controllers_reach():
-    """cost.py times a routed tile's rows from the controller's publish,
-    which runs at most control.QUEUE_SLOTS instructions ahead."""
+    """cost.py times an EXPERT_DOWN tile's rows from the controller's
+    publish, which runs at most control.QUEUE_SLOTS instructions ahead, and
+    a routed EXPERT_UP's from the hints of the tile ROUTED_AHEAD before it,
+    as far ahead as the controller runs."""
     from vllm_ext.megakernel import cost
     from vllm_ext.megakernel.kernel import control
+    from vllm_ext.megakernel.kernel.ops import expert_up
 
     assert cost.QUEUE_SLOTS == control.QUEUE_SLOTS
+    assert cost.ROUTED_AHEAD == expert_up.ROUTED_AHEAD == control.QUEUE_SLOTS - 1
 
 
 def test_from_program_takes_the_mixture():

@@ -130,28 +130,59 @@ def test_expected_experts_and_weight_bytes():
     )
 
 
+def _layer_queues(program, layer, change):
+    """The program's queues with ``change(instr)`` applied to ``layer``'s
+    instructions."""
+    return tuple(
+        tuple(change(i) if i.layer == layer else i for i in q) for q in program.queues
+    )
+
+
 def test_an_expert_read_before_its_routing_is_caught():
-    """EXPERT_UP made to wait for ROUTE instead of TOPK: it reads the
-    routing table before its writer is known to have run."""
+    """A routed EXPERT_UP made to wait for O_PROJ instead of ROUTE: it
+    computes the routing from logits not known to exist."""
     spec = spec_of("mixtral", torch.bfloat16)
     program = plan(spec, 2, DEVICE)
     topk = next(i for _, _, i in program.in_global_order() if i.op == Op.TOPK)
-    route = next(i for _, _, i in program.in_global_order() if i.op == Op.ROUTE)
-    signallers = sum(
-        1 for _, _, i in program.in_global_order()
-        if i.signal_counter == route.signal_counter
-    )  # fmt: skip
-    queues = tuple(
-        tuple(
-            dataclasses.replace(i, wait_counter=route.signal_counter,
-                                wait_count=signallers)
-            if i.op == Op.EXPERT_UP and i.layer == topk.layer else i
+    route = next(i for _, _, i in program.in_global_order()
+                 if i.op == Op.ROUTE and i.layer == topk.layer)  # fmt: skip
+    queues = _layer_queues(program, topk.layer, lambda i: dataclasses.replace(
+        i, wait_counter=route.wait_counter, wait_count=route.wait_count,
+    ) if i.op == Op.EXPERT_UP else i)  # fmt: skip
+    with pytest.raises(VerificationError, match="reads router"):
+        verify(dataclasses.replace(program, queues=queues))
+
+
+def test_a_routing_table_read_before_topk_is_caught():
+    """TOPK made to signal a counter nobody waits for, moved behind its SM's
+    EXPERT_UP tiles of the layer (so no later signal of its SM covers its
+    stores), and EXPERT_DOWN waiting for the expert tiles alone:
+    EXPERT_DOWN reads the routing table before TOPK is known to have
+    written it."""
+    spec = spec_of("mixtral", torch.bfloat16)
+    program = plan(spec, 2, DEVICE)
+    topk = next(i for _, _, i in program.in_global_order() if i.op == Op.TOPK)
+    spare = program.num_counters
+    moved = dataclasses.replace(topk, signal_counter=spare)
+    queues = []
+    for q in program.queues:
+        if topk in q:
+            q = [i for i in q if i != topk]
+            at = max(n + 1 for n, i in enumerate(q)
+                     if i.layer < topk.layer or i.op == Op.EXPERT_UP
+                     and i.layer == topk.layer)  # fmt: skip
+            q.insert(at, moved)
+        queues.append(tuple(
+            dataclasses.replace(i, wait_count=i.wait_count - 1)
+            if i.op == Op.EXPERT_DOWN and i.layer == topk.layer else i
             for i in q
-        )
-        for q in program.queues
+        ))  # fmt: skip
+    program = dataclasses.replace(
+        program, queues=tuple(queues),
+        counter_names=(*program.counter_names, "spare"),
     )  # fmt: skip
     with pytest.raises(VerificationError, match="reads route"):
-        verify(dataclasses.replace(program, queues=queues))
+        verify(program)
 
 
 def test_expert_tiles_cover_each_slot():
@@ -167,9 +198,9 @@ def test_expert_tiles_cover_each_slot():
 
 
 def test_the_shared_expert_runs_beside_the_routing():
-    """Its tiles wait for O_PROJ, not TOPK, and precede TOPK in every queue
-    that holds both; EXPERT_DOWN waits for them and the routed tiles; the
-    floor counts its weights every step."""
+    """Its tiles wait for O_PROJ, not ROUTE, and precede TOPK in every queue
+    that holds both; EXPERT_DOWN waits for them, TOPK and the routed tiles;
+    the floor counts its weights every step."""
     spec = spec_of("deepseek_routing", torch.bfloat16)
     program = plan(spec, 1, DEVICE)
     shared = program.shared_slot
@@ -187,7 +218,8 @@ def test_the_shared_expert_runs_beside_the_routing():
                 for i in ups if i.arg0 == shared)  # fmt: skip
     assert width == spec.moe.shared_intermediate * sum(spec.moe.sparse_layers)
     downs = [i for _, _, i in program.in_global_order() if i.op == Op.EXPERT_DOWN]
-    assert {i.wait_count for i in downs} == {len(ups) // sum(spec.moe.sparse_layers)}
+    per_layer = len(ups) // sum(spec.moe.sparse_layers)
+    assert {i.wait_count for i in downs} == {per_layer + 1}  # (+ TOPK)
     plain = dataclasses.replace(spec, moe=dataclasses.replace(
         spec.moe, shared_intermediate=0))  # fmt: skip
     e, h = spec.dtype.itemsize, spec.hidden_size
@@ -211,7 +243,7 @@ def test_a_shared_expert_skipped_by_expert_down_is_caught():
     n = sum(1 for q in queues for i in q if i.op == Op.EXPERT_UP)
     layers = sum(spec.moe.sparse_layers)
     queues = tuple(
-        tuple(dataclasses.replace(i, wait_count=n // layers)
+        tuple(dataclasses.replace(i, wait_count=n // layers + 1)  # (+ TOPK)
               if i.op == Op.EXPERT_DOWN else i for i in q)
         for q in queues
     )  # fmt: skip
@@ -221,21 +253,24 @@ def test_a_shared_expert_skipped_by_expert_down_is_caught():
 
 class TinyProgram:
     """Two SMs, hand-built for the cost model (the planner.Program methods
-    predict() reads): SM 0 runs a sparse layer's TOPK, whose execution
-    takes ``topk_bytes`` of activations; SM 1 runs a routed EXPERT_UP of
-    ``routed`` bytes (waiting for TOPK), then the next layer's QKV of
-    ``paged`` bytes (waiting for the EXPERT_UP)."""
+    predict() reads): SM 0 runs a sparse layer's ROUTE, whose execution
+    takes ``route_bytes`` of activations; SM 1 runs a routed EXPERT_UP of
+    ``routed`` bytes (waiting for ROUTE; computing the routing first, as
+    long as a TOPK of ``routing_bytes`` takes), then the next layer's QKV
+    of ``paged`` bytes (waiting for the EXPERT_UP)."""
 
-    def __init__(self, device, topk_bytes: int, routed: int, paged: int):
+    def __init__(self, device, route_bytes: int, routed: int, paged: int,
+                 routing_bytes: int = 0):  # fmt: skip
         from vllm_ext.megakernel.isa import Instruction
 
         self.device = device
-        topk = Instruction(Op.TOPK, 0, 0, 0, signal_counter=0)
+        route = Instruction(Op.ROUTE, 0, 0, 16, signal_counter=0)
         up = Instruction(Op.EXPERT_UP, 0, 0, 0, 0, 1, signal_counter=1)
         qkv = Instruction(Op.QKV, 1, 0, 1, 1, 1, signal_counter=2)
-        self.queues = ((topk,), (up, qkv))
+        self.queues = ((route,), (up, qkv))
         self.order = ((0, 0), (1, 0), (1, 1))
-        self._bytes = {topk: (0, topk_bytes), up: (routed, 0), qkv: (paged, 0)}
+        self._bytes = {route: (0, route_bytes), up: (routed, 0), qkv: (paged, 0),
+                       Instruction(Op.TOPK, 0, 0, 0): (0, routing_bytes)}  # fmt: skip
         self._routed = {up: routed}
         self.shared_slot = None
 
@@ -266,27 +301,36 @@ TINY = dataclasses.replace(
 
 
 def test_the_paged_stream_goes_on_through_the_routing_gap():
-    """TOPK ends at 10.5 us; the routed rows (4 us) stream from its signal's
-    arrival, 11.5 us, to 15.5; EXPERT_UP runs to 16.0; QKV, whose 6 us of
-    weights streamed at once (not behind the routed rows: that would end
-    at 21.5), runs from its wait, 17.0, to 17.5."""
+    """ROUTE ends at 10.5 us; the routing takes EXPERT_UP from its signal's
+    arrival, 11.5 us, to 12.0; the routed rows (4 us) stream to 16.0;
+    EXPERT_UP runs to 16.5; QKV, whose 6 us of weights streamed at once
+    (not behind the routed rows: that would end at 22.0), runs from its
+    wait, 17.5, to 18.0."""
     from vllm_ext.megakernel.cost import predict
 
-    pred = predict(TinyProgram(TINY, topk_bytes=10_000, routed=4_000, paged=6_000))
+    pred = predict(TinyProgram(TINY, route_bytes=10_000, routed=4_000, paged=6_000))
     assert pred.sm_finish_s[0] == pytest.approx(10.5e-6)
-    assert pred.sm_finish_s[1] == pytest.approx(17.5e-6)
+    assert pred.sm_finish_s[1] == pytest.approx(18.0e-6)
 
 
 def test_routed_rows_start_after_the_routing_and_share_the_bandwidth():
     from vllm_ext.megakernel.cost import predict
 
-    # No earlier than TOPK's signal plus a dependency's latency: a cheaper
-    # TOPK (ends at 0.5 us) moves the routed rows, not the latency.
-    pred = predict(TinyProgram(TINY, topk_bytes=0, routed=4_000, paged=1_000))
-    assert pred.sm_finish_s[1] == pytest.approx((0.5 + 1 + 4 + 0.5 + 1 + 0.5) * 1e-6)
+    # No earlier than ROUTE's signal plus a dependency's latency plus the
+    # routing: a cheaper ROUTE (ends at 0.5 us) moves the routed rows, not
+    # the latency; a routing of 2000 bytes takes 2 us longer.
+    pred = predict(TinyProgram(TINY, route_bytes=0, routed=4_000, paged=1_000))
+    assert pred.sm_finish_s[1] == pytest.approx(
+        (0.5 + 1 + 0.5 + 4 + 0.5 + 1 + 0.5) * 1e-6
+    )
+    pred = predict(TinyProgram(TINY, route_bytes=0, routed=4_000, paged=1_000,
+                               routing_bytes=2_000))  # fmt: skip
+    assert pred.sm_finish_s[1] == pytest.approx(
+        (0.5 + 1 + 2.5 + 4 + 0.5 + 1 + 0.5) * 1e-6
+    )
     # QKV's 20 us of weights are in flight when the routed rows take the
     # SM's share for 4 us: they arrive at 24 us, not 20.
-    pred = predict(TinyProgram(TINY, topk_bytes=10_000, routed=4_000, paged=20_000))
+    pred = predict(TinyProgram(TINY, route_bytes=10_000, routed=4_000, paged=20_000))
     assert pred.sm_finish_s[1] == pytest.approx(24.5e-6)
 
 
@@ -298,7 +342,7 @@ class TinyDown(TinyProgram):
     def __init__(self, device, between: bool):
         from vllm_ext.megakernel.isa import Instruction
 
-        super().__init__(device, topk_bytes=0, routed=4_000, paged=0)
+        super().__init__(device, route_bytes=0, routed=4_000, paged=0)
         up = self.queues[1][0]
         down = Instruction(Op.EXPERT_DOWN, 0, 0, 16, 1, 1, signal_counter=2)
         other = Instruction(Op.ROUTE, 1, 0, 16)
@@ -310,27 +354,29 @@ class TinyDown(TinyProgram):
 
 
 def test_expert_down_rows_stream_behind_the_expert_up_rows():
-    """TOPK ends at 0.5 us; EXPERT_UP's rows stream from 1.5 to 5.5 and it
-    runs to 6.0. The EXPERT_DOWN right after it had its rows hinted with
-    them: in at 8.5, so it runs from 8.5 to 9.0, not from its own wait
-    (7.0) plus its 3 us of rows. Another instruction between the two: the
-    rows start at the EXPERT_DOWN's publish, 7.0, and it ends at 10.5."""
+    """ROUTE ends at 0.5 us; the routing takes EXPERT_UP to 2.0, its rows
+    stream to 6.0 and it runs to 6.5. The EXPERT_DOWN right after it had
+    its rows hinted with them: in at 9.0, so it runs from 9.0 to 9.5, not
+    from its own wait (7.5) plus its 3 us of rows. Another instruction
+    between the two: the rows start at the EXPERT_DOWN's publish, 7.5, and
+    it ends at 11.0."""
     from vllm_ext.megakernel.cost import predict
 
     assert predict(TinyDown(TINY, between=False)).sm_finish_s[1] == pytest.approx(
-        9.0e-6
+        9.5e-6
     )
     assert predict(TinyDown(TINY, between=True)).sm_finish_s[1] == pytest.approx(
-        10.5e-6
+        11.0e-6
     )
 
 
 @pytest.mark.parametrize("batch", [1, 4, 16])
 def test_expert_down_tiles_follow_a_routed_expert_up(batch):
     """Every EXPERT_DOWN tile comes right after a routed EXPERT_UP of its
-    layer (or another such EXPERT_DOWN) in its SM's queue: the controller
-    hints its rows once TOPK has run. The layer's routed bytes per SM that
-    runs its routed tiles (a step's) stay within one tile of each other's.
+    layer (or another such EXPERT_DOWN) in its SM's queue: that tile's
+    consumers hint its rows with the routing they computed. The layer's
+    routed bytes per SM that runs its routed tiles (a step's) stay within
+    one tile of each other's.
     (Qwen3-30B-A3B's real shape on all of an H200's SMs.)"""
     from vllm_ext.megakernel.build import spec_or_exit
 
@@ -508,3 +554,43 @@ def test_a_step_reads_the_floors_expert_bytes():
                    DEVICES["h200"])  # fmt: skip
     step = sum(program.step_cost(i).weight_bytes for q in program.queues for i in q)
     assert step == pytest.approx(program.weight_bytes(), rel=1e-4)
+
+
+@pytest.mark.parametrize("name, batch", [("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 16),
+                                         ("mixtral-8x7b", 4)])  # fmt: skip
+def test_routed_rows_are_hinted_once_ahead_of_their_tile(name, batch):
+    """The rule of kernel/ops/expert_up.py's hint_routed (cost._hinted_by)
+    on real programs: each SM's first routed tile of a layer computes the
+    routing; every routed tile and every EXPERT_DOWN tile after them is
+    hinted exactly once, by a routed tile of its layer at or before it and
+    at most ROUTED_AHEAD instructions before it or before the EXPERT_DOWN
+    tiles' routed tile; nothing else is."""
+    from vllm_ext.megakernel import cost
+    from vllm_ext.megakernel.build import spec_or_exit
+
+    program = plan(spec_or_exit("test", name, "bfloat16", batch), batch,
+                   DEVICES["h200"])  # fmt: skip
+    checked = 0
+    for q in program.queues:
+        routing = cost._routing_times(program, q, program.device)
+        hints: dict[int, list[int]] = {}
+        for k, i in enumerate(q):
+            if cost._routed_up(program, i):
+                for j in cost._hinted_by(program, q, k, routing):
+                    hints.setdefault(j, []).append(k)
+        firsts = {}
+        for k, i in enumerate(q):
+            if cost._routed_up(program, i):
+                firsts.setdefault(i.layer, k)
+        assert set(routing) == set(firsts.values())
+        for j, i in enumerate(q):
+            up = cost._routed_up(program, i)
+            if not up and i.op != Op.EXPERT_DOWN:
+                assert j not in hints
+                continue
+            (by,) = hints[j]  # exactly once
+            last_up = max(k for k in range(j + 1) if cost._routed_up(program, q[k]))
+            assert q[by].layer == i.layer and cost._routed_up(program, q[by])
+            assert by <= j and last_up - by <= cost.ROUTED_AHEAD
+            checked += 1
+    assert checked > 0

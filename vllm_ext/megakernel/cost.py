@@ -12,20 +12,22 @@ A design tool, not a claim. Its assumptions, all here:
   warp and the controller's L2 hints, kernel/control.py).
 * Except routed experts' rows (isa.py), whose addresses are data: that
   stream skips them (it never waits for a routing; it goes on with the
-  next instructions' weights through the gap, within the lookahead). An
-  instruction's routed rows start streaming when the controller publishes
-  it (it hints them into L2 then): its wait met, the instructions before
-  it published, its ring slot free (instruction k - ``QUEUE_SLOTS``
-  ended). A routed EXPERT_UP's wait is met ``dependency_latency_s`` after
-  the layer's TOPK ends. The EXPERT_DOWN tiles of its layer right after
-  it in the queue (the planner puts them there) have their rows hinted
-  with its own (an empty slot's too), so they stream behind them; another
-  EXPERT_DOWN's start at its own publish, once every EXPERT_UP of the
-  layer has signalled. The hints are capped
-  (ops/prefetch.py's PREFETCH_BYTES per matrix, expert_down.py's
-  PREFETCH_SLOTS) and the op loads the rest itself when it runs; the
-  model streams all of them from the publish, as if the SM were idle
-  until then (it is at batch 1, waiting for the routing).
+  next instructions' weights through the gap, within the lookahead). A
+  routed EXPERT_UP's wait is met ``dependency_latency_s`` after the
+  layer's ROUTE ends; once they are free, its consumers compute the
+  routing (the SM's first routed tile of the layer, as long as executing
+  the layer's TOPK takes; the next ones reuse it) and hint routed rows
+  ``ROUTED_AHEAD`` instructions ahead (``_hinted_by``): the first tile its
+  own and the next ones', each later tile the one that far after it, the
+  layer's last routed tile with the EXPERT_DOWN tiles right after it in
+  the queue (the planner puts them there). Those rows start streaming
+  then. Another EXPERT_DOWN's start when the controller publishes it: its
+  wait met (every EXPERT_UP of the layer and TOPK signalled), the
+  instructions before it published, its ring slot free (instruction k -
+  ``QUEUE_SLOTS`` ended). The hints are capped (ops/prefetch.py's
+  PREFETCH_BYTES per matrix, expert_down.py's PREFETCH_SLOTS) and the op
+  loads the rest itself when it runs; the model streams all of them from
+  the hint.
 * Routed rows take the SM's share of bandwidth first (they are late, and
   the next instruction needs them): an in-order transfer in flight then
   waits as long; idle time of that stream (a lookahead stall) absorbs it.
@@ -72,6 +74,9 @@ QUEUE_SLOTS = 4
 # An attention chunk's past cache rows one SM hints into L2, at most
 # (kernel/ops/kv_hint.py's KV_HINT_BYTES; the same test keeps them equal).
 KV_HINT_BYTES = 96 * 1024
+# Instructions a routed EXPERT_UP tile hints ahead of itself
+# (kernel/ops/expert_up.py's ROUTED_AHEAD; the same test keeps them equal).
+ROUTED_AHEAD = 3
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,7 @@ def predict(
         [_routed_step_bytes(program, i, c) for i, c in zip(q, cs, strict=True)]
         for q, cs in zip(queues, costs, strict=True)
     ]
+    routing = [_routing_times(program, q, device) for q in queues]
     # When each instruction's in-order weights are in, per SM (the stream
     # never waits for a dependency).
     streams: list[_Stream] = []
@@ -219,15 +225,21 @@ def predict(
             ready = latest[instr.wait_counter] + device.dependency_latency_s
         published[sm] = max(published[sm], ready, slot_free)
         weights_in = max(streams[sm].done(k), kv_in[sm].pop(k, 0.0))
-        if k in hinted[sm]:  # (rows hinted with the instruction before)
+        hints: list[tuple[int, float]] = []  # (instruction, hinted at)
+        if _routed_up(program, instr):
+            # Its consumers hint routed rows once free, after the routing if
+            # this tile computes it (kernel/ops/expert_up.py).
+            at = max(published[sm], finish[sm]) + routing[sm].get(k, 0.0)
+            hints = [(j, at) for j in _hinted_by(program, queues[sm], k, routing[sm])]
+        elif routed[sm][k] and k not in hinted[sm]:
+            hints = [(k, published[sm])]  # (by the controller)
+        for j, at in hints:
+            rs, dt = max(at, routed_free[sm]), routed[sm][j] / bw
+            routed_free[sm] = rs + dt
+            streams[sm].yield_to(k, rs, dt)
+            hinted[sm][j] = rs + dt
+        if k in hinted[sm]:
             weights_in = max(weights_in, hinted[sm].pop(k))
-        elif routed[sm][k] or _routed_up(program, instr):
-            for j in (k, *_hinted_with(queues[sm], k)):
-                rs, dt = max(published[sm], routed_free[sm]), routed[sm][j] / bw
-                routed_free[sm] = rs + dt
-                streams[sm].yield_to(k, rs, dt)
-                hinted[sm][j] = rs + dt
-            weights_in = max(streams[sm].done(k), hinted[sm].pop(k))
         heapq.heappush(heap, (max(finish[sm], ready, weights_in), sm))
 
     for sm in range(len(queues)):
@@ -287,6 +299,26 @@ def _tail_s(program, attn, device: Device) -> float:
         device.instruction_overhead_s
         + program.cost(combine).other_bytes / device.sm_bytes_per_s
     )
+
+
+def _routing_times(program, queue, device: Device) -> dict[int, float]:
+    """Per queue index, the routing a routed EXPERT_UP tile computes before
+    its rows stream: the SM's first routed tile of each layer, as long as
+    the layer's TOPK instruction takes to execute (the same work); the
+    next ones of the layer reuse it (kernel/ops/expert_up.py)."""
+    from vllm_ext.megakernel.isa import Instruction, Op
+
+    times: dict[int, float] = {}
+    seen: set[int] = set()
+    for k, instr in enumerate(queue):
+        if _routed_up(program, instr) and instr.layer not in seen:
+            seen.add(instr.layer)
+            topk = Instruction(Op.TOPK, instr.layer, 0, 0)
+            times[k] = (
+                device.instruction_overhead_s
+                + program.cost(topk).other_bytes / device.sm_bytes_per_s
+            )
+    return times
 
 
 class _Stream:
@@ -366,21 +398,28 @@ def _routed_up(program, instr) -> bool:
     return instr.op == Op.EXPERT_UP and instr.arg0 != program.shared_slot
 
 
-def _hinted_with(queue, k: int) -> range:
-    """The instructions whose routed rows the controller hints with
-    instruction k's: after a routed EXPERT_UP, the EXPERT_DOWN tiles of its
-    layer that follow it (kernel/control.py); TOPK's output gives both."""
+def _hinted_by(program, queue, k: int, routing: dict[int, float]) -> list[int]:
+    """The instructions whose routed rows routed EXPERT_UP tile k hints
+    (kernel/ops/expert_up.py's hint_routed): its own and the next
+    ``ROUTED_AHEAD`` if it computes the routing (``routing``), else the one
+    ``ROUTED_AHEAD`` after it; each with the layer's EXPERT_DOWN tiles that
+    follow it, if any."""
     from vllm_ext.megakernel.isa import Op
 
-    end = k + 1
-    if queue[k].op == Op.EXPERT_UP:
-        while (
-            end < len(queue)
-            and queue[end].op == Op.EXPERT_DOWN
-            and queue[end].layer == queue[k].layer
-        ):
-            end += 1
-    return range(k + 1, end)
+    layer = queue[k].layer
+    first = k if k in routing else k + ROUTED_AHEAD
+    out: list[int] = []
+    for p in range(first, min(k + ROUTED_AHEAD + 1, len(queue))):
+        if queue[p].layer != layer or not _routed_up(program, queue[p]):
+            continue
+        out.append(p)
+        p += 1
+        while p < len(queue) and queue[p].op == Op.EXPERT_DOWN:
+            if queue[p].layer != layer:
+                break
+            out.append(p)
+            p += 1
+    return out
 
 
 def _routed_step_bytes(program, instr, step_cost: Cost) -> int:
@@ -399,6 +438,7 @@ def _critical_path(program, costs, device: Device) -> float:
     from vllm_ext.megakernel.isa import NO_COUNTER
 
     bw = device.sm_bytes_per_s
+    routing = [_routing_times(program, q, device) for q in program.queues]
     by_counter: dict[int, float] = {}
     sm_end: dict[int, float] = {}
     signallers, seen = _signallers(program.queues), {}
@@ -411,6 +451,7 @@ def _critical_path(program, costs, device: Device) -> float:
             ready = max(ready, by_counter.get(instr.wait_counter, 0.0)
                         + device.dependency_latency_s)  # fmt: skip
         end = ready + device.instruction_overhead_s + costs[sm][idx].other_bytes / bw
+        end += routing[sm].get(idx, 0.0)
         c = instr.signal_counter
         if c != NO_COUNTER:
             by_counter[c] = max(by_counter.get(c, 0.0), end)

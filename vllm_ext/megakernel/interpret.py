@@ -278,8 +278,11 @@ class ProgramInterpreter:
                     buf["hmid"][layer], w.layers[layer], s, None, rows, lo, hi
                 )
                 return
-            routing = self.routing[layer]
-            assert routing is not None, "EXPERT_UP ran before its TOPK"
+            # A routed tile's own routing, from the logits (isa.py).
+            routing = topk.reference(
+                buf["router"][layer], w.layers[layer], s, self.seq_lens,
+                self.program.num_slots,
+            )  # fmt: skip
             expert = int(routing.experts[a])
             if expert < 0:  # a slot this step leaves empty
                 return

@@ -52,7 +52,8 @@ TOPK       route[l]: each request's experts and     (none)
            experts, ascending, in slots 0..u-1
 EXPERT_UP  xact[l][s, r, lo:hi] = SiLU(x @ Wg.T) *  slot s, intermediate
            (x @ Wu.T) of slot s's expert, for the   cols [lo, hi) packed
-           requests r routed to it                  (``pack_cols``)
+           requests r routed to it (both from       (``pack_cols``)
+           router[l], as TOPK finds them)
 EXPERT_DOWN h[l+1][:, lo:hi] = hmid[l][:, lo:hi] +  hidden cols [lo, hi)
            sum over each request's slots, in slot
            order, of weight * xact @ Wd[lo:hi].T,
@@ -77,13 +78,17 @@ MLA_COMBINE merge head's chunks by lse, round,      head, v part p (of
 
 The last four run a sparse layer's mixture of experts (model_spec.MoeSpec)
 in place of GATE_UP and DOWN. Which expert a slot holds is known only once
-TOPK has run: the program plans ``min(batch * top_k, num_experts)`` slots
-per layer, and EXPERT_UP of a slot that the step leaves empty does nothing.
-Weight addresses are thus data: they depend on ``route[l]``, which the
-counters order like any activation. A shared expert (DeepSeek-V3, Kimi-K2)
-is slot ``num_slots``: its EXPERT_UP tiles run on every request and read no
-routing, so they wait for O_PROJ alone and fill the SMs while ROUTE and
-TOPK run (planner.py).
+the router's logits are: the program plans ``min(batch * top_k,
+num_experts)`` slots per layer, and EXPERT_UP of a slot that the step
+leaves empty does nothing. Weight addresses are thus data: they depend on
+``router[l]``, which the counters order like any activation. A routed
+EXPERT_UP tile computes the routing itself from ``router[l]`` (TOPK's
+rule, so the same slots) and waits for ROUTE only: its rows do not wait
+for TOPK's signal. TOPK writes ``route[l]`` beside them and signals their
+counter, which EXPERT_DOWN (reading ``route[l]``) waits for. A shared
+expert (DeepSeek-V3, Kimi-K2) is slot ``num_slots``: its EXPERT_UP tiles
+run on every request and read no routing, so they wait for O_PROJ alone
+and fill the SMs while ROUTE runs (planner.py).
 
 The five MLA_* opcodes run a multi-head latent attention layer
 (model_spec.MlaSpec; reference.mla_attention) in place of QKV, ATTN and

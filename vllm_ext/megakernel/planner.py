@@ -554,29 +554,33 @@ def plan(
             combined = grouped_query_attention(layer, prev)
         o = phase(Op.O_PROJ, layer, gemv_tiles(h), combined, f"L{layer}.o_proj")
         if moe is not None and moe.sparse_layers[layer]:
-            # The mixture: router logits over all SMs, one TOPK, then each
-            # slot's expert split in column tiles (expert_split) that spread
-            # a step's filled slots over the SMs.
+            # The mixture: router logits over all SMs, then each slot's
+            # expert split in column tiles (expert_split) that spread a
+            # step's filled slots over the SMs.
             r = phase(Op.ROUTE, layer, gemv_tiles(moe.num_experts), o,
                       f"L{layer}.route")  # fmt: skip
             # The shared expert needs no routing: its tiles wait for O_PROJ
             # only and sit before TOPK in the queues, so SMs run them while
-            # the router's logits and the top-k are computed. They signal the
-            # routed tiles' counter: EXPERT_DOWN waits for both.
+            # the router's logits are computed. They, TOPK and the routed
+            # tiles signal one counter: EXPERT_DOWN waits for all of them.
             up_c = counter(f"L{layer}.expert_up")
             shared = [
                 (slots, pack_cols(lo, hi))
                 for lo, hi in split(moe.shared_intermediate, n_sm, COL_MULTIPLE)
             ] if moe.shared_intermediate else []  # fmt: skip
             phases.append((Op.EXPERT_UP, layer, shared, o, up_c, NO_COUNTER))
-            t = phase(Op.TOPK, layer, [(0, 0)], r, f"L{layer}.topk")
+            # TOPK writes the routing table EXPERT_DOWN reads. A routed tile
+            # computes the routing itself from the logits (TOPK's code, so
+            # the same slots) and waits for ROUTE: no routed row waits for
+            # TOPK's signal (isa.py).
+            phases.append((Op.TOPK, layer, [(0, 0)], r, up_c, NO_COUNTER))
             routed = [
                 (slot, pack_cols(lo, hi))
                 for slot in range(slots)
                 for lo, hi in split(moe.expert_intermediate, per_slot, COL_MULTIPLE)
             ]
-            phases.append((Op.EXPERT_UP, layer, routed, t, up_c, NO_COUNTER))
-            u = (up_c, len(shared) + len(routed))
+            phases.append((Op.EXPERT_UP, layer, routed, r, up_c, NO_COUNTER))
+            u = (up_c, len(shared) + 1 + len(routed))
             prev = phase(Op.EXPERT_DOWN, layer, gemv_tiles(h), u,
                          f"L{layer}.expert_down")  # fmt: skip
             continue
@@ -601,8 +605,8 @@ def plan(
     order = []
     # A sparse layer's routed bytes per SM (a step's, expected): its
     # EXPERT_DOWN tiles go to SMs that run a routed EXPERT_UP of the layer,
-    # the least loaded first, so that the controller hints their rows with
-    # that EXPERT_UP's once TOPK has run (kernel/control.py).
+    # the least loaded first, so that its consumers hint their rows with
+    # the routing they computed (kernel/ops/expert_up.py).
     routed: dict[int, int] = {}
     routed_layer = -1
     # The least loaded SM (by what a step reads: an expected-empty slot's
@@ -634,11 +638,11 @@ def plan(
                 open_ = [i for i in range(n_sm) if in_phase[i] < phase_cap]
                 if op == Op.TOPK:
                     # Not behind a shared expert's tile (they sit before
-                    # TOPK in the queues): the routed tiles wait for it.
+                    # TOPK in the queues): EXPERT_DOWN waits for it.
                     up = taken.get((Op.EXPERT_UP, layer), [0] * n_sm)
                     open_ = [i for i in open_ if not up[i]] or open_
                 # A routed tile: even routed rows first (they all stream
-                # after TOPK, and EXPERT_DOWN waits for the last).
+                # after the routing, and EXPERT_DOWN waits for the last).
                 first = routed if program.routed_weight_bytes(instr) else {}
                 sm = min(
                     [i for i in open_ if in_op[i] < op_cap] or open_,

@@ -142,8 +142,9 @@ def accesses(program, instr: Instruction) -> tuple[list[Region], list[Region]]:
         lo, hi = unpack_cols(b)
         if a == program.shared_slot:  # routing-free (planner.py)
             return [Region("hmid", ly, 0, h)], [Region("xact_shared", ly, lo, hi)]
+        # A routed tile computes the routing from the logits (isa.py).
         base = a * moe.expert_intermediate
-        reads = [Region("hmid", ly, 0, h), Region("route", ly, 0, 1)]
+        reads = [Region("hmid", ly, 0, h), Region("router", ly, 0, moe.num_experts)]
         return reads, [Region("xact", ly, base + lo, base + hi)]
     if op == Op.EXPERT_DOWN and moe is not None:
         reads = [

@@ -10,11 +10,12 @@ Roles (the default kernel; ``persistent.py`` assigns the warps):
   free slot of the instruction ring (``queue_empty``), copies the words into
   it, hints the weights of an instruction without pages and an attention
   chunk's past cache rows into L2 (``ops/kv_hint.py``), waits for
-  the instruction's inputs (``wait_inputs``), hints a routed expert tile's
-  rows into L2 (``prefetch_routed``: their addresses are known only now),
-  then arrives on the slot's ``queue_ready`` mbarrier. So the fetch and the
-  poll of the next instruction's counter, and a routed tile's stream, run
-  while the consumers execute the current one.
+  the instruction's inputs (``wait_inputs``), hints an EXPERT_DOWN tile's
+  rows into L2 (``prefetch_routed``: their addresses are known only now)
+  unless a routed EXPERT_UP's consumers did, then arrives on the slot's
+  ``queue_ready`` mbarrier. So the fetch and the
+  poll of the next instruction's counter, and an EXPERT_DOWN tile's stream,
+  run while the consumers execute the current one.
 * The consumers (``NUM_THREADS`` threads): wait for ``queue_ready``
   (``wait_instruction``), execute, meet at their named barrier (every
   store issued), then thread 0 signals (``signal_done``) and frees the
@@ -60,9 +61,7 @@ from vllm_ext.megakernel.kernel.ops.common import consumer_sync
 from vllm_ext.megakernel.kernel.ops.expert_down import (
     prefetch_routed as prefetch_routed_down,
 )
-from vllm_ext.megakernel.kernel.ops.expert_up import (
-    prefetch_routed as prefetch_routed_up,
-)
+from vllm_ext.megakernel.kernel.ops.expert_down import routing_table_experts
 from vllm_ext.megakernel.kernel.ops.kv_hint import hint_kv
 from vllm_ext.megakernel.kernel.ops.prefetch import prefetch_weights
 from vllm_ext.megakernel.kernel.ops.weight_pipe import instr_pages
@@ -156,23 +155,21 @@ def controller(s: cutlass.Constexpr, r: cutlass.Constexpr, q: cutlass.Constexpr,
 def prefetch_routed(s: cutlass.Constexpr, q: cutlass.Constexpr, ptrs: cute.Tensor,
                     ins: cute.Tensor, pc, length, hinted):  # fmt: skip
     """The control's thread, right after ``wait_inputs`` met the wait of
-    instruction ``pc``: a routed EXPERT_UP's or EXPERT_DOWN's expert rows
-    into L2, unless hinted already (``pc < hinted``); after a routed
-    EXPERT_UP, the rows of the EXPERT_DOWN tiles of its layer that follow
-    it in the queue too (planner.py puts them there), so that they stream
-    right behind its own instead of once every EXPERT_UP has signalled.
-    The rows' addresses are TOPK's output, read here after the acquire load
-    that met the wait (on TOPK's counter, or EXPERT_UP's, whose signal
-    TOPK's happens before), never earlier: so they are this step's, and
-    they stream while the consumers finish the instructions before this
-    one. Returns the new ``hinted``."""
+    instruction ``pc``: an EXPERT_DOWN's expert rows into L2, unless hinted
+    already (``pc < hinted``). Their addresses are TOPK's output, read here
+    after the acquire load that met the wait (on EXPERT_UP's counter, which
+    TOPK signals too), never earlier: so they are this step's, and they
+    stream while the consumers finish the instructions before this one. A
+    routed EXPERT_UP's consumers compute the routing themselves and hint
+    its rows and those of the layer's EXPERT_DOWN tiles right behind it
+    (``expert_up.hint_routed``): past one, those count as hinted. Returns
+    the new ``hinted``."""
     if cutlass.const_expr(s.moe):
         op, layer = ins[0], ins[1]
         if pc >= hinted:
-            if op == Op.EXPERT_UP:
-                prefetch_routed_up(s, ptrs, layer, ins[2], ins[3])
-            elif op == Op.EXPERT_DOWN:
-                prefetch_routed_down(s, ptrs, layer, ins[2], ins[3])
+            if op == Op.EXPERT_DOWN:
+                prefetch_routed_down(s, ptrs, layer, ins[2], ins[3],
+                                     routing_table_experts(s, ptrs, layer))  # fmt: skip
         if op == Op.EXPERT_UP and ins[2] < s.num_slots:
             nxt = pc + 1
             more = Int32(1)
@@ -181,8 +178,6 @@ def prefetch_routed(s: cutlass.Constexpr, q: cutlass.Constexpr, ptrs: cute.Tenso
                 if nxt < length:
                     if q.queue[q.sm, nxt, 0] == Int32(Op.EXPERT_DOWN):
                         if q.queue[q.sm, nxt, 1] == layer:
-                            prefetch_routed_down(s, ptrs, layer, q.queue[q.sm, nxt, 2],
-                                                 q.queue[q.sm, nxt, 3])  # fmt: skip
                             nxt = nxt + 1
                             more = Int32(1)
             hinted = nxt

@@ -61,7 +61,11 @@ from vllm_ext.megakernel.kernel.ops.common import (
 )
 from vllm_ext.megakernel.kernel.ops.embed import embed
 from vllm_ext.megakernel.kernel.ops.expert_down import expert_down
-from vllm_ext.megakernel.kernel.ops.expert_up import expert_up, gather_words
+from vllm_ext.megakernel.kernel.ops.expert_up import (
+    expert_up,
+    routed_words,
+    routing_of,
+)
 from vllm_ext.megakernel.kernel.ops.final_norm import final_norm
 from vllm_ext.megakernel.kernel.ops.mla_append import mla_append
 from vllm_ext.megakernel.kernel.ops.mla_attn import mla_attn
@@ -78,7 +82,7 @@ from vllm_ext.megakernel.kernel.ops.prefetch import prefetch_weights
 from vllm_ext.megakernel.kernel.ops.projections import down, gate_up, lm_head, o_proj
 from vllm_ext.megakernel.kernel.ops.qkv import qkv
 from vllm_ext.megakernel.kernel.ops.route import route
-from vllm_ext.megakernel.kernel.ops.topk import topk, topk_words
+from vllm_ext.megakernel.kernel.ops.topk import topk
 from vllm_ext.megakernel.kernel.ops.weight_pipe import (
     MAX_SLOTS,
     Pipe,
@@ -175,11 +179,11 @@ def mla_buffers(s: KernelShape) -> list[int]:
 
 
 def moe_words(s: KernelShape) -> int:
-    """Int32 scratch of TOPK, EXPERT_UP's gather and EXPERT_DOWN's sorted
-    slots, one at a time (0 in a dense kernel)."""
+    """Int32 scratch of TOPK, a routed EXPERT_UP's routing and gather and
+    EXPERT_DOWN's sorted slots, one at a time (0 in a dense kernel)."""
     if not s.moe:
         return 0
-    return max(topk_words(s), gather_words(s.batch), s.batch * s.top_k)
+    return routed_words(s)  # (TOPK's and EXPERT_DOWN's fit in it)
 
 
 def _padded(buffers: list[int]) -> int:
@@ -351,7 +355,10 @@ class Megakernel:
                            tail)  # fmt: skip
         q = Queue(queue, sm)
         args = _Args(ptrs, glob, counters, epoch, sm, max_spins, kv_block_stride,
-                     block_table_stride, attn_scale)  # fmt: skip
+                     block_table_stride, attn_scale, q, lengths)  # fmt: skip
+        if cutlass.const_expr(s.moe):
+            if tidx == 0:  # (before either control's first barrier)
+                moe_i[routing_of(s)] = Int32(-1)  # no layer's routing yet
         if cutlass.const_expr(s.legacy_control):
             _legacy_loop(s, q, lengths[sm], args, scratch, w_stage)
         else:
@@ -417,6 +424,8 @@ class _Args:
     kv_block_stride: object
     block_table_stride: object
     attn_scale: object
+    queue: object  # the CTA's Queue (a routed EXPERT_UP hints what follows it)
+    lengths: object  # every queue's length (read where needed: kept live, it spills)
 
 
 @cute.jit
@@ -517,11 +526,11 @@ def _execute(s: cutlass.Constexpr, op, layer, a0, a1, a: cutlass.Constexpr,
             elif op == Op.MLA_COMBINE:
                 mla_combine(s, ptrs, layer, a0, a1, m.rstd, m.mla_lat, m.mla_red)
             else:
-                _moe_op(s, ptrs, op, layer, glob, a0, a1, m.rstd, m.x_stage,
-                        m.moe_i, m.moe_f, a.sm, pc)  # fmt: skip
+                _moe_op(s, a, op, layer, a0, a1, m.rstd, m.x_stage, m.moe_i,
+                        m.moe_f, pc)  # fmt: skip
         else:
-            _moe_op(s, ptrs, op, layer, glob, a0, a1, m.rstd, m.x_stage, m.moe_i,
-                    m.moe_f, a.sm, pc)  # fmt: skip
+            _moe_op(s, a, op, layer, a0, a1, m.rstd, m.x_stage, m.moe_i, m.moe_f,
+                    pc)  # fmt: skip
 
 
 @cute.jit
@@ -547,17 +556,19 @@ def _grouped_query_op(s: cutlass.Constexpr, op, layer, a0, a1, a: cutlass.Conste
 
 
 @cute.jit
-def _moe_op(s: cutlass.Constexpr, ptrs, op, layer, glob, a0, a1, rstd, x_stage,
-            moe_i, moe_f, sm, pc):  # fmt: skip
+def _moe_op(s: cutlass.Constexpr, a: cutlass.Constexpr, op, layer, a0, a1, rstd,
+            x_stage, moe_i, moe_f, pc):  # fmt: skip
     """The mixture-of-experts opcodes (compiled in only for a shape with a
     mixture), or a bad opcode."""
+    ptrs, glob, sm = a.ptrs, a.glob, a.sm
     if cutlass.const_expr(s.moe):
         if op == Op.ROUTE:
             route(s, ptrs, layer, a0, a1, rstd, x_stage)
         elif op == Op.TOPK:
             topk(s, ptrs, layer, glob, moe_i)
         elif op == Op.EXPERT_UP:
-            expert_up(s, ptrs, layer, a0, a1, rstd, x_stage, moe_i)
+            expert_up(s, a.queue, ptrs, layer, glob, a0, a1, rstd, x_stage, moe_i, pc,
+                      a.lengths[sm])  # fmt: skip
         elif op == Op.EXPERT_DOWN:
             expert_down(s, ptrs, layer, a0, a1, moe_i, moe_f)
         else:

@@ -10,10 +10,10 @@ in order (they hold the batch's experts ascending, the empty ones last)
 and reads slot s's expert's row once for every request of the group routed
 to s; each request's choices, sorted by slot into shared memory first, are
 consumed by a cursor, so a request's weights add in slot order as the
-reference's do. Which rows exist is data (TOPK's output): they stream
-after this instruction's wait, the control (``prefetch_routed``) starting
-the first slots' tiles into L2 as soon as the wait is met, before the
-instruction is published.
+reference's do. Which rows exist is data (TOPK's output): the first
+slots' tiles are hinted into L2 by the routed EXPERT_UP right before it in
+the queue (ops/expert_up.py's ``hint_routed``), or else by the control
+(``prefetch_routed``) as soon as this instruction's wait is met.
 
 Against the reference: each dot product sums in the GEMV's order, not
 PyTorch's, and the compiler may fuse a weight's product into its
@@ -47,16 +47,15 @@ PREFETCH_SLOTS = 8
 
 
 @cute.jit
-def prefetch_routed(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi):
-    """One thread whose view of TOPK's routing is current (after the acquire
-    that met this instruction's wait, which TOPK's signal happens before):
-    columns [lo, hi)'s rows of the first slots' experts, into L2 (at most
-    what two matrices' prefetch of a dense tile would be)."""
+def prefetch_routed(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi,
+                    experts: cute.Tensor):  # fmt: skip
+    """One thread that sees this step's slots' experts (``experts``: TOPK's
+    table after the acquire that met this instruction's wait, which TOPK's
+    signal happens before; or a routed EXPERT_UP's own routing in shared
+    memory): columns [lo, hi)'s rows of the first slots' experts, into L2
+    (at most what two matrices' prefetch of a dense tile would be)."""
     shape: KernelShape = s
     h, inter = shape.hidden, shape.expert_intermediate
-    lay = route_layout(shape)
-    words = ptrs[layer, LayerSlot.ROUTE]
-    experts = gmem(Int32, words + lay.experts * 4, (shape.num_slots,))
     w2 = ptrs[layer, LayerSlot.W2]
     tile = (hi - lo) * (inter * 2)
     budget = Int32(2 * PREFETCH_BYTES)
@@ -66,6 +65,14 @@ def prefetch_routed(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi):
             if budget > 0:
                 prefetch_rows(w2 + Int64(ex) * (h * inter * 2), inter * 2, lo, hi)
                 budget = budget - tile
+
+
+@cute.jit
+def routing_table_experts(s: cutlass.Constexpr, ptrs: cute.Tensor, layer):
+    """TOPK's table of each slot's expert (global memory)."""
+    shape: KernelShape = s
+    words = ptrs[layer, LayerSlot.ROUTE]
+    return gmem(Int32, words + route_layout(shape).experts * 4, (shape.num_slots,))
 
 
 @cute.jit

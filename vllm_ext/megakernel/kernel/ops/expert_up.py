@@ -6,13 +6,15 @@ GATE_UP's arithmetic on weights the routing chooses. Slot ``num_slots`` is
 the shared expert (if the model has one): every request, its own weights,
 no routing read.
 
-The expert's address is data: it is read from TOPK's output after this
-instruction's wait, and only then does its tile start streaming: the
-controller lane (control.py; the mixture runs under the warp roles only)
-runs ``prefetch_routed`` once the wait is met, before it publishes the
-instruction, so the rows stream while the consumers finish earlier
-instructions (the L2 prefetch before the wait covers the shared expert
-alone; ops/prefetch.py).
+The expert's address is data. A routed tile waits for ROUTE, not TOPK:
+its consumers compute the batch's routing from the logits themselves
+(``topk.route_batch``, TOPK's own code on the same logits: the same
+slots) into shared memory, once per layer on an SM (``routing_of``); then
+thread 0 hints rows into L2 one tile ahead (``hint_routed``) and the tile
+runs. So no routed row waits for TOPK's signal: TOPK runs beside the tiles
+and writes the routing table that EXPERT_DOWN reads (it waits for TOPK
+too). The shared expert's tile is static: the controller's L2 prefetch
+before the wait covers it (ops/prefetch.py).
 The routed requests are gathered into a compact list in shared memory, so
 the GEMV's passes over a weight row cover only them (at batch 1, the one).
 """
@@ -21,6 +23,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
+from vllm_ext.megakernel.isa import Op
 from vllm_ext.megakernel.kernel.ops.common import (
     BATCH_GROUP,
     NUM_THREADS,
@@ -37,28 +40,93 @@ from vllm_ext.megakernel.kernel.ops.common import (
     vectors,
     warp_sum,
 )
+from vllm_ext.megakernel.kernel.ops.expert_down import prefetch_routed as hint_down
 from vllm_ext.megakernel.kernel.ops.gemv import gemv
 from vllm_ext.megakernel.kernel.ops.prefetch import prefetch_rows
-from vllm_ext.megakernel.kernel.shape import KernelShape, LayerSlot, route_layout
+from vllm_ext.megakernel.kernel.ops.topk import route_batch, topk_words
+from vllm_ext.megakernel.kernel.shape import KernelShape, LayerSlot
 
 
 @cute.jit
-def prefetch_routed(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, slot, cols):
-    """One thread whose view of TOPK's routing is current (after the acquire
-    that met this instruction's wait, on TOPK's counter): slot ``slot``'s
-    expert's rows of this tile (gate and up), into L2. Nothing for an empty
-    slot, nor for the shared expert (static: ops/prefetch.py)."""
+def hint_routed(s: cutlass.Constexpr, q: cutlass.Constexpr, ptrs: cute.Tensor, layer,
+                computed, experts: cute.Tensor, pc, length):  # fmt: skip
+    """Consumer thread 0 of a routed tile (instruction ``pc``), its layer's
+    routing in shared memory: rows into L2, ``ROUTED_AHEAD`` instructions
+    ahead. The tile that ``computed`` the routing (the SM's first of the
+    layer) hints its own and the next ``ROUTED_AHEAD``; each later one the
+    instruction ``ROUTED_AHEAD`` after it (``_hint_at``). So the SM's
+    routed rows stream ahead of its consumers as far as the controller
+    runs ahead, and its down rows right behind its up rows."""
+    first = pc + ROUTED_AHEAD
+    if computed != 0:
+        first = pc
+    for p in cutlass.range(first, pc + ROUTED_AHEAD + 1):
+        if p < length:
+            _hint_at(s, q, ptrs, layer, experts, p, length)
+
+
+@cute.jit
+def _hint_at(s: cutlass.Constexpr, q: cutlass.Constexpr, ptrs: cute.Tensor, layer,
+             experts: cute.Tensor, p, length):  # fmt: skip
+    """Instruction ``p``'s rows if it is a routed tile of ``layer``; then,
+    if the layer's EXPERT_DOWN tiles follow it (the planner puts them
+    there), theirs (the controller leaves them to this)."""
+    shape: KernelShape = s
+    if q.queue[q.sm, p, 0] == Int32(Op.EXPERT_UP):
+        if q.queue[q.sm, p, 1] == layer:
+            slot = q.queue[q.sm, p, 2]
+            if slot < shape.num_slots:
+                _hint_up(shape, ptrs, layer, experts[slot], q.queue[q.sm, p, 3])
+                _hint_downs(shape, q, ptrs, layer, experts, p + 1, length)
+
+
+@cute.jit
+def _hint_downs(s: cutlass.Constexpr, q: cutlass.Constexpr, ptrs: cute.Tensor, layer,
+                experts: cute.Tensor, p, length):  # fmt: skip
+    """The rows of the EXPERT_DOWN tiles of ``layer`` from instruction p on."""
+    nxt = p
+    more = Int32(1)
+    while more != 0:
+        more = Int32(0)
+        if nxt < length:
+            if q.queue[q.sm, nxt, 0] == Int32(Op.EXPERT_DOWN):
+                if q.queue[q.sm, nxt, 1] == layer:
+                    hint_down(s, ptrs, layer, q.queue[q.sm, nxt, 2],
+                              q.queue[q.sm, nxt, 3], experts)  # fmt: skip
+                    nxt = nxt + 1
+                    more = Int32(1)
+
+
+@cute.jit
+def _hint_up(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, expert, cols):
+    """A routed tile's gate and up rows of ``expert`` into L2 (none for -1)."""
     shape: KernelShape = s
     h, inter = shape.hidden, shape.expert_intermediate
-    if slot < shape.num_slots:
-        lay = route_layout(shape)
-        words = ptrs[layer, LayerSlot.ROUTE]
-        expert = gmem(Int32, words + lay.experts * 4, (shape.num_slots,))[slot]
-        if expert >= 0:
-            lo, hi = cols >> 16, cols & 0xFFFF
-            base = ptrs[layer, LayerSlot.W13] + Int64(expert) * (2 * inter * h * 2)
-            prefetch_rows(base, h * 2, lo, hi)
-            prefetch_rows(base, h * 2, lo + inter, hi + inter)
+    lo, hi = cols >> 16, cols & 0xFFFF
+    if expert >= 0:
+        base = ptrs[layer, LayerSlot.W13] + Int64(expert) * (2 * inter * h * 2)
+        prefetch_rows(base, h * 2, lo, hi)
+        prefetch_rows(base, h * 2, lo + inter, hi + inter)
+
+
+# Instructions a routed tile hints ahead of itself (control.py's
+# QUEUE_SLOTS - 1: as far as the controller runs ahead; cost.py mirrors it).
+ROUTED_AHEAD = 3
+
+
+def routed_words(s: KernelShape) -> int:
+    """Int32 scratch of a routed tile: the routing (``topk_words``), each
+    slot's expert, the gather, then the layer whose routing it holds
+    (``routing_of``)."""
+    return topk_words(s) + s.num_slots + gather_words(s.batch) + 1
+
+
+def routing_of(s: KernelShape) -> int:
+    """The scratch word naming the layer whose routing the scratch holds
+    (-1 at start-up): the SM's first routed tile of a layer computes it,
+    the next ones of that layer (they follow each other in the queue:
+    nothing else writes the scratch between them) reuse it."""
+    return routed_words(s) - 1
 
 
 def gather_words(batch: int) -> int:
@@ -68,17 +136,18 @@ def gather_words(batch: int) -> int:
 
 
 @cute.jit
-def expert_up(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, slot, cols, rstd,
-              x_stage, gather):  # fmt: skip
+def expert_up(s: cutlass.Constexpr, q: cutlass.Constexpr, ptrs: cute.Tensor, layer,
+              glob, slot, cols, rstd, x_stage, scratch, pc, length):  # fmt: skip
     shape: KernelShape = s
-    lo, hi = cols >> 16, cols & 0xFFFF
     if cutlass.const_expr(shape.shared_intermediate > 0):
         if slot == shape.num_slots:
-            _shared(shape, ptrs, layer, slot, lo, hi, rstd, x_stage)
+            _shared(shape, ptrs, layer, slot, cols >> 16, cols & 0xFFFF, rstd, x_stage)
         else:
-            _routed(shape, ptrs, layer, slot, lo, hi, rstd, x_stage, gather)
+            _routed(shape, q, ptrs, layer, glob, slot, cols, rstd, x_stage, scratch,
+                    pc, length)  # fmt: skip
     else:
-        _routed(shape, ptrs, layer, slot, lo, hi, rstd, x_stage, gather)
+        _routed(shape, q, ptrs, layer, glob, slot, cols, rstd, x_stage, scratch, pc,
+                length)  # fmt: skip
 
 
 @cute.jit
@@ -113,26 +182,40 @@ def _xact(s: cutlass.Constexpr, ptrs, layer, slot) -> cute.Tensor:
 
 
 @cute.jit
-def _routed(s: cutlass.Constexpr, ptrs, layer, slot, lo, hi, rstd, x_stage, gather):
+def _routed(s: cutlass.Constexpr, q: cutlass.Constexpr, ptrs, layer, glob, slot, cols,
+            rstd, x_stage, scratch, pc, length):  # fmt: skip
     shape: KernelShape = s
     b, h, k, inter = shape.batch, shape.hidden, shape.top_k, shape.expert_intermediate
-    lay = route_layout(shape)
-    words = ptrs[layer, LayerSlot.ROUTE]
-    slots = gmem(Int32, words + lay.slots * 4, (b, k))
-    expert = gmem(Int32, words + lay.experts * 4, (shape.num_slots,))[slot]
+    lo, hi = cols >> 16, cols & 0xFFFF
+    off = topk_words(shape)
+    experts = cute.make_tensor(scratch.iterator + off,
+                               cute.make_layout(shape.num_slots))  # fmt: skip
+    # (route_batch's view of each request's choices)
+    chosen = cute.make_tensor(scratch.iterator + shape.num_experts,
+                              cute.make_layout(b * k))  # fmt: skip
     tidx, warp, lane = thread_ids()
+    computed = Int32(0)
+    if scratch[routing_of(shape)] != layer:  # (uniform: the last barrier)
+        route_batch(shape, ptrs, layer, glob, scratch, experts, False)
+        computed = Int32(1)
+        if tidx == 0:
+            scratch[routing_of(shape)] = layer
+    expert = experts[slot]
+    if tidx == 0:
+        hint_routed(shape, q, ptrs, layer, computed, experts, pc, length)
     # (Every thread read the same expert: the branch is uniform, and its
     # barriers are met by the whole CTA.)
     if expert >= 0:
-        # (Its tile was hinted into L2 by the control: prefetch_routed.)
         base = ptrs[layer, LayerSlot.W13] + Int64(expert) * (2 * inter * h * 2)
+        gather = cute.make_tensor(scratch.iterator + off + shape.num_slots,
+                                  cute.make_layout(gather_words(b)))  # fmt: skip
         flags = cute.make_tensor(gather.iterator, cute.make_layout(b))
         rows = cute.make_tensor(gather.iterator + b, cute.make_layout(b))
         count = cute.make_tensor(gather.iterator + 2 * b, cute.make_layout(1))
         for r in cutlass.range(tidx, b, NUM_THREADS):
             hit = Int32(0)
             for c in cutlass.range_constexpr(k):
-                if slots[r, c] == slot:
+                if chosen[r * k + c] == expert:
                     hit = Int32(1)
             flags[r] = hit
         consumer_sync()

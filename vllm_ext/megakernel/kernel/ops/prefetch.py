@@ -10,11 +10,12 @@ a tile's rows are contiguous in a row-major weight. At most
 within part of the L2 (132 x 2 x 96 KiB = 25 MiB of the H200's 50 MiB).
 
 A mixture's expert weights are the exception: which expert a slot holds is
-data (TOPK's output), unknown before the instruction's wait, so the
-routed EXPERT_UP and EXPERT_DOWN tiles are prefetched by the controller
-lane once their wait has made the routing visible (control.py's
-``prefetch_routed``, with ops/expert_up.py's and ops/expert_down.py's
-helpers), never from an unrouted address. The router's rows
+data (the routing), unknown before the instruction's wait, so a routed
+EXPERT_UP tile's consumers hint the rows once they have computed the
+routing (ops/expert_up.py's ``hint_routed``), and the controller lane an
+EXPERT_DOWN tile's that none hinted, once its wait has made TOPK's table
+visible (control.py's ``prefetch_routed``), never from an unrouted
+address. The router's rows
 and the shared expert's are static and stream here like any weight."""
 
 import cutlass

@@ -55,12 +55,37 @@ def topk_words(s: KernelShape) -> int:
 @cute.jit
 def topk(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, glob, scratch: cute.Tensor):
     shape: KernelShape = s
-    b, e, k = shape.batch, shape.num_experts, shape.top_k
+    b, k = shape.batch, shape.top_k
     lay = route_layout(shape)
     words = ptrs[layer, LayerSlot.ROUTE]
-    weights = gmem(Float32, words + lay.weights * 4, (b, k))
     slots = gmem(Int32, words + lay.slots * 4, (b, k))
     experts = gmem(Int32, words + lay.experts * 4, (shape.num_slots,))
+    used, chosen = route_batch(shape, ptrs, layer, glob, scratch, experts, True)
+    tidx, _, _ = thread_ids()
+    for idx in cutlass.range(tidx, b * k, NUM_THREADS):
+        x = chosen[idx]
+        slot = Int32(-1)
+        if x >= 0:
+            slot = used[x]
+        slots[idx // k, idx % k] = slot
+
+
+@cute.jit
+def route_batch(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, glob,
+                scratch: cute.Tensor, experts: cute.Tensor,
+                with_weights: cutlass.Constexpr):  # fmt: skip
+    """Every consumer thread: the batch's routing from the logits. Returns
+    (used, chosen), views of ``scratch``: used[x] is expert x's slot where
+    some request chose x, chosen[r * top_k + t] request r's t-th expert (-1
+    for a padding row); each slot's expert goes to ``experts`` (-1 past the
+    last). Each request's weights go to the layer's routing table only
+    ``with_weights`` (TOPK: a routed EXPERT_UP runs this too, on the same
+    logits in the same order, so it gets the same slots bit for bit).
+    Every thread sees the outputs on return."""
+    shape: KernelShape = s
+    b, e, k = shape.batch, shape.num_experts, shape.top_k
+    lay = route_layout(shape)
+    weights = gmem(Float32, ptrs[layer, LayerSlot.ROUTE] + lay.weights * 4, (b, k))
     seq_lens = gmem(Int32, ptrs[glob, GlobalSlot.SEQ_LENS], (b,))
     used = cute.make_tensor(scratch.iterator, cute.make_layout(e))
     chosen = cute.make_tensor(scratch.iterator + e, cute.make_layout(b * k))
@@ -71,7 +96,8 @@ def topk(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, glob, scratch: cute.Ten
 
     for r in cutlass.range(warp, b, NUM_WARPS):
         if seq_lens[r] > 0:  # (uniform in the warp)
-            _route_request(shape, ptrs, layer, r, lane, weights, chosen, used)
+            _route_request(shape, ptrs, layer, r, lane, weights, chosen, used,
+                           with_weights)  # fmt: skip
         elif lane < k:
             chosen[r * k + lane] = Int32(-1)
     consumer_sync()
@@ -94,18 +120,15 @@ def topk(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, glob, scratch: cute.Ten
         for slot in cutlass.range(count + lane, shape.num_slots, 32):
             experts[slot] = Int32(-1)
     consumer_sync()
-    for idx in cutlass.range(tidx, b * k, NUM_THREADS):
-        x = chosen[idx]
-        slot = Int32(-1)
-        if x >= 0:
-            slot = used[x]
-        slots[idx // k, idx % k] = slot
+    return used, chosen
 
 
 @cute.jit
-def _route_request(s: cutlass.Constexpr, ptrs, layer, r, lane, weights, chosen, used):
+def _route_request(s: cutlass.Constexpr, ptrs, layer, r, lane, weights, chosen, used,
+                   with_weights: cutlass.Constexpr):  # fmt: skip
     """A warp: request r's top_k experts (to ``chosen``, flagged in
-    ``used``) and weights (to ``weights``), moe.route's rule."""
+    ``used``) and, ``with_weights``, weights (to ``weights``), moe.route's
+    rule."""
     shape: KernelShape = s
     e, k = shape.num_experts, shape.top_k
     per_lane = (e + 31) // 32
@@ -155,6 +178,15 @@ def _route_request(s: cutlass.Constexpr, ptrs, layer, r, lane, weights, chosen, 
         if lane == 0:
             chosen[r * k + t] = idx
             used[idx] = Int32(1)
+    if cutlass.const_expr(with_weights):
+        _store_weights(shape, chosen_w, weights, r, lane)
+
+
+@cute.jit
+def _store_weights(s: cutlass.Constexpr, chosen_w, weights, r, lane):
+    """Request r's chosen scores, renormalised and scaled, to its row."""
+    shape: KernelShape = s
+    k = shape.top_k
     if cutlass.const_expr(shape.renormalize):
         total = chosen_w[0]
         for t in cutlass.range_constexpr(1, k):
