@@ -439,23 +439,6 @@ def test_a_steps_reads_stay_even_over_the_sms(name, batch):
     assert max(reads) < 1.05 * min(reads)
 
 
-def test_topk_is_not_queued_behind_a_shared_expert_tile():
-    """A sparse layer's TOPK runs on an SM with none of the layer's
-    EXPERT_UP tiles ahead of it (the shared expert's sit before TOPK in the
-    queues): every routed tile waits for TOPK. In the model TOPK started
-    12 us late, and DeepSeek-V3's batch-1 step was 19715 us, not 19183."""
-    from vllm_ext.megakernel.build import spec_or_exit
-
-    spec = spec_or_exit("test", "deepseek-v3", "bfloat16", 1)
-    program = plan(spec, 1, DEVICES["h200"])
-    for q in program.queues:
-        for n, topk in enumerate(q):
-            if topk.op == Op.TOPK:
-                ahead = q[:n]
-                assert not any(i.op == Op.EXPERT_UP and i.layer == topk.layer
-                               for i in ahead)  # fmt: skip
-
-
 def test_routed_rows_delay_only_the_stream_in_flight():
     """cost._Stream.yield_to: loads of 1 s each (10 bytes/s); routed rows
     over [1.5, 3.5) push back the load in flight and what follows it back to

@@ -636,11 +636,6 @@ def plan(
             else:
                 # (The phase's share always has room; the opcode's may not.)
                 open_ = [i for i in range(n_sm) if in_phase[i] < phase_cap]
-                if op == Op.TOPK:
-                    # Not behind a shared expert's tile (they sit before
-                    # TOPK in the queues): EXPERT_DOWN waits for it.
-                    up = taken.get((Op.EXPERT_UP, layer), [0] * n_sm)
-                    open_ = [i for i in open_ if not up[i]] or open_
                 # A routed tile: even routed rows first (they all stream
                 # after the routing, and EXPERT_DOWN waits for the last).
                 first = routed if program.routed_weight_bytes(instr) else {}
