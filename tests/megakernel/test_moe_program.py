@@ -577,3 +577,20 @@ def test_routed_rows_are_hinted_once_ahead_of_their_tile(name, batch):
             assert by <= j and last_up - by <= cost.ROUTED_AHEAD
             checked += 1
     assert checked > 0
+
+
+def test_the_expert_split_is_the_predicted_fastest_of_its_candidates():
+    """Mixtral-8x7B at batch 4 expects 5.47 experts a layer: the integer
+    bound gives 26 tiles a slot for 5 filled slots and 132 for the
+    fraction. The prediction over the first layers picks 132, and the whole
+    step is faster for it (16090 against 18699 us in the model)."""
+    from vllm_ext.megakernel.build import spec_or_exit
+    from vllm_ext.megakernel.cost import predict
+    from vllm_ext.megakernel.planner import expert_split
+
+    device = DEVICES["h200"]
+    spec = spec_or_exit("test", "mixtral-8x7b", "bfloat16", 4)
+    assert expert_split(spec, 4, device) == 132
+    chosen = predict(plan(spec, 4, device, with_lm_head=True)).step_s
+    rounded = predict(plan(spec, 4, device, with_lm_head=True, expert_tiles=26))
+    assert chosen < 0.9 * rounded.step_s

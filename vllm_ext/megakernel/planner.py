@@ -134,9 +134,9 @@ class Program:
 
     @property
     def occupied_slots(self) -> int:
-        """Expert slots the planner sizes and places tiles for: the
-        expected distinct experts, rounded (0 without a mixture). The cost
-        model reads the fraction (``step_cost``)."""
+        """The expected distinct experts, rounded (0 without a mixture):
+        what the plan CLI reports; the cost model reads the fraction
+        (``step_cost``), and ``expert_split`` weighs both neighbours."""
         return occupied_slots(self.spec, self.batch)
 
     def step_cost(self, instr: Instruction) -> Cost:
@@ -378,36 +378,68 @@ def expected_experts(spec: ModelSpec, batch: int) -> float:
 
 
 def occupied_slots(spec: ModelSpec, batch: int) -> int:
-    """Expert slots the planner sizes and places tiles for: the expected
-    distinct experts, rounded (0 without a mixture)."""
+    """The expected distinct experts, rounded (0 without a mixture)."""
     if spec.moe is None:
         return 0
     return min(expert_slots(spec, batch), max(1, round(expected_experts(spec, batch))))
 
 
+# Sparse layers of the programs that choose expert_split's tiles: the loads
+# of a few layers differ little between two splits (DeepSeek-V3 at batch 16,
+# 13 or 32 tiles: 3 layers 8742 against 8747 us), but they drift apart
+# layer by layer (12 layers: 33639 against 31103; the whole model 161612
+# against 145792). About 18 s at DeepSeek-V3's batch 64 on this CPU.
+SPLIT_LAYERS = 12
+
+
 def expert_split(spec: ModelSpec, batch: int, device: Device) -> int:
-    """Column tiles per routed slot's EXPERT_UP: the count that minimizes
-    the busiest SM's share of a step's filled tiles (``occupied_slots``,
-    spread evenly), each tile's rows plus an instruction's overhead in
-    bytes. One tile per SM where the filled slots' tiles fit (batch 1:
-    Qwen3-30B-A3B 16 per slot, Mixtral 66); at batch 16 of Qwen3-30B-A3B,
-    82 filled slots on 132 SMs, eighths of an expert instead of whole ones
-    (a whole expert's tile would make the SMs that hold filled slots carry
-    all of the layer's rows)."""
+    """Column tiles per routed slot's EXPERT_UP. Candidates: the count that
+    minimizes the busiest SM's share of a step's filled tiles (spread
+    evenly; each tile's rows plus an instruction's overhead in bytes) with
+    the expected distinct experts rounded down, rounded up, and taken as
+    its fraction of the two. Where they differ, the one whose program of
+    the model's first ``SPLIT_LAYERS`` sparse layers (and the dense ones
+    before them) the cost model predicts fastest, ties to more tiles: the
+    integer bound misjudges either way (Mixtral-8x7B at batch 4, 5.47
+    experts: 26 tiles by the rounded count, 132 by the fraction, 18699
+    against 16090 us in the model; Qwen3-30B-A3B at batch 16, 82.4: 8
+    against 3, 12476 against 12734 us). One tile per SM where the filled
+    slots' tiles fit (batch 1: Qwen3-30B-A3B 16 per slot, Mixtral 66)."""
+    from vllm_ext.megakernel.cost import predict
+
     moe = spec.moe
     assert moe is not None
     units = math.ceil(moe.expert_intermediate / COL_MULTIPLE)
     row = 2 * COL_MULTIPLE * spec.hidden_size * spec.dtype.itemsize  # gate, up
     overhead = device.instruction_overhead_s * device.sm_bytes_per_s
-    filled, n_sm = occupied_slots(spec, batch), device.num_sms
+    n_sm = device.num_sms
+    expected = min(expert_slots(spec, batch), expected_experts(spec, batch))
+    low = max(1, math.floor(expected))
+    high = max(low, math.ceil(expected))
+    frac = expected - math.floor(expected) if high > low else 0.0
 
-    def busiest(tiles: int) -> float:
+    def busiest(tiles: int, share_high: float) -> float:
         largest = math.ceil(units / tiles) * row
-        return math.ceil(filled * tiles / n_sm) * (largest + overhead)
+        per_sm = [math.ceil(f * tiles / n_sm) for f in (low, high)]
+        return ((1 - share_high) * per_sm[0] + share_high * per_sm[1]) * (
+            largest + overhead
+        )
 
     # Ties: more tiles, so that more SMs run one and can take the layer's
     # EXPERT_DOWN tiles (Mixtral at batch 1: 66 per slot, one per SM).
-    return min(range(1, units + 1), key=lambda t: (busiest(t), -t))
+    candidates = {
+        min(range(1, units + 1), key=lambda t: (busiest(t, share), -t))
+        for share in (0.0, 1.0, frac)
+    }
+    if len(candidates) == 1:
+        return candidates.pop()
+    first = moe.sparse_layers.index(True)
+    short = spec.with_layers(min(spec.num_layers, first + SPLIT_LAYERS))
+
+    def step_s(tiles: int) -> float:
+        return predict(plan(short, batch, device, expert_tiles=tiles)).step_s
+
+    return min(candidates, key=lambda t: (step_s(t), -t))
 
 
 def qkv_parts_to_fill(spec: ModelSpec, num_sms: int) -> int:
@@ -442,8 +474,11 @@ def plan(
     max_attn_chunks: int = MAX_ATTN_CHUNKS,
     fuse_combine: bool = False,
     qkv_parts: int = 1,
+    expert_tiles: int | None = None,
 ) -> Program:
-    """The program of one decode step of ``batch`` requests on ``device``."""
+    """The program of one decode step of ``batch`` requests on ``device``
+    (``expert_tiles``: a routed slot's EXPERT_UP tiles in place of
+    ``expert_split``'s choice, which plans with it)."""
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
     if spec.mla is not None and fuse_combine:
@@ -538,7 +573,9 @@ def plan(
 
     h = spec.hidden_size
     moe, slots = spec.moe, expert_slots(spec, batch)
-    per_slot = expert_split(spec, batch, device) if moe is not None else 1
+    per_slot = 1
+    if moe is not None:
+        per_slot = expert_tiles or expert_split(spec, batch, device)
     small = split(h, max(1, h // 512), COL_MULTIPLE)  # embed / final norm
     chunks = max(1, min(max_attn_chunks, n_sm // spec.num_kv_heads))
     mla = spec.mla
