@@ -431,8 +431,8 @@ def expert_split(spec: ModelSpec, batch: int, device: Device) -> int:
         min(range(1, units + 1), key=lambda t: (busiest(t, share), -t))
         for share in (0.0, 1.0, frac)
     }
-    if len(candidates) == 1:
-        return candidates.pop()
+    if len(candidates) == 1 or not any(moe.sparse_layers):
+        return max(candidates)  # (no sparse layer: no tile of it runs)
     first = moe.sparse_layers.index(True)
     short = spec.with_layers(min(spec.num_layers, first + SPLIT_LAYERS))
 

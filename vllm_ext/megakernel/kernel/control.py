@@ -65,7 +65,7 @@ from vllm_ext.megakernel.kernel.ops.expert_down import routing_table_experts
 from vllm_ext.megakernel.kernel.ops.kv_hint import hint_kv
 from vllm_ext.megakernel.kernel.ops.prefetch import prefetch_weights
 from vllm_ext.megakernel.kernel.ops.weight_pipe import instr_pages
-from vllm_ext.megakernel.kernel.queue import fetch
+from vllm_ext.megakernel.kernel.queue import downs_end, fetch
 from vllm_ext.megakernel.kernel.sync import nanosleep, trap, wait_mbarrier
 
 POLL_NS = 32
@@ -171,16 +171,7 @@ def prefetch_routed(s: cutlass.Constexpr, q: cutlass.Constexpr, ptrs: cute.Tenso
                 prefetch_routed_down(s, ptrs, layer, ins[2], ins[3],
                                      routing_table_experts(s, ptrs, layer))  # fmt: skip
         if op == Op.EXPERT_UP and ins[2] < s.num_slots:
-            nxt = pc + 1
-            more = Int32(1)
-            while more != 0:
-                more = Int32(0)
-                if nxt < length:
-                    if q.queue[q.sm, nxt, 0] == Int32(Op.EXPERT_DOWN):
-                        if q.queue[q.sm, nxt, 1] == layer:
-                            nxt = nxt + 1
-                            more = Int32(1)
-            hinted = nxt
+            hinted = downs_end(q, layer, pc + 1, length)
     return hinted
 
 

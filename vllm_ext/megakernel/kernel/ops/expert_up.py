@@ -44,6 +44,7 @@ from vllm_ext.megakernel.kernel.ops.expert_down import prefetch_routed as hint_d
 from vllm_ext.megakernel.kernel.ops.gemv import gemv
 from vllm_ext.megakernel.kernel.ops.prefetch import prefetch_rows
 from vllm_ext.megakernel.kernel.ops.topk import route_batch, topk_words
+from vllm_ext.megakernel.kernel.queue import downs_end
 from vllm_ext.megakernel.kernel.shape import KernelShape, LayerSlot
 
 
@@ -84,17 +85,8 @@ def _hint_at(s: cutlass.Constexpr, q: cutlass.Constexpr, ptrs: cute.Tensor, laye
 def _hint_downs(s: cutlass.Constexpr, q: cutlass.Constexpr, ptrs: cute.Tensor, layer,
                 experts: cute.Tensor, p, length):  # fmt: skip
     """The rows of the EXPERT_DOWN tiles of ``layer`` from instruction p on."""
-    nxt = p
-    more = Int32(1)
-    while more != 0:
-        more = Int32(0)
-        if nxt < length:
-            if q.queue[q.sm, nxt, 0] == Int32(Op.EXPERT_DOWN):
-                if q.queue[q.sm, nxt, 1] == layer:
-                    hint_down(s, ptrs, layer, q.queue[q.sm, nxt, 2],
-                              q.queue[q.sm, nxt, 3], experts)  # fmt: skip
-                    nxt = nxt + 1
-                    more = Int32(1)
+    for j in cutlass.range(p, downs_end(q, layer, p, length)):
+        hint_down(s, ptrs, layer, q.queue[q.sm, j, 2], q.queue[q.sm, j, 3], experts)
 
 
 @cute.jit
