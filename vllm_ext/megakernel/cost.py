@@ -278,7 +278,7 @@ def predict(
         floor_s=floor,
         sm_finish_s=tuple(finish),
         sm_weight_bytes=weight_bytes,
-        critical_path_s=_critical_path(program, costs, device),
+        critical_path_s=_critical_path(program, costs, routing, device),
     )
 
 
@@ -432,13 +432,13 @@ def _routed_step_bytes(program, instr, step_cost: Cost) -> int:
     return r - (program.cost(instr).weight_bytes - step_cost.weight_bytes)
 
 
-def _critical_path(program, costs, device: Device) -> float:
+def _critical_path(program, costs, routing, device: Device) -> float:
     """Longest chain of waits and queue order, counting only execution (as if
-    every weight were already on chip): the latency floor of the program."""
+    every weight were already on chip; ``routing``: each SM's routed tiles'
+    routing times, ``_routing_times``): the latency floor of the program."""
     from vllm_ext.megakernel.isa import NO_COUNTER
 
     bw = device.sm_bytes_per_s
-    routing = [_routing_times(program, q, device) for q in program.queues]
     by_counter: dict[int, float] = {}
     sm_end: dict[int, float] = {}
     signallers, seen = _signallers(program.queues), {}

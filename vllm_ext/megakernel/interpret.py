@@ -193,6 +193,9 @@ class ProgramInterpreter:
                 nan(slots, b, width) if sparse[i] else None for i in range(layers)
             ]
         self.routing: list[topk.Routing | None] = [None] * layers
+        # The routed tiles' own routing of each layer: computed by the first
+        # that runs, as the kernel computes it once per SM and layer.
+        self.tile_routing: list[topk.Routing | None] = [None] * layers
         if self.program.with_lm_head:
             self.logits = nan(b, s.vocab_size, dt=torch.float32)
 
@@ -279,10 +282,12 @@ class ProgramInterpreter:
                 )
                 return
             # A routed tile's own routing, from the logits (isa.py).
-            routing = topk.reference(
-                buf["router"][layer], w.layers[layer], s, self.seq_lens,
-                self.program.num_slots,
-            )  # fmt: skip
+            routing = self.tile_routing[layer]
+            if routing is None:
+                routing = self.tile_routing[layer] = topk.reference(
+                    buf["router"][layer], w.layers[layer], s, self.seq_lens,
+                    self.program.num_slots,
+                )  # fmt: skip
             expert = int(routing.experts[a])
             if expert < 0:  # a slot this step leaves empty
                 return

@@ -388,7 +388,8 @@ def occupied_slots(spec: ModelSpec, batch: int) -> int:
 # of a few layers differ little between two splits (DeepSeek-V3 at batch 16,
 # 13 or 32 tiles: 3 layers 8742 against 8747 us), but they drift apart
 # layer by layer (12 layers: 33639 against 31103; the whole model 161612
-# against 145792). About 18 s at DeepSeek-V3's batch 64 on this CPU.
+# against 145792). The choice takes 21 s at DeepSeek-V3's batch 64 on this
+# CPU, 24 s at Kimi-K2's.
 SPLIT_LAYERS = 12
 
 

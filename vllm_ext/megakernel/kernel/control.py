@@ -13,9 +13,9 @@ Roles (the default kernel; ``persistent.py`` assigns the warps):
   the instruction's inputs (``wait_inputs``), hints an EXPERT_DOWN tile's
   rows into L2 (``prefetch_routed``: their addresses are known only now)
   unless a routed EXPERT_UP's consumers did, then arrives on the slot's
-  ``queue_ready`` mbarrier. So the fetch and the
-  poll of the next instruction's counter, and an EXPERT_DOWN tile's stream,
-  run while the consumers execute the current one.
+  ``queue_ready`` mbarrier. So the fetch and the poll of the next
+  instruction's counter, and an EXPERT_DOWN tile's stream, run while the
+  consumers execute the current one.
 * The consumers (``NUM_THREADS`` threads): wait for ``queue_ready``
   (``wait_instruction``), execute, meet at their named barrier (every
   store issued), then thread 0 signals (``signal_done``) and frees the

@@ -10,11 +10,12 @@ The expert's address is data. A routed tile waits for ROUTE, not TOPK:
 its consumers compute the batch's routing from the logits themselves
 (``topk.route_batch``, TOPK's own code on the same logits: the same
 slots) into shared memory, once per layer on an SM (``routing_of``); then
-thread 0 hints rows into L2 one tile ahead (``hint_routed``) and the tile
-runs. So no routed row waits for TOPK's signal: TOPK runs beside the tiles
-and writes the routing table that EXPERT_DOWN reads (it waits for TOPK
-too). The shared expert's tile is static: the controller's L2 prefetch
-before the wait covers it (ops/prefetch.py).
+thread 0 hints routed rows into L2 ``ROUTED_AHEAD`` instructions ahead
+(``hint_routed``) and the tile runs. So no routed row waits for TOPK's
+signal: TOPK runs beside the tiles and writes the routing table that
+EXPERT_DOWN reads (it waits for TOPK too). The shared expert's tile is
+static: the controller's L2 prefetch before the wait covers it
+(ops/prefetch.py).
 The routed requests are gathered into a compact list in shared memory, so
 the GEMV's passes over a weight row cover only them (at batch 1, the one).
 """
