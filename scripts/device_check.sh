@@ -33,12 +33,13 @@ BATCHES=${DEVICE_CHECK_BATCHES:-"1 4 16 64"}
 # QK-norm). Empty: none.
 COVERAGE=${DEVICE_CHECK_COVERAGE-"qwen2.5-0.5b:1 qwen3-0.6b:1"}
 # Experimental kernel variants, checked and timed beside the default in the
-# same call: MODEL:BATCH:VARIANT, built into MODEL-bBATCH-VARIANT with the
-# variant's build flags (below). The breakdown tells their parts apart.
+# same call: MODEL:BATCH:VARIANT[:LAYERS], built into MODEL-bBATCH-VARIANT
+# with the variant's build flags (below), run with its first LAYERS layers
+# where given (as its default twin among the mixtures below). The breakdown tells their parts apart.
 # The GPU side runs the cases smallest shape first, each default before its
 # variants, and the variants of a shape in the order listed here: what the
 # call's deadline cuts is the end of this list.
-VARIANTS=${DEVICE_CHECK_VARIANTS-"llama-3.2-1b:1:legacy llama-3.2-1b:1:fast llama-3.2-1b:1:split llama-3.2-1b:1:tail llama-3.2-1b:16:legacy llama-3.2-1b:16:fast llama-3.1-8b:1:legacy llama-3.1-8b:1:split llama-3.1-8b:16:legacy llama-3.1-8b:16:fast"}
+VARIANTS=${DEVICE_CHECK_VARIANTS-"llama-3.2-1b:1:legacy llama-3.2-1b:1:fast llama-3.2-1b:1:split llama-3.2-1b:1:tail llama-3.2-1b:16:legacy llama-3.2-1b:16:fast llama-3.1-8b:1:legacy llama-3.1-8b:1:split llama-3.1-8b:16:legacy llama-3.1-8b:16:fast qwen3-0.6b:1:parts qwen3-30b-a3b:1:parts:8"}
 variant_flags() {
     case $1 in
         # the previous control (thread 0 waits, CTA barriers, CUDA-core
@@ -51,6 +52,9 @@ variant_flags() {
         split) echo --fused-combine --split-qkv ;;
         # split and the wide attention
         fast) echo --wide-attn --fused-combine --split-qkv ;;
+        # head parts alone (a mixture takes no other variant); with QK-norm
+        # (Qwen3) ATTN finishes q and the new K
+        parts) echo --split-qkv ;;
         *) echo "device_check: unknown variant $1" >&2; exit 2 ;;
     esac
 }
@@ -130,14 +134,17 @@ for pair in $COVERAGE; do
     build_case "$model" "$batch" "$BUNDLE/$model-b$batch"
 done
 order=""
+layers=""
 for triple in $VARIANTS; do
-    IFS=: read -r model batch variant <<<"$triple"
+    IFS=: read -r model batch variant depth <<<"$triple"
     flags=$(variant_flags "$variant")
     # shellcheck disable=SC2086  # the flags are words
     build_case "$model" "$batch" "$BUNDLE/$model-b$batch-$variant" $flags
     order="$order $model-b$batch-$variant"
+    if [[ -n $depth ]]; then
+        layers="$layers $model-b$batch-$variant=$depth"
+    fi
 done
-layers=""
 declare -A moe_models=() moe_batches=()
 for triple in $MOE; do
     IFS=: read -r model batch depth <<<"$triple"

@@ -394,6 +394,16 @@ def graph_replays(ex, spec: ModelSpec, n: int, guards: dict) -> dict:
     return {"ok": ok, "replays": replays}
 
 
+def _finished_q(ex, q: torch.Tensor, layer: int, positions: torch.Tensor):
+    """A q buffer as attention reads it: where QKV left QK-norm and RoPE to
+    ATTN (``Program.qk_in_attn``), finished as ATTN does."""
+    if not ex.program.qk_in_attn:
+        return q
+    w = ex.weights
+    cos, sin = w.cos_sin[positions.long()].chunk(2, -1)
+    return qkv.finish(q, w.layers[layer].q_norm, ex.program.spec, cos, sin)
+
+
 def flashinfer_checks(flashinfer, ex, interp, mine, ref, n: int) -> dict:
     """FlashInfer's split-KV decode attention (the per-op baseline's, on the
     plan it times) as an independent reference for ATTN + COMBINE, on the
@@ -417,7 +427,8 @@ def flashinfer_checks(flashinfer, ex, interp, mine, ref, n: int) -> dict:
                  ref.kv_caches[layer], interp.buf["attn"][layer]),
             ):  # fmt: skip
                 out = torch.empty(n, nq, d, dtype=torch.bfloat16, device=q.device)
-                got = flashinfer(q[:n], cache, plan, out, scale)
+                q = _finished_q(ex, q[:n], layer, ref.positions[:n])
+                got = flashinfer(q, cache, plan, out, scale)
                 worst[key] = max(worst[key], rel_err(want[:n], got))
         append = flashinfer.append_error(ref.kv_caches[0], ref.slot_mapping[:n])
     except (RuntimeError, ValueError) as e:
@@ -545,7 +556,12 @@ def _attention_errors(
     table, lens, dt = inputs.block_table[:n], inputs.seq_lens[:n], spec.dtype
     h, q = ws["h"][i][:n], ws["q"][i][:n]
     heads = qkv.reference(h, lw, spec, 0, nq + 2 * nkv, cos, sin)
-    note("QKV", i, q, heads[:, :nq])
+    if ex.program.qk_in_attn:
+        # QKV stores q as projected; ATTN finishes it (on the kernel's q).
+        note("QKV", i, q, qkv.reference(h, lw, spec, 0, nq, cos, sin, True))
+        q = qkv.finish(q, lw.q_norm, spec, cos, sin)
+    else:
+        note("QKV", i, q, heads[:, :nq])
     new_kv = torch.cat((heads[:, nq : nq + nkv], heads[:, nq + nkv :]), -1)
     note("KV_APPEND", i, _new_kv(inputs.kv_caches[i], inputs, n), new_kv.float())
     cache = before.cache_after_step(i, inputs.kv_caches[i], inputs, n)

@@ -185,12 +185,14 @@ def harness(request, tmp_path, monkeypatch):
 
 
 SPLIT = {"arch": "llama", "fuse_combine": True, "qkv_parts": 2}
+# Qwen3's QK-norm over head parts: ATTN finishes q and the new K.
+QK_LATE = {"qkv_parts": 2}
 MOE = {"arch": "deepseek_routing"}
 MIXTURE_CHECKS = {"ROUTE", "TOPK", "TOPK_WEIGHTS", "EXPERT_UP", "EXPERT_DOWN"}
 
 
-@pytest.mark.parametrize("harness", [{}, {"fuse_combine": True}, SPLIT, MOE],
-                         ids=["plain", "fused", "split", "moe"],
+@pytest.mark.parametrize("harness", [{}, {"fuse_combine": True}, SPLIT, QK_LATE, MOE],
+                         ids=["plain", "fused", "split", "qk-late", "moe"],
                          indirect=True)  # fmt: skip
 def test_harness_passes_a_correct_kernel(harness):
     d, case, _ = harness

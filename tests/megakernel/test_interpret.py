@@ -90,7 +90,7 @@ def test_program_variants_give_the_plain_programs_bits(arch, batch, fuse, split)
     weights = random_weights(spec, seed=1)
     device = dataclasses.replace(DEVICES["h200"], num_sms=16)
     parts = qkv_parts_to_fill(spec, 64) if split else 1
-    assert (parts > 1) == (split and not spec.qk_norm)
+    assert (parts > 1) == split
     plain = plan(spec, batch, device, with_lm_head=True)
     other = plan(spec, batch, device, with_lm_head=True, fuse_combine=fuse,
                  qkv_parts=parts)  # fmt: skip

@@ -206,6 +206,20 @@ def test_wide_attention_variant_compiles_clean(gpu, model, tmp_path):
     check_sass(build(gpu, tmp_path / "b16", both))
 
 
+@pytest.mark.parametrize("gpu", ["sm_90a"])
+def test_qk_norm_over_head_parts_compiles_clean(gpu, tmp_path):
+    """Qwen3's heads in parts (the experimental split_qkv): QKV stores q and
+    the new K as projected, and the wide attention finishes them (QK-norm
+    and RoPE across a token group's lanes; the new K in place, then one
+    more consumers' barrier). At batch 16, with the wide attention (the
+    default attention's path: test_moe_kernel_aot.py's Qwen3-30B-A3B)."""
+    spec = ModelSpec.from_hf_config(hf_config("qwen3"), torch.bfloat16)
+    program = plan(spec, 16, DEVICES["h200"], with_lm_head=True, qkv_parts=2)
+    shape = KernelShape.from_program(program, 16, wide_attn=True)
+    assert shape.qk_in_attn and shape.qkv_parts == 2
+    check_sass(build(gpu, tmp_path, shape))
+
+
 @pytest.mark.parametrize("gpu", ["sm_100a"])
 def test_fused_combine_variant_compiles_clean(gpu, tmp_path):
     """The experimental fused COMBINE: the last ATTN chunk's signal is an

@@ -7,13 +7,15 @@ EXPERT_DOWN; kernel/ops/{route,topk,expert_up,expert_down}.py).
   facts of test_kernel_aot.py (the warp roles' too), plus TOPK's ballot
   and population counts, and the controller's L2 prefetch of the routed
   rows between its acquire and its publish. CI time is tight, so the grid
-  is not the full product but four builds (made two at a time) that cover
+  is not the full product but five builds (made two at a time) that cover
   every op on each arch (the DeepSeek-V3 mixture, which has every code
   path: sigmoid, correction bias, 8 groups keep 4, routed_scaling 2.5, a
   shared expert of 2048), each real shape, batch 1 and 16 on each arch:
   DeepSeek-V3's at batch 1 on both, Qwen3-30B-A3B at batch 16 on sm_90a,
   Mixtral-8x7B at batch 16 on sm_100a (DeepSeek-V3's at 16, the costliest
-  build, ~50 s, was checked by hand: docs/design.md). DeepSeek-V3's
+  build, ~50 s, was checked by hand: docs/design.md); and Qwen3-30B-A3B at
+  batch 1 on sm_100a with its heads in two parts (the experimental
+  ``split_qkv``: ATTN then finishes q and the new K). DeepSeek-V3's
   attention is multi-head latent attention, which the kernel does not have
   yet: its spec here is DeepSeek-V3's mixture, hidden size and dense width
   with a plain GQA attention of 128 q heads, head dim 128, and 32 kv heads
@@ -21,7 +23,8 @@ EXPERT_DOWN; kernel/ops/{route,topk,expert_up,expert_down}.py).
   batch 1: a limit of that op, not of the mixture's). Every spec is cut to
   2 layers (layers are data to the kernel).
 * ``KernelShape.from_program`` takes a mixture's constants from the
-  program, and refuses them beside any experimental variant.
+  program, and refuses them beside any experimental variant but head
+  parts.
 * The address table of an MoE program round-trips through the CPU
   stand-in (kernel_standin.py): the mixture's weights are read through
   the table and its buffers written where the table says, bit for bit
@@ -88,17 +91,19 @@ def real_spec(model: str, batch: int) -> ModelSpec:
     return spec.with_layers(2)
 
 
-def real_shape(model: str, batch: int) -> KernelShape:
-    program = plan(real_spec(model, batch), batch, H200, with_lm_head=True)
+def real_shape(model: str, batch: int, qkv_parts: int = 1) -> KernelShape:
+    program = plan(real_spec(model, batch), batch, H200, with_lm_head=True,
+                   qkv_parts=qkv_parts)  # fmt: skip
     return KernelShape.from_program(program, 16)
 
 
-# (model, batch, arch): see the module docstring for why these four.
+# (model, batch, arch, qkv_parts): see the module docstring for why these.
 GRID = [
-    ("deepseek-v3-moe", 1, "sm_90a"),
-    ("deepseek-v3-moe", 1, "sm_100a"),
-    ("qwen3-30b-a3b", 16, "sm_90a"),
-    ("mixtral-8x7b", 16, "sm_100a"),
+    ("deepseek-v3-moe", 1, "sm_90a", 1),
+    ("deepseek-v3-moe", 1, "sm_100a", 1),
+    ("qwen3-30b-a3b", 16, "sm_90a", 1),
+    ("mixtral-8x7b", 16, "sm_100a", 1),
+    ("qwen3-30b-a3b", 1, "sm_100a", 2),
 ]
 
 
@@ -108,8 +113,9 @@ def builds(tmp_path_factory) -> dict[tuple, BuildResult]:
     root = tmp_path_factory.mktemp("moe")
 
     def one(case):
-        model, batch, arch = case
-        return build(arch, root / f"{model}-{batch}-{arch}", real_shape(model, batch))
+        model, batch, arch, parts = case
+        shape = real_shape(model, batch, parts)
+        return build(arch, root / f"{model}-{batch}-{arch}-{parts}", shape)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         return dict(zip(GRID, pool.map(one, GRID), strict=True))
@@ -138,7 +144,7 @@ def test_real_shapes_compile_clean(builds, case):
     # acquire and its publish (its first slots' experts); a routed
     # EXPERT_UP's consumers hint their tile's two matrices and the following
     # EXPERT_DOWN tiles' (expert_up.hint_routed), outside that window.
-    slots = real_shape(case[0], case[1]).num_slots
+    slots = real_shape(*case[:2]).num_slots
     controller = controller_routed_prefetches(sass)
     assert controller >= min(slots, PREFETCH_SLOTS)
     assert sass.count("UBLKPF.L2") >= controller + 2 + min(slots, PREFETCH_SLOTS)
@@ -188,13 +194,14 @@ def test_from_program_takes_the_mixture():
     assert not dense.moe and dense.num_experts == 0
 
 
-@pytest.mark.parametrize("flag", KERNEL + ("fused_combine", "qkv_parts"))
+@pytest.mark.parametrize("flag", KERNEL + ("fused_combine",))
 def test_variants_refuse_the_mixture(flag):
     shape = real_shape("qwen3-30b-a3b", 1)
-    value = 2 if flag == "qkv_parts" else True
-    changes = {flag: value}
-    with pytest.raises(ValueError, match="default kernel only"):
-        dataclasses.replace(shape, **changes)
+    with pytest.raises(ValueError, match="default kernel"):
+        dataclasses.replace(shape, **{flag: True})
+    # Head parts change the attention alone: taken (with QK-norm, ATTN
+    # finishes q and the new K).
+    assert dataclasses.replace(shape, qkv_parts=2).qk_in_attn
 
 
 def test_shape_refuses_what_topk_cannot_run():

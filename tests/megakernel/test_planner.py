@@ -123,13 +123,13 @@ def test_qkv_head_parts_spread_qkv_and_verify(name):
 
 
 def test_qkv_parts_refused_where_heads_cannot_split():
-    with pytest.raises(ValueError, match="QK-norm"):
-        plan(spec_of("qwen3-8b"), 1, DEVICES["h200"], qkv_parts=2)
     with pytest.raises(ValueError, match="power of two"):
         plan(spec_of("llama-3.2-1b"), 1, DEVICES["h200"], qkv_parts=3)
     with pytest.raises(ValueError, match="multiples of 16"):  # d = 64: 8 per half
         plan(spec_of("llama-3.2-1b"), 1, DEVICES["h200"], qkv_parts=4)
-    assert qkv_parts_to_fill(spec_of("qwen3-8b"), 132) == 1
+    # QK-norm splits too (ATTN finishes the heads: Program.qk_in_attn).
+    qwen3 = plan(spec_of("qwen3-8b"), 1, DEVICES["h200"], qkv_parts=2)
+    assert qkv_parts_to_fill(spec_of("qwen3-8b"), 132) == 2 and qwen3.qk_in_attn
 
 
 @pytest.mark.parametrize(

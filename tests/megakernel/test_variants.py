@@ -2,6 +2,7 @@
 """VLLM_MEGAKERNEL_VARIANTS: names to planner options and kernel flags."""
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
@@ -29,11 +30,14 @@ def test_names_to_options_and_flags():
     assert shape.legacy_control and shape.wide_attn and not shape.mma_gemv
     assert "mma_gemv" not in KERNEL and "mma_gemv" not in shape.as_dict()
     assert shape.fused_combine and shape.qkv_parts == 2
-    # QK-norm heads stay whole (a build that asked for parts is refused);
-    # no names, no change.
-    assert v.plan_options(spec_of("qwen3-8b"), 132)["qkv_parts"] == 1
+    # QK-norm heads split too (ATTN finishes them). Heads that already fill
+    # the SMs stay whole (a build that asked for parts is refused); no
+    # names, no change.
+    assert v.plan_options(spec_of("qwen3-8b"), 132)["qkv_parts"] == 2
+    wide = dataclasses.replace(spec_of("qwen3-8b"), num_q_heads=64)
+    assert v.plan_options(wide, 132)["qkv_parts"] == 1
     with pytest.raises(ValueError, match="cannot be split"):
-        v.plan_options(spec_of("qwen3-8b"), 132, strict=True)
+        v.plan_options(wide, 132, strict=True)
     flags = argparse.Namespace(split_qkv=True, wide_attn=True, legacy_control=False)
     assert Variants.from_flags(flags) == Variants.parse("wide_attn,split_qkv")
     assert Variants.parse("").plan_options(spec_of("llama-3.2-1b"), 132) == {

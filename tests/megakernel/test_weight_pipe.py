@@ -135,7 +135,7 @@ def real_shape(config: str, batch: int, split: bool = False):
 
 # Tiles and pages depend on the batch only through the GEMV it selects (the
 # ring's size aside): batch 1 for the rows, 16 for the tensor cores. (QKV
-# head parts: the 1B shape, whose heads have no QK-norm. Qwen3-8B's pages
+# head parts: the 1B shape; QK-norm changes no page. Qwen3-8B's pages
 # are Llama-3.1-8B's: the same widths; CI time.)
 CASES = [(c, b, False) for c in ("llama-3.2-1b", "llama-3.1-8b")
          for b in (1, 16)] + [("llama-3.2-1b", b, True) for b in (1, 16)]  # fmt: skip

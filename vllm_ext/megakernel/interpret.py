@@ -215,17 +215,25 @@ class ProgramInterpreter:
             # is bit for bit what a whole-head program computes).
             parts = self.program.qkv_parts
             lo, hi = a // parts, (b - 1) // parts + 1
-            heads = qkv.reference(
-                buf["h"][layer], w.layers[layer], s, lo, hi, self.cos, self.sin
-            )
+            cos, sin, late = self.cos, self.sin, self.program.qk_in_attn
+            heads = qkv.reference(buf["h"][layer], w.layers[layer], s, lo, hi, cos,
+                                  sin, late)  # fmt: skip
             for u in range(a, b):
                 head = u // parts
                 for dims in head_part_dims(s.head_dim, parts, u % parts):
                     self._store_qkv(layer, head, dims, heads[:, head - lo, dims])
         elif i.op == Op.ATTN:
             group = s.num_q_heads // s.num_kv_heads
+            q = buf["q"][layer][:, a * group : (a + 1) * group]
+            if self.program.qk_in_attn:  # QKV left QK-norm and RoPE here
+                lw, chunks = w.layers[layer], self.program.attn_chunks
+                attn.finish_new_k(
+                    self.inputs.kv_caches[layer], a, self.inputs.slot_mapping,
+                    self.seq_lens, b, chunks, lw.k_norm, s, self.cos, self.sin,
+                )  # fmt: skip
+                q = qkv.finish(q, lw.q_norm, s, self.cos, self.sin)
             o, lse = attn.reference(
-                buf["q"][layer][:, a * group : (a + 1) * group],
+                q,
                 self.inputs.kv_caches[layer],
                 a,
                 self.inputs.block_table,

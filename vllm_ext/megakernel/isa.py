@@ -102,7 +102,12 @@ QKV's units are parts of fused heads: with ``P = qkv_parts`` (planner.py;
 1 by default, so units are heads), unit ``u`` is part ``u % P`` of fused
 head ``u // P``, and part ``p`` of a head is its output dims
 ``[p*d/2P, (p+1)*d/2P)`` and the same shifted by ``d/2``: the pairs NeoX
-RoPE rotates together, so a part needs no other part's output.
+RoPE rotates together, so a part needs no other part's output. QK-norm
+needs the whole head, so with QK-norm and P > 1 QKV writes q and the new K
+as projected, and ATTN applies QK-norm and RoPE: to its q heads as it loads
+them, and, in the chunk that holds a request's newest token (the only one
+that reads it), to the new K in the cache row, in place, before any of the
+chunk's tokens is read (``Program.qk_in_attn``).
 
 Every activation buffer is written once per step (per-layer buffers), so
 the only hazards are read-after-write, which the counters order.

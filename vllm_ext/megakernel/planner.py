@@ -113,6 +113,11 @@ class Program:
         return expert_slots(self.spec, self.batch)
 
     @property
+    def qk_in_attn(self) -> bool:
+        """QK-norm and RoPE are ATTN's (isa.py): heads in parts with QK-norm."""
+        return self.spec.qk_norm and self.qkv_parts > 1
+
+    @property
     def shared_slot(self) -> int | None:
         """EXPERT_UP's slot argument for the shared expert (isa.py): the one
         after the routed slots, or None without a shared expert."""
@@ -445,7 +450,8 @@ def expert_split(spec: ModelSpec, batch: int, device: Device) -> int:
 
 def qkv_parts_to_fill(spec: ModelSpec, num_sms: int) -> int:
     """The most parts per head that still leave QKV at most one tile per SM
-    (1 where heads cannot be split: see ``_qkv_parts_error``)."""
+    (1 where heads cannot be split: see ``_qkv_parts_error``). With QK-norm,
+    ATTN then finishes the heads (``Program.qk_in_attn``)."""
     heads, parts = spec.num_q_heads + 2 * spec.num_kv_heads, 1
     while heads * parts * 2 <= num_sms and _qkv_parts_error(spec, parts * 2) is None:
         parts *= 2
@@ -456,8 +462,6 @@ def _qkv_parts_error(spec: ModelSpec, parts: int) -> str | None:
     d = spec.head_dim
     if parts < 1 or parts & (parts - 1):
         return f"qkv_parts must be a power of two, got {parts}"
-    if parts > 1 and spec.qk_norm:
-        return "QK-norm needs a head's whole output: qkv_parts must be 1"
     if d % (2 * parts * COL_MULTIPLE):
         return (
             f"head_dim {d} in {parts} parts: each part's two RoPE halves must "

@@ -47,16 +47,17 @@ class Variants:
         return cls(frozenset(n for n in KERNEL + PROGRAM if getattr(args, n, False)))
 
     def plan_options(self, spec: ModelSpec, num_sms: int, strict: bool = False) -> dict:
-        """Keyword arguments of ``planner.plan``. Heads that cannot be split
-        (QK-norm, narrow heads) keep whole heads, or with ``strict`` are a
-        ValueError (a build asked for exactly that variant)."""
+        """Keyword arguments of ``planner.plan``. Heads that splitting would
+        not spread (already a tile per SM) keep whole heads, or with
+        ``strict`` are a ValueError (a build asked for exactly that
+        variant)."""
         from vllm_ext.megakernel.planner import qkv_parts_to_fill
 
         parts = qkv_parts_to_fill(spec, num_sms) if "split_qkv" in self.names else 1
         if strict and "split_qkv" in self.names and parts == 1:
             raise ValueError(
-                "split_qkv: this model's heads cannot be split (QK-norm, or "
-                "head_dim too small)"
+                "split_qkv: this model's heads cannot be split to fill more "
+                "SMs (already a head per SM, or head_dim too small)"
             )
         return {"fuse_combine": "fused_combine" in self.names, "qkv_parts": parts}
 

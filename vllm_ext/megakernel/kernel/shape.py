@@ -287,11 +287,14 @@ class KernelShape:
             raise ValueError("the MLA softmax scale must be positive")
 
     def _check_moe(self) -> None:
-        variants = self._variants()
+        # Head parts change QKV and ATTN only, which a mixture's attention
+        # shares with a dense model's.
+        variants = [v for v in self._variants() if v != "qkv_parts"]
         if variants:
             raise ValueError(
                 "the mixture-of-experts instructions run in the default kernel "
-                f"only, not with the experimental {', '.join(variants)}"
+                f"(or with head parts) only, not with the experimental "
+                f"{', '.join(variants)}"
             )
         for name in ("expert_intermediate", "shared_intermediate"):
             if getattr(self, name) % 8:
@@ -339,6 +342,11 @@ class KernelShape:
             and not self.mla
             and not any(k % 32 for k in widths)
         )
+
+    @property
+    def qk_in_attn(self) -> bool:
+        """ATTN applies QK-norm and RoPE (isa.py): heads in parts with QK-norm."""
+        return self.qk_norm and self.qkv_parts > 1
 
     @property
     def moe(self) -> bool:

@@ -3,9 +3,13 @@
 sequence, read from the paged cache; the result is a partial (o, lse) in
 fp32, merged by COMBINE. Chunk c of a sequence of length n covers tokens
 [c * ceil(n / chunks), (c + 1) * ceil(n / chunks)) ∩ [0, n): the program
-is fixed, the chunks are sized at run time."""
+is fixed, the chunks are sized at run time. With ``Program.qk_in_attn``
+(isa.py) the caller finishes q (``qkv.finish``) and the new K
+(``finish_new_k``) first."""
 
 import torch
+
+from vllm_ext.megakernel.ops.qkv import finish
 
 
 def chunk_tokens(
@@ -30,6 +34,44 @@ def chunk_tokens(
     pos = torch.where(valid, pos, torch.zeros_like(pos))
     blocks = torch.gather(block_table.long(), 1, pos // block_size)
     return blocks, pos % block_size, valid
+
+
+def newest_in_chunk(seq_lens: torch.Tensor, chunk: int, chunks: int) -> torch.Tensor:
+    """``[B]`` bool: chunk ``chunk`` holds the request's newest token (the
+    chunk is not empty and ends at the sequence's end; never for a padded
+    row, of length 0)."""
+    n = seq_lens.long()
+    size = (n + chunks - 1) // chunks
+    lo = torch.minimum(chunk * size, n)
+    return (lo < n) & (lo + size >= n)
+
+
+def finish_new_k(
+    kv_cache: torch.Tensor,
+    kv_head: int,
+    slot_mapping: torch.Tensor,  # [B]
+    seq_lens: torch.Tensor,  # [B]
+    chunk: int,
+    chunks: int,
+    k_norm: torch.Tensor,
+    spec,  # ModelSpec
+    cos: torch.Tensor,  # [B, head_dim / 2]
+    sin: torch.Tensor,
+) -> None:
+    """In place: QK-norm and RoPE (``ops/qkv.finish``) of kv head
+    ``kv_head``'s new K, which QKV stored as projected (isa.py:
+    ``Program.qk_in_attn``), for each request whose newest token is in this
+    chunk, the one chunk that reads it."""
+    rows = (newest_in_chunk(seq_lens, chunk, chunks) & (slot_mapping >= 0)).nonzero()
+    rows = rows.flatten()
+    if len(rows) == 0:
+        return
+    slots = slot_mapping[rows].long()
+    block_size, d = kv_cache.shape[2], kv_cache.shape[3] // 2
+    blocks, offsets = slots // block_size, slots % block_size
+    k = kv_cache[blocks, kv_head, offsets, :d]  # [R, d]
+    k = finish(k[:, None], k_norm, spec, cos[rows], sin[rows])[:, 0]
+    kv_cache[blocks, kv_head, offsets, :d] = k.to(kv_cache.dtype)
 
 
 def partial_softmax(

@@ -1,11 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
 """QKV: RMSNorm fused into the QKV projection of fused heads [lo, hi), with
 bias, QK-norm and RoPE in the epilogue (the KV append is the caller's
-store). Fused head index: q heads, then k heads, then v heads."""
+store), or with QK-norm over head parts QK-norm and RoPE left to ATTN
+(isa.py; ``finish``). Fused head index: q heads, then k heads, then v
+heads."""
 
 import torch
 
 from vllm_ext.reference import linear, rms_norm, rope_neox
+
+
+def finish(y: torch.Tensor, norm: torch.Tensor | None, spec, cos, sin) -> torch.Tensor:
+    """QK-norm by ``norm`` (q_norm or k_norm; None: the model has none), then
+    NeoX RoPE, of q or k heads ``y`` ``[B, heads, head_dim]``; model dtype."""
+    if norm is not None:
+        y = rms_norm(y, norm, spec.rms_norm_eps).to(spec.dtype)
+    return rope_neox(y, cos, sin).to(spec.dtype)
 
 
 def reference(
@@ -16,8 +26,10 @@ def reference(
     hi: int,
     cos: torch.Tensor,  # [B, head_dim / 2]
     sin: torch.Tensor,
+    qk_in_attn: bool = False,
 ) -> torch.Tensor:
-    """[B, hi - lo, head_dim] in the model dtype."""
+    """[B, hi - lo, head_dim] in the model dtype; with ``qk_in_attn``
+    (``Program.qk_in_attn``) q and k heads as projected, unfinished."""
     d, dtype, eps = spec.head_dim, spec.dtype, spec.rms_norm_eps
     x = rms_norm(h, layer.input_norm, eps).to(dtype)
     rows = slice(lo * d, hi * d)
@@ -28,10 +40,10 @@ def reference(
     heads = []
     for j, head in enumerate(range(lo, hi)):
         y = out[:, j : j + 1]
-        if head < nq + nkv:  # q or k: QK-norm, then RoPE
+        if head < nq + nkv and not qk_in_attn:  # q or k: QK-norm, then RoPE
+            norm = None
             if spec.qk_norm:
                 norm = layer.q_norm if head < nq else layer.k_norm
-                y = rms_norm(y, norm, eps).to(dtype)
-            y = rope_neox(y, cos, sin).to(dtype)
+            y = finish(y, norm, spec, cos, sin)
         heads.append(y)
     return torch.cat(heads, dim=1)

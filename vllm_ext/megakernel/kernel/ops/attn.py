@@ -7,13 +7,18 @@ Chunk c of a sequence of length n is tokens [c * ceil(n / chunks), ...)
 clipped to n, so the program is fixed while lengths vary per step. Warps
 take the chunk's tokens in turn with an online softmax each (lane l holds
 head dims [l * d/32, (l+1) * d/32) of q, K, V); the warps' states then
-merge in shared memory."""
+merge in shared memory.
+
+With ``shape.qk_in_attn`` (isa.py) ATTN first finishes the new K of the
+requests whose newest token its chunk holds, and finishes q as it loads it
+(``qk_finish.py``)."""
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
 from vllm_ext.megakernel.kernel.ops.common import (
+    MAX_POSITIONS,
     NUM_THREADS,
     NUM_WARPS,
     consumer_sync,
@@ -21,7 +26,8 @@ from vllm_ext.megakernel.kernel.ops.common import (
     thread_ids,
     warp_sum,
 )
-from vllm_ext.megakernel.kernel.ops.kv import kv_entry
+from vllm_ext.megakernel.kernel.ops.kv import kv_entry, kv_slot_entry
+from vllm_ext.megakernel.kernel.ops.qk_finish import norm_rope
 from vllm_ext.megakernel.kernel.shape import GlobalSlot, KernelShape, LayerSlot
 
 NEG_INF = float("-inf")
@@ -36,6 +42,51 @@ def chunk_span(n, chunk, chunks: int):
     size = (n + chunks - 1) // chunks
     lo = cutlass.min(chunk * size, n)
     return lo, cutlass.min(lo + size, n)
+
+
+def qk_views(shape: KernelShape, ptrs: cute.Tensor, layer, glob):
+    """What finishing q and the new K reads (``shape.qk_in_attn``): q_norm,
+    k_norm, the positions, the cos/sin table and the slot mapping."""
+    d = shape.head_dim
+    return (
+        gmem(BFloat16, ptrs[layer, LayerSlot.Q_NORM], (d,)),
+        gmem(BFloat16, ptrs[layer, LayerSlot.K_NORM], (d,)),
+        gmem(Int32, ptrs[glob, GlobalSlot.POSITIONS], (shape.batch,)),
+        gmem(Float32, ptrs[glob, GlobalSlot.COS_SIN], (MAX_POSITIONS, d)),
+        gmem(Int32, ptrs[glob, GlobalSlot.SLOT_MAPPING], (shape.batch,)),
+    )
+
+
+@cute.jit
+def finish_new_k(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, glob, g, chunk,
+                 kv_block_stride):  # fmt: skip
+    """In place in the cache (``shape.qk_in_attn``; reference:
+    ``ops/attn.finish_new_k``): QK-norm and RoPE of kv head g's new K, which
+    QKV stored as projected, for each request whose newest token this chunk
+    holds (the one chunk that reads it). A warp per request, then the
+    consumers' barrier: the chunk's warps read that row next."""
+    shape: KernelShape = s
+    b, per_lane = shape.batch, shape.head_dim // 32
+    _, k_norm, positions, cos_sin, slots = qk_views(shape, ptrs, layer, glob)
+    seq_lens = gmem(Int32, ptrs[glob, GlobalSlot.SEQ_LENS], (b,))
+    cache = ptrs[layer, LayerSlot.KV_CACHE]
+    _, warp, lane = thread_ids()
+    for i in cutlass.range(warp, b, NUM_WARPS):
+        n = seq_lens[i]
+        lo, hi = chunk_span(n, chunk, shape.attn_chunks)
+        slot = slots[i]
+        if (lo < n) & (hi == n) & (slot >= 0):  # warp-uniform
+            entry = kv_slot_entry(shape, cache, slot, g, kv_block_stride)
+            kv = cute.zipped_divide(entry, (per_lane,))  # column l: K's lane l
+            kr = cute.make_rmem_tensor((per_lane,), BFloat16)
+            cute.autovec_copy(kv[None, lane], kr)
+            kf = cute.make_rmem_tensor((per_lane,), Float32)
+            kf.store(kr.load().to(Float32))
+            norm_rope(shape, kf, per_lane, lane * per_lane, 32, k_norm,
+                      positions[i], cos_sin)  # fmt: skip
+            kr.store(kf.load().to(BFloat16))
+            cute.autovec_copy(kr, kv[None, lane])
+    consumer_sync()
 
 
 def attn_views(shape: KernelShape, ptrs: cute.Tensor, layer, glob, block_table_stride):
@@ -75,6 +126,9 @@ def attn(
         shape, ptrs, layer, glob, block_table_stride
     )
     tidx, warp, lane = thread_ids()
+    if cutlass.const_expr(shape.qk_in_attn):
+        finish_new_k(shape, ptrs, layer, glob, g, chunk, kv_block_stride)
+        q_norm, _, positions, cos_sin, _ = qk_views(shape, ptrs, layer, glob)
 
     for i in cutlass.range(b):
         t_lo, t_hi = chunk_span(seq_lens[i], chunk, chunks)
@@ -83,8 +137,13 @@ def attn(
             qv = cute.zipped_divide(q[i, g * group + gi, None], (per_lane,))
             qr = cute.make_rmem_tensor((per_lane,), BFloat16)
             cute.autovec_copy(qv[None, lane], qr)
+            head = cute.make_rmem_tensor((per_lane,), Float32)
+            head.store(qr.load().to(Float32))
+            if cutlass.const_expr(shape.qk_in_attn):
+                norm_rope(shape, head, per_lane, lane * per_lane, 32, q_norm,
+                          positions[i], cos_sin)  # fmt: skip
             for e in cutlass.range_constexpr(per_lane):
-                qf[gi, e] = qr[e].to(Float32)
+                qf[gi, e] = head[e]
         m = cute.make_rmem_tensor((group,), Float32)
         den = cute.make_rmem_tensor((group,), Float32)
         acc = cute.make_rmem_tensor((group, per_lane), Float32)

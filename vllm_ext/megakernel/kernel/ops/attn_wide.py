@@ -16,6 +16,8 @@ lane loads 4 bytes of a token's K and of its V. Here:
 - each token group keeps its own online softmax; the groups of a warp merge
   by shuffles, the warps of a request in shared memory, then one write of
   the partial (o, lse) per (request, q head).
+
+QK-norm and RoPE where QKV left them (``shape.qk_in_attn``) as in attn.py.
 """
 
 import operator
@@ -24,7 +26,12 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from vllm_ext.megakernel.kernel.ops.attn import attn_views, chunk_span
+from vllm_ext.megakernel.kernel.ops.attn import (
+    attn_views,
+    chunk_span,
+    finish_new_k,
+    qk_views,
+)
 from vllm_ext.megakernel.kernel.ops.common import (
     NUM_THREADS,
     NUM_WARPS,
@@ -35,6 +42,7 @@ from vllm_ext.megakernel.kernel.ops.common import (
     vectors,
 )
 from vllm_ext.megakernel.kernel.ops.kv import kv_entry
+from vllm_ext.megakernel.kernel.ops.qk_finish import norm_rope
 from vllm_ext.megakernel.kernel.shape import KernelShape
 
 NEG_INF = float("-inf")
@@ -87,6 +95,9 @@ def attn_wide(
     )
     tidx, warp, lane = thread_ids()
     sub, part = lane // lanes, lane % lanes  # token group, 8-dim slice
+    if cutlass.const_expr(shape.qk_in_attn):
+        finish_new_k(shape, ptrs, layer, glob, g, chunk, kv_block_stride)
+        q_norm, _, positions, cos_sin, _ = qk_views(shape, ptrs, layer, glob)
     slot, rank = warp // warps, warp % warps  # request slot, warp within it
 
     for i0 in cutlass.range(0, b, reqs):
@@ -103,9 +114,14 @@ def attn_wide(
             t_lo, t_hi = chunk_span(seq_lens[i], chunk, chunks)
             qf = cute.make_rmem_tensor((group, VEC), Float32)
             for gi in cutlass.range_constexpr(group):
-                v = load_f32(vectors(q[i, g * group + gi, None]), part)
+                head = cute.make_rmem_tensor((VEC,), Float32)
+                head.store(load_f32(vectors(q[i, g * group + gi, None]), part))
+                if cutlass.const_expr(shape.qk_in_attn):
+                    # (Each token group of the warp holds the whole head.)
+                    norm_rope(shape, head, VEC, part * VEC, lanes, q_norm,
+                              positions[i], cos_sin)  # fmt: skip
                 for e in cutlass.range_constexpr(VEC):
-                    qf[gi, e] = v[e]
+                    qf[gi, e] = head[e]
             # Every lane runs every step (the shuffles need the whole warp);
             # a lane past the chunk's end reads the step's first token and
             # keeps its state.

@@ -20,6 +20,9 @@ NUM_WARPS = NUM_THREADS // 32
 # barrier per instruction would stall the producer and the controller, which
 # run ahead of the consumers.
 VEC = 8  # bf16 elements per 128-bit load
+# Extent given to views of the cos/sin table: only positions below the
+# model's max_position are read; this just bounds the layout.
+MAX_POSITIONS = 1 << 22
 # BATCH_GROUP: requests accumulated per pass over a weight row; more would
 # spill the accumulators at batch 64, and larger buckets re-read the row
 # (from L1/L2).

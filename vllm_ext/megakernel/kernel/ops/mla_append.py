@@ -10,13 +10,14 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
 from vllm_ext.megakernel.kernel.ops.common import (
+    MAX_POSITIONS,
     NUM_THREADS,
     gmem,
     row_rstd,
     thread_ids,
 )
 from vllm_ext.megakernel.kernel.ops.kv import latent_row
-from vllm_ext.megakernel.kernel.ops.mla_q import MAX_POSITIONS, rope_gptj_pair
+from vllm_ext.megakernel.kernel.ops.mla_q import rope_gptj_pair
 from vllm_ext.megakernel.kernel.shape import GlobalSlot, KernelShape, LayerSlot
 
 

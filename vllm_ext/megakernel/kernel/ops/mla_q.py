@@ -17,6 +17,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from vllm_ext.megakernel.kernel.ops.common import (
+    MAX_POSITIONS,
     NUM_THREADS,
     STAGE_BYTES,
     VEC,
@@ -36,10 +37,6 @@ from vllm_ext.megakernel.kernel.shape import (
     KernelShape,
     LayerSlot,
 )
-
-# Extent given to the cos/sin table view (only positions < max_position are
-# read; this bounds the layout).
-MAX_POSITIONS = 1 << 22
 
 
 def q_input_width(shape: KernelShape) -> int:

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """QKV (reference: ``ops/qkv.py``): for each fused head of [lo, hi), the
 RMS-normed projection (+ bias), then for q and k heads the QK-norm and
-NeoX RoPE; q heads go to the layer's q buffer, k and v heads into vLLM's
-paged cache at the slot mapping (a padded row, slot -1, writes nothing).
+NeoX RoPE (ATTN's with QK-norm over head parts: ``shape.qk_in_attn``); q
+heads go to the layer's q buffer, k and v heads into vLLM's paged cache at
+the slot mapping (a padded row, slot -1, writes nothing).
 
 The head's outputs meet in shared memory: RoPE pairs dimension j with
 j + d/2 and QK-norm needs the whole head, both produced by other warps."""
@@ -13,6 +14,7 @@ from cutlass import BFloat16, Float32, Int32
 
 from vllm_ext.megakernel.isa import Op
 from vllm_ext.megakernel.kernel.ops.common import (
+    MAX_POSITIONS,
     NUM_THREADS,
     NUM_WARPS,
     consumer_sync,
@@ -29,10 +31,6 @@ from vllm_ext.megakernel.kernel.ops.gemv_paged import paged_gemv
 from vllm_ext.megakernel.kernel.ops.kv import kv_slot_entry
 from vllm_ext.megakernel.kernel.ops.weight_pipe import head_pages, reads_pages
 from vllm_ext.megakernel.kernel.shape import GlobalSlot, KernelShape, LayerSlot
-
-# Extent given to the cos/sin table view: only positions < max_position are
-# ever read; this just bounds the layout.
-MAX_POSITIONS = 1 << 22
 
 
 def _store_head(head_buf: cute.Tensor, first_row, bias):
@@ -52,14 +50,17 @@ def _rope_store(
     kv_block_stride,
 ):  # fmt: skip
     """Request i's dims j and j + d/2 of q or k head ``head`` (fused index):
-    NeoX RoPE of (x1, x2), then to q or to the paged cache at the request's
+    NeoX RoPE of (x1, x2) (as projected where ATTN finishes the heads:
+    ``shape.qk_in_attn``), then to q or to the paged cache at the request's
     slot (none for a padded row)."""
     shape: KernelShape = s
     nq, half = shape.q_heads, shape.head_dim // 2
-    p = positions[i]
-    c, sn = cos_sin[p, j], cos_sin[p, j + half]
-    y1 = (x1 * c - x2 * sn).to(BFloat16)
-    y2 = (x2 * c + x1 * sn).to(BFloat16)
+    y1, y2 = x1.to(BFloat16), x2.to(BFloat16)
+    if cutlass.const_expr(not shape.qk_in_attn):
+        p = positions[i]
+        c, sn = cos_sin[p, j], cos_sin[p, j + half]
+        y1 = (x1 * c - x2 * sn).to(BFloat16)
+        y2 = (x2 * c + x1 * sn).to(BFloat16)
     if head < nq:
         q[i, head, j] = y1
         q[i, head, j + half] = y2
@@ -193,10 +194,11 @@ def _head_parts(
     s: cutlass.Constexpr, w, x, x_stage, norm, rstd, bias, q, positions, slots,
     cos_sin, cache, kv_block_stride, head_buf, w_stage, lo, hi,
 ):  # fmt: skip
-    """Units [lo, hi) that are parts of heads (isa.py; shape.qkv_parts > 1,
-    not with QK-norm): part p of a head is rows ``[p*n, (p+1)*n)`` of each
-    RoPE half (n = d / 2P), gathered in head_buf as ``[first half's n |
-    second half's n]``, so each column pair RoPE rotates is in one part."""
+    """Units [lo, hi) that are parts of heads (isa.py; shape.qkv_parts > 1):
+    part p of a head is rows ``[p*n, (p+1)*n)`` of each RoPE half (n = d /
+    2P), gathered in head_buf as ``[first half's n | second half's n]``, so
+    each column pair RoPE rotates is in one part. With QK-norm, q and k go
+    out as projected (ATTN finishes them: ``shape.qk_in_attn``)."""
     shape: KernelShape = s
     b, d, parts = shape.batch, shape.head_dim, shape.qkv_parts
     nq, nkv, half = shape.q_heads, shape.kv_heads, shape.head_dim // 2
