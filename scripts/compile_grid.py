@@ -11,6 +11,10 @@ ring and the tensor-core GEMV); exits 1 if any build fails or breaks a rule.
 
     .venv/bin/python scripts/compile_grid.py [--batches 1,4,16,64]
         [--archs sm_90a,sm_100a] [--configs llama-3.2-1b,...] [--jobs 2]
+        [--split-qkv]
+
+``--split-qkv`` builds the experimental head-parts program instead (with
+QK-norm, ATTN finishing q and the new K), under the same rules.
 
 About 3-30 s per build on two cores (the MoE and MLA models longest).
 """
@@ -45,10 +49,10 @@ def rules(r: dict) -> list[str]:
     return broken
 
 
-def build(config: str, batch: int, arch: str, out: Path) -> dict:
+def build(config: str, batch: int, arch: str, out: Path, *flags: str) -> dict:
     cmd = [sys.executable, "-m", "vllm_ext.megakernel.build", "--config", config,
-           "--batch", str(batch), "--arch", arch, "--out", str(out),
-           "--json"]  # fmt: skip
+           "--batch", str(batch), "--arch", arch, "--out", str(out), "--json",
+           *flags]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1][:200]}
@@ -62,7 +66,9 @@ def main() -> int:
     parser.add_argument("--configs", default=",".join(
         sorted(p.stem for p in CONFIGS.glob("*.json"))))  # fmt: skip
     parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--split-qkv", action="store_true")
     args = parser.parse_args()
+    flags = ("--split-qkv",) if args.split_qkv else ()
     grid = [(c, int(b), a) for c in args.configs.split(",")
             for b in args.batches.split(",")
             for a in args.archs.split(",")]  # fmt: skip
@@ -74,7 +80,8 @@ def main() -> int:
           "| --- |")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
         jobs = [
-            pool.submit(build, c, b, a, Path(tmp) / f"{c}-b{b}-{a}") for c, b, a in grid
+            pool.submit(build, c, b, a, Path(tmp) / f"{c}-b{b}-{a}", *flags)
+            for c, b, a in grid
         ]
         for (c, b, a), job in zip(grid, jobs, strict=True):
             r = job.result()

@@ -228,9 +228,12 @@ def test_the_per_op_mla_step_is_the_reference_step(q_lora_rank, compiled):
     got = step()
     assert ((got - ref).abs().max() / ref.abs().max()).item() < TOL
     # The new latent rows are the reference's, in the reference's slots
-    # (and nothing else changed: the caches started equal).
+    # (and nothing else changed: the caches started equal), to two bf16
+    # steps: kv_c is a GEMM rounded to bf16, then RMS-normed, which carries
+    # one step of a different summation order (the CPU's GEMM kernel) into
+    # up to two (2 of 110592 elements on an AMD EPYC, 2026-12-02).
     for a, b in zip(mine.kv_caches, inputs.kv_caches, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=2**-7)
+        torch.testing.assert_close(a, b, rtol=2**-6, atol=2**-7)
     if compiled:  # first, middle (dense 0 into 1), moe_in, final: no break
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 4
         assert not torch._dynamo.utils.counters["graph_break"]
