@@ -80,6 +80,10 @@ def accesses(program, instr: Instruction) -> tuple[list[Region], list[Region]]:
                 writes.append(Region(name, ly, lo, hi))
         return [Region("h", ly, 0, h)], writes
     if op == Op.ATTN:
+        # With Program.qk_in_attn the chunk holding a request's newest token
+        # also finishes that token's K in place (isa.py). Not a region
+        # write: which chunk is data (the length), and no other instruction
+        # reads that row in the step, so it orders nothing here.
         reads = [
             Region("q", ly, a * group * parts, (a + 1) * group * parts),
             Region("k", ly, a * parts, (a + 1) * parts),

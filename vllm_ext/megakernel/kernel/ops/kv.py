@@ -28,7 +28,8 @@ def kv_entry(
 
 def kv_slot_entry(shape: KernelShape, cache: Int64, slot, kv_head, block_stride):
     """The entry of flat slot ``slot`` (``block * block_size + offset``,
-    what vLLM's slot mapping holds). Only the KV append addresses by slot."""
+    what vLLM's slot mapping holds). Only the KV append addresses by slot
+    (QKV's, and ATTN's finishing of the new K: ``shape.qk_in_attn``)."""
     bs = shape.block_size
     if shape.planted_bug == "kv-slot":  # (trace time: a test-only build)
         # Planted for the GPU check: the neighbouring token of the same block

@@ -3,7 +3,8 @@
 with no effect on results).
 
 Of the cache rows an ATTN or MLA_ATTN chunk reads, only the new token's
-depends on this step (QKV or MLA_APPEND writes it); the others are in place
+depends on this step (QKV or MLA_APPEND writes it; with
+``shape.qk_in_attn`` ATTN then finishes its K in place); the others are in place
 before the step starts, at addresses the step's block table gives. So the
 controller hints them into L2 before it waits for the instruction's inputs,
 as it hints the weights of an instruction without pages (ops/prefetch.py),
