@@ -398,7 +398,9 @@ def occupied_slots(spec: ModelSpec, batch: int) -> int:
 SPLIT_LAYERS = 12
 
 
-def expert_split(spec: ModelSpec, batch: int, device: Device) -> int:
+def expert_split(
+    spec: ModelSpec, batch: int, device: Device, qkv_parts: int = 1
+) -> int:
     """Column tiles per routed slot's EXPERT_UP. Candidates: the count that
     minimizes the busiest SM's share of a step's filled tiles (spread
     evenly; each tile's rows plus an instruction's overhead in bytes) with
@@ -410,7 +412,8 @@ def expert_split(spec: ModelSpec, batch: int, device: Device) -> int:
     experts: 26 tiles by the rounded count, 132 by the fraction, 18699
     against 16090 us in the model; Qwen3-30B-A3B at batch 16, 82.4: 8
     against 3, 12476 against 12734 us). One tile per SM where the filled
-    slots' tiles fit (batch 1: Qwen3-30B-A3B 16 per slot, Mixtral 66)."""
+    slots' tiles fit (batch 1: Qwen3-30B-A3B 16 per slot, Mixtral 66).
+    The candidates' programs have the caller's ``qkv_parts``."""
     from vllm_ext.megakernel.cost import predict
 
     moe = spec.moe
@@ -443,7 +446,8 @@ def expert_split(spec: ModelSpec, batch: int, device: Device) -> int:
     short = spec.with_layers(min(spec.num_layers, first + SPLIT_LAYERS))
 
     def step_s(tiles: int) -> float:
-        return predict(plan(short, batch, device, expert_tiles=tiles)).step_s
+        program = plan(short, batch, device, qkv_parts=qkv_parts, expert_tiles=tiles)
+        return predict(program).step_s
 
     return min(candidates, key=lambda t: (step_s(t), -t))
 
@@ -580,7 +584,7 @@ def plan(
     moe, slots = spec.moe, expert_slots(spec, batch)
     per_slot = 1
     if moe is not None:
-        per_slot = expert_tiles or expert_split(spec, batch, device)
+        per_slot = expert_tiles or expert_split(spec, batch, device, qkv_parts)
     small = split(h, max(1, h // 512), COL_MULTIPLE)  # embed / final norm
     chunks = max(1, min(max_attn_chunks, n_sm // spec.num_kv_heads))
     mla = spec.mla
