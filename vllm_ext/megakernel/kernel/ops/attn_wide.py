@@ -95,10 +95,10 @@ def attn_wide(
     )
     tidx, warp, lane = thread_ids()
     sub, part = lane // lanes, lane % lanes  # token group, 8-dim slice
+    slot, rank = warp // warps, warp % warps  # request slot, warp within it
     if cutlass.const_expr(shape.qk_in_attn):
         finish_new_k(shape, ptrs, layer, glob, g, chunk, kv_block_stride)
         q_norm, _, positions, cos_sin, _ = qk_views(shape, ptrs, layer, glob)
-    slot, rank = warp // warps, warp % warps  # request slot, warp within it
 
     for i0 in cutlass.range(0, b, reqs):
         i = i0 + slot
