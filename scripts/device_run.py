@@ -1046,6 +1046,12 @@ BREAKDOWN = {
     "DOWN": ((Op.DOWN,), False),
     "FINAL_NORM": ((Op.FINAL_NORM,), False),
     "LM_HEAD": ((Op.LM_HEAD,), False),
+    # A mixture's kinds (a routed tile alone routes on the logits the last
+    # step left: valid, if not this step's).
+    "ROUTE": ((Op.ROUTE,), False),
+    "TOPK": ((Op.TOPK,), False),
+    "EXPERT_UP": ((Op.EXPERT_UP,), False),
+    "EXPERT_DOWN": ((Op.EXPERT_DOWN,), False),
     "NOP": ((), False),
     "NOP, waits": ((), True),
     **device_mla.BREAKDOWN,
@@ -1066,7 +1072,9 @@ def breakdown(ex, program, step, full_ms: float, rows=tuple(BREAKDOWN)) -> dict:
     by_op: dict[int, int] = {}
     for queue in program.queues:
         for i in queue:
-            by_op[int(i.op)] = by_op.get(int(i.op), 0) + program.cost(i).weight_bytes
+            # (A routed tile's bytes as a step expects them filled.)
+            w = program.step_cost(i).weight_bytes
+            by_op[int(i.op)] = by_op.get(int(i.op), 0) + w
     # About 0.2 s of replays per variant, whatever the model's size.
     iters = max(2, min(20, int(40 / max(full_ms, 0.05))))
     out = {}

@@ -334,6 +334,24 @@ def test_routed_rows_start_after_the_routing_and_share_the_bandwidth():
     assert pred.sm_finish_s[1] == pytest.approx(24.5e-6)
 
 
+def test_a_calibrated_kind_pays_for_every_byte_it_moves():
+    """``exec_s_per_byte`` (calibrate's figure for a kind a GPU ran slower
+    than its stream): ROUTE's 10 us of activations cost 1 ns a byte more,
+    so it ends at 20.5 us, not 10.5; the chain after it moves with it
+    (EXPERT_UP's wait at 21.5, the routing to 22.0, its rows to 26.0, it
+    runs to 26.5); QKV, at 0.5 ns a byte of its 6 us of weights, runs from
+    its wait at 27.5 for 0.5 + 3 us. Kinds without a figure pay nothing."""
+    from vllm_ext.megakernel.cost import predict
+
+    device = dataclasses.replace(
+        TINY, exec_s_per_byte=(("ROUTE", 1e-9), ("QKV", 0.5e-9), ("ATTN", 1.0))
+    )
+    pred = predict(TinyProgram(device, route_bytes=10_000, routed=4_000,
+                               paged=6_000))  # fmt: skip
+    assert pred.sm_finish_s[0] == pytest.approx(20.5e-6)
+    assert pred.sm_finish_s[1] == pytest.approx(31.0e-6)
+
+
 class TinyDown(TinyProgram):
     """TinyProgram with SM 1 running, after its routed EXPERT_UP (4 us of
     rows), the layer's EXPERT_DOWN (3 us of rows) waiting for it; with

@@ -13,10 +13,19 @@ its breakdown ran, re-planned here:
   the model's time for that probe the measured one;
 * what a phase boundary costs in the real step: the step minus the step
   without waits, over the phases that wait;
-* the model's step with those figures, the report's copy bandwidth and the
-  case's kernel's own lookahead (``kernel_lookahead_bytes``; the device's,
-  which the weight pipeline was designed against, for reports that do not
-  record the kernel), beside the measured step.
+* per kind of instruction that has a breakdown row (the kind alone, no
+  waits), what executing it costs per byte it moves beyond the stream
+  (``Device.exec_s_per_byte``): the figure that makes the model's time for
+  that row the measured one (``solve_exec``); 0 where the stream alone
+  explains it. These belong to the case's kernel and batch (the CUDA-core
+  or the tensor-core GEMV, one attention or the other), so they stay with
+  the fit and never go into ``DEVICES``;
+* the model's step, and its step without waits, with those figures, the
+  report's copy bandwidth and the case's kernel's own lookahead
+  (``kernel_lookahead_bytes``; the device's, which the weight pipeline was
+  designed against, for reports that do not record the kernel), beside the
+  measured ones. The step without waits is the rows put back together: how
+  well the model composes what it was fitted on.
 
 The all-NOP time is divided by the longest queue of the program that ran:
 reports record its queue lengths (older ones have them in a side file,
@@ -44,6 +53,8 @@ from vllm_ext.megakernel.planner import Program, plan
 CASE = re.compile(r"^(?P<config>.+)-b(?P<batch>\d+)(?:-(?P<variant>[a-z]+))?$")
 # Latencies the solver searches (seconds).
 MAX_LATENCY_S = 50e-6
+# A breakdown row this close to the all-NOP row is the walk alone.
+NOISE = 0.02
 
 
 def probe(program: Program, keep=None, waits: bool = True) -> Program:
@@ -91,6 +102,55 @@ def solve_latency(program: Program, device: Device, measured_s: float) -> float 
     return (lo + hi) / 2
 
 
+def solve_exec(program: Program, device: Device, op: Op, measured_s: float,
+               lookahead: int | None = None) -> float:  # fmt: skip
+    """The seconds per byte of ``op``'s instructions (``exec_s_per_byte``)
+    at which the model's time for the breakdown row that runs them alone
+    without waits is ``measured_s``, within 0.1%; 0 where the model's
+    weight stream alone already takes that long."""
+    row = probe(program, keep=(op,), waits=False)
+
+    def step(per_byte: float) -> float:
+        d = dataclasses.replace(device, exec_s_per_byte=((op.name, per_byte),))
+        return predict(row, d, lookahead).step_s
+
+    lo, t_lo = 0.0, step(0.0)
+    if t_lo >= measured_s:
+        return 0.0
+    # The time is non-decreasing in the figure and at least the busiest
+    # SM's bytes of ``op`` times it: start there and double.
+    moved = max(
+        sum(c.weight_bytes + c.other_bytes + c.early_bytes
+            for c in (row.step_cost(i) for i in q if i.op == op))
+        for q in row.queues
+    )  # fmt: skip
+    if not moved:
+        return 0.0  # (nothing to charge it to)
+    hi = (measured_s - t_lo) / moved
+    t_hi = step(hi)
+    while t_hi < measured_s:
+        lo, t_lo, hi = hi, t_hi, 2 * hi
+        t_hi = step(hi)
+    # Regula falsi, Illinois: the time is piecewise linear in the figure.
+    side = 0
+    for _ in range(60):
+        mid = lo + (hi - lo) * (measured_s - t_lo) / (t_hi - t_lo)
+        t = step(mid)
+        if abs(t - measured_s) <= 1e-3 * measured_s:
+            return mid
+        if t < measured_s:
+            lo, t_lo = mid, t
+            if side == -1:
+                t_hi = measured_s + (t_hi - measured_s) / 2
+            side = -1
+        else:
+            hi, t_hi = mid, t
+            if side == 1:
+                t_lo = measured_s - (measured_s - t_lo) / 2
+            side = 1
+    return (lo + hi) / 2
+
+
 def kernel_lookahead_bytes(shape: dict | None) -> int | None:
     """How far ahead of its execution a kernel built for ``shape`` (a
     ``KernelShape`` as a dict) streams an SM's weights: the producer's
@@ -124,7 +184,16 @@ class Fit:
     instruction_overhead_s: float
     dependency_latency_s: float | None  # from the waits probe, if it ran
     wait_per_phase_s: float | None  # (step - step without waits) / phases
+    # (opcode name, seconds per byte): the kinds with a breakdown row
+    exec_s_per_byte: tuple[tuple[str, float], ...]
     predicted_ms: float  # the model with the fitted figures
+    no_waits_ms: float | None  # measured, the step without waits
+    predicted_no_waits_ms: float | None  # the model's, fitted figures
+
+    def exec_bytes_per_s(self, num_sms: int) -> dict[str, float | None]:
+        """Per kind, the rate all SMs execute its bytes at beyond the stream
+        (None: the stream alone explains its row)."""
+        return {n: num_sms / c if c else None for n, c in self.exec_s_per_byte}
 
 
 def fit_case(name: str, timing: dict, device: Device, bandwidth: float | None,
@@ -173,8 +242,25 @@ def fit_case(name: str, timing: dict, device: Device, bandwidth: float | None,
     if "no waits" in rows:
         per_phase = (step_ms - rows["no waits"]["ms"]) * 1e-3 / phases(program)
     lookahead = kernel_lookahead_bytes(timing.get("shape"))
-    return Fit(name, step_ms, overhead, latency, per_phase,
-               predict(program, fitted, lookahead).step_s * 1e3)  # fmt: skip
+    present = {i.op for q in program.queues for i in q}
+    terms = []
+    for op in Op:
+        if op.name in rows and op in present:
+            row_s = rows[op.name]["ms"] * 1e-3
+            # A row within timing noise of the all-NOP walk (EMBED,
+            # FINAL_NORM) has no execution to fit.
+            quiet = row_s <= (1 + NOISE) * rows["NOP"]["ms"] * 1e-3
+            c = 0.0 if quiet else solve_exec(program, fitted, op, row_s, lookahead)
+            terms.append((op.name, c))
+    fitted = dataclasses.replace(fitted, exec_s_per_byte=tuple(terms))
+    no_waits = rows.get("no waits", {}).get("ms")
+    predicted_no_waits = None
+    if no_waits is not None:
+        unwaited = probe(program, keep=None, waits=False)
+        predicted_no_waits = predict(unwaited, fitted, lookahead).step_s * 1e3
+    return Fit(name, step_ms, overhead, latency, per_phase, fitted.exec_s_per_byte,
+               predict(program, fitted, lookahead).step_s * 1e3,
+               no_waits, predicted_no_waits)  # fmt: skip
 
 
 def load_report(path: Path) -> dict:
@@ -208,21 +294,35 @@ def calibrate(report: dict, device: Device | None = None) -> list[Fit]:
     return fits
 
 
-def markdown(fits: list[Fit]) -> str:
+def markdown(fits: list[Fit], num_sms: int) -> str:
     def us(x):
         return "-" if x is None else f"{x * 1e6:.2f}"
 
+    def ms(x):
+        return "-" if x is None else f"{x:.3f}"
+
     lines = [
-        "| case | measured ms | model ms | us per instruction | dependency us "
-        "| wait per phase us |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| case | measured ms | model ms | no waits ms | model no waits ms "
+        "| us per instruction | dependency us | wait per phase us |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for f in fits:
         lines.append(
             f"| {f.case} | {f.measured_ms:.3f} | {f.predicted_ms:.3f} "
+            f"| {ms(f.no_waits_ms)} | {ms(f.predicted_no_waits_ms)} "
             f"| {us(f.instruction_overhead_s)} | {us(f.dependency_latency_s)} "
             f"| {us(f.wait_per_phase_s)} |"
         )
+    # Per kind, TB/s all SMs execute its bytes at beyond the stream ("-":
+    # the stream or the walk alone explains its row).
+    rates = [f.exec_bytes_per_s(num_sms) for f in fits]
+    kinds = [op.name for op in Op if any(r.get(op.name) for r in rates)]
+    if kinds:
+        lines += ["", "| case | " + " | ".join(kinds) + " |",
+                  "| --- |" + " --- |" * len(kinds)]  # fmt: skip
+        for f, r in zip(fits, rates, strict=True):
+            cells = ["-" if r.get(k) is None else f"{r[k] / 1e12:.2f}" for k in kinds]
+            lines.append(f"| {f.case} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -240,11 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError) as e:
         print(f"calibrate: cannot read {args.report}: {e}", file=sys.stderr)
         return 2
-    fits = calibrate(report, DEVICES[args.device])
+    device = DEVICES[args.device]
+    fits = calibrate(report, device)
     if args.json:
         print(json.dumps([dataclasses.asdict(f) for f in fits]))
     else:
-        print(markdown(fits), end="")
+        print(markdown(fits, device.num_sms), end="")
     return 0 if fits else 1
 
 

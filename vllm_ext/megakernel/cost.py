@@ -43,7 +43,12 @@ A design tool, not a claim. Its assumptions, all here:
   wait is met ``dependency_latency_s`` after the last signal it needs (a
   release/acquire round trip through L2). Executing costs
   ``instruction_overhead_s`` plus its activation and KV bytes at the SM's
-  share of bandwidth.
+  share of bandwidth, plus, for a kind of instruction that a GPU measured
+  slower than the stream feeds it, ``Device.exec_s_per_byte`` of that kind
+  times every byte it moves (``exec_s``; ``calibrate`` fits it from a
+  report's breakdown, per case: it belongs to the kernel and batch that
+  ran). No device entry has one: without it every kind keeps up with its
+  weight stream.
 * An attention chunk's past cache rows (ATTN's K/V, MLA_ATTN's latent
   rows) are hinted into L2 by the controller before the chunk's wait
   (kernel/ops/kv_hint.py): when it moves on to the instruction, once it has
@@ -66,6 +71,8 @@ from __future__ import annotations
 import bisect
 import heapq
 from dataclasses import dataclass
+
+from vllm_ext.megakernel.isa import NO_COUNTER, Instruction, Op, tail_combine
 
 # Instructions the kernel's controller may run ahead of its consumers
 # (kernel/control.py's QUEUE_SLOTS; a test keeps the two equal, and this
@@ -91,6 +98,10 @@ class Device:
     l2_bytes: int  # L2 cache, half of which weight prefetches may use
     dependency_latency_s: float = 1.0e-6
     instruction_overhead_s: float = 0.3e-6
+    # (opcode name, seconds per byte): what executing an instruction of that
+    # kind costs per byte it moves beyond the stream (``exec_s``); from
+    # ``calibrate`` only, for the kernel and batch of the case it fitted.
+    exec_s_per_byte: tuple[tuple[str, float], ...] = ()
     source: str = ""
 
     @property
@@ -151,14 +162,24 @@ class Prediction:
         return self.floor_s / self.step_s
 
 
+def exec_s(device: Device, instr, cost: Cost) -> float:
+    """Executing ``instr`` (moving ``cost``) once its weights are in and its
+    wait is met: the instruction overhead, its activation and KV bytes at the
+    SM's share of bandwidth, and its kind's calibrated term per byte."""
+    t = device.instruction_overhead_s + cost.other_bytes / device.sm_bytes_per_s
+    for name, per_byte in device.exec_s_per_byte:
+        if name == instr.op.name:
+            moved = cost.weight_bytes + cost.other_bytes + cost.early_bytes
+            return t + per_byte * moved
+    return t
+
+
 def predict(
     program, device: Device | None = None, lookahead_bytes: int | None = None
 ) -> Prediction:
     """Simulate ``program`` (a planner.Program) under the assumptions above;
     ``lookahead_bytes``: a kernel's own lookahead per SM in place of the
     device's (``calibrate.kernel_lookahead_bytes``)."""
-    from vllm_ext.megakernel.isa import NO_COUNTER
-
     device = device or program.device
     window = device.lookahead_bytes if lookahead_bytes is None else lookahead_bytes
     bw = device.sm_bytes_per_s
@@ -247,7 +268,7 @@ def predict(
     while heap:
         start, sm = heapq.heappop(heap)
         instr, cost = queues[sm][pos[sm]], costs[sm][pos[sm]]
-        end = start + device.instruction_overhead_s + cost.other_bytes / bw
+        end = start + exec_s(device, instr, cost)
         ended = [(instr.signal_counter, end)]
         c = instr.signal_counter
         if instr.tail != NO_COUNTER and signals.get(c, 0) + 1 == signallers[c]:
@@ -292,13 +313,8 @@ def _signallers(queues) -> dict[int, int]:
 
 def _tail_s(program, attn, device: Device) -> float:
     """Execution time of the COMBINE an ATTN's tail runs."""
-    from vllm_ext.megakernel.isa import tail_combine
-
     combine = tail_combine(program, attn)
-    return (
-        device.instruction_overhead_s
-        + program.cost(combine).other_bytes / device.sm_bytes_per_s
-    )
+    return exec_s(device, combine, program.cost(combine))
 
 
 def _routing_times(program, queue, device: Device) -> dict[int, float]:
@@ -306,18 +322,13 @@ def _routing_times(program, queue, device: Device) -> dict[int, float]:
     its rows stream: the SM's first routed tile of each layer, as long as
     the layer's TOPK instruction takes to execute (the same work); the
     next ones of the layer reuse it (kernel/ops/expert_up.py)."""
-    from vllm_ext.megakernel.isa import Instruction, Op
-
     times: dict[int, float] = {}
     seen: set[int] = set()
     for k, instr in enumerate(queue):
         if _routed_up(program, instr) and instr.layer not in seen:
             seen.add(instr.layer)
             topk = Instruction(Op.TOPK, instr.layer, 0, 0)
-            times[k] = (
-                device.instruction_overhead_s
-                + program.cost(topk).other_bytes / device.sm_bytes_per_s
-            )
+            times[k] = exec_s(device, topk, program.cost(topk))
     return times
 
 
@@ -393,8 +404,6 @@ class _Stream:
 
 def _routed_up(program, instr) -> bool:
     """A routed expert's EXPERT_UP tile (its slot filled or not)."""
-    from vllm_ext.megakernel.isa import Op
-
     return instr.op == Op.EXPERT_UP and instr.arg0 != program.shared_slot
 
 
@@ -404,8 +413,6 @@ def _hinted_by(program, queue, k: int, routing: dict[int, float]) -> list[int]:
     ``ROUTED_AHEAD`` if it computes the routing (``routing``), else the one
     ``ROUTED_AHEAD`` after it; each with the layer's EXPERT_DOWN tiles that
     follow it, if any."""
-    from vllm_ext.megakernel.isa import Op
-
     layer = queue[k].layer
     first = k if k in routing else k + ROUTED_AHEAD
     out: list[int] = []
@@ -436,9 +443,6 @@ def _critical_path(program, costs, routing, device: Device) -> float:
     """Longest chain of waits and queue order, counting only execution (as if
     every weight were already on chip; ``routing``: each SM's routed tiles'
     routing times, ``_routing_times``): the latency floor of the program."""
-    from vllm_ext.megakernel.isa import NO_COUNTER
-
-    bw = device.sm_bytes_per_s
     by_counter: dict[int, float] = {}
     sm_end: dict[int, float] = {}
     signallers, seen = _signallers(program.queues), {}
@@ -450,7 +454,7 @@ def _critical_path(program, costs, routing, device: Device) -> float:
         if instr.wait_counter != NO_COUNTER:
             ready = max(ready, by_counter.get(instr.wait_counter, 0.0)
                         + device.dependency_latency_s)  # fmt: skip
-        end = ready + device.instruction_overhead_s + costs[sm][idx].other_bytes / bw
+        end = ready + exec_s(device, instr, costs[sm][idx])
         end += routing[sm].get(idx, 0.0)
         c = instr.signal_counter
         if c != NO_COUNTER:

@@ -35,6 +35,7 @@ import math
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -193,8 +194,20 @@ class Program:
         lo, hi = instr.arg0, instr.arg1
         return self.num_slots * (hi - lo) * moe.expert_intermediate * e
 
+    @cached_property
+    def _costs(self) -> dict[Instruction, Cost]:
+        return {}
+
     def cost(self, instr: Instruction) -> Cost:
         """Bytes ``instr`` moves: weights (prefetchable) and the rest."""
+        # Memoised: the cost model and calibrate's solvers ask for every
+        # instruction's many times over.
+        c = self._costs.get(instr)
+        if c is None:
+            c = self._costs[instr] = self._cost(instr)
+        return c
+
+    def _cost(self, instr: Instruction) -> Cost:
         s, b = self.spec, self.batch
         e = s.dtype.itemsize
         lo, hi = instr.arg0, instr.arg1
