@@ -26,7 +26,7 @@ import torch
 
 from tests.utils import random_block_tables, slots_of
 from vllm_ext import reference as reference_module
-from vllm_ext.model_spec import ModelSpec, UnsupportedModelError, backend_refusal
+from vllm_ext.model_spec import ModelSpec
 from vllm_ext.moe import route
 from vllm_ext.reference import ReferenceExecutor, linear
 from vllm_ext.runner import DecodeInputs
@@ -440,29 +440,72 @@ def test_vllm_rope_is_hfs():
         )
 
 
-def test_mla_models_are_refused_on_the_gpu_route_only(monkeypatch):
-    """DeepSeek parses; the decode backend refuses it at start-up on the GPU
-    route (not yet checked on a GPU), named, and says reference mode
-    runs it; reference mode takes it (end to end: test_e2e_offline)."""
+def _gpu(major: int):
     from types import SimpleNamespace
 
-    from vllm_ext import envs
-    from vllm_ext.backend import model_spec
+    from vllm.platforms.interface import DeviceCapability
 
-    config = _v3_config(96, YARN)
-    spec = ModelSpec.from_hf_config(config, torch.bfloat16, 4096)
-    model_config = SimpleNamespace(
-        hf_text_config=config, dtype=torch.bfloat16, max_model_len=4096
+    return SimpleNamespace(
+        is_cuda=lambda: True, is_cpu=lambda: False, device_name="cuda",
+        get_device_capability=lambda: DeviceCapability(major, 0),
+    )  # fmt: skip
+
+
+def _mla_config(block_size=None, attention=None, use_mla=True):
+    """A VllmConfig's fields the MLA start-up check reads; ``block_size``:
+    given by the user (else CacheConfig's default 16)."""
+    from types import SimpleNamespace
+
+    given = block_size is not None
+    cache = SimpleNamespace(block_size=block_size or 16,
+                            user_specified_block_size=given)  # fmt: skip
+    return SimpleNamespace(
+        model_config=SimpleNamespace(use_mla=use_mla),
+        attention_config=SimpleNamespace(backend=attention),
+        cache_config=cache,
     )
-    vllm_config = SimpleNamespace(model_config=model_config)
-    assert "multi-head latent" in backend_refusal(spec, interpret=False)
-    assert backend_refusal(spec, interpret=True) is None
-    monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "0")
-    assert not envs.VLLM_MEGAKERNEL_INTERPRET
-    with pytest.raises(UnsupportedModelError, match="GPU route.*INTERPRET=1"):
-        model_spec(vllm_config)
-    monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
-    assert model_spec(vllm_config).mla == spec.mla
+
+
+@pytest.mark.parametrize(
+    "major, backend, default, other",
+    [(9, "FLASH_ATTN_MLA", 16, 64), (10, "FLASHINFER_MLA", 32, 64)],
+)
+def test_mla_pins_vllms_latent_backend_on_each_gpu(monkeypatch, major, backend,
+                                                   default, other):  # fmt: skip
+    """On a GPU the backend pins what vLLM 0.32.0 picks first there for a
+    bf16 latent cache (FLASH_ATTN_MLA on Hopper, FLASHINFER_MLA on
+    Blackwell), sets, when no --block-size is given, the block size vLLM
+    sets after loading the model (16 if the backend takes it, else its
+    smallest: FLASHINFER_MLA does not take CacheConfig's default 16), keeps
+    a given one the backend takes, and refuses, named, one it does not,
+    another --attention-backend, VLLM_MLA_DISABLE and a GPU it has no
+    backend for. (On a CPU: test_e2e_offline's CPU_MLA cases.)"""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    import vllm_ext.backend as b
+
+    spec = ModelSpec.from_hf_config(_v3_config(96, YARN), torch.bfloat16, 4096)
+    monkeypatch.setattr(b, "current_platform", _gpu(major))
+    for interpret in (False, True):
+        config = _mla_config()
+        got = b._check_mla_attention(config, spec, interpret)
+        assert got == AttentionBackendEnum[backend]
+        assert config.cache_config.block_size == default
+    config = _mla_config(other, AttentionBackendEnum[backend])
+    assert b._check_mla_attention(config, spec, False).name == backend
+    assert config.cache_config.block_size == other
+    refused = {
+        "runs blocks of": _mla_config(default + 8),
+        f"pass --attention-backend {backend}": _mla_config(
+            attention=AttentionBackendEnum.TRITON_MLA),
+        "VLLM_MLA_DISABLE": _mla_config(use_mla=False),
+    }  # fmt: skip
+    for message, config in refused.items():
+        with pytest.raises(ValueError, match=message):
+            b._check_mla_attention(config, spec, False)
+    monkeypatch.setattr(b, "current_platform", _gpu(8))
+    with pytest.raises(ValueError, match=r"latent cache.*this GPU has \(8, 0\)"):
+        b._check_mla_attention(_mla_config(), spec, False)
 
 
 def test_random_mla_weights_write_only_their_slots():

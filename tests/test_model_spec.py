@@ -8,7 +8,7 @@ import torch
 from transformers import AutoConfig
 
 from vllm_ext import configs
-from vllm_ext.model_spec import ModelSpec, UnsupportedModelError, backend_refusal
+from vllm_ext.model_spec import ModelSpec, UnsupportedModelError
 
 
 @pytest.mark.parametrize(
@@ -70,8 +70,6 @@ def test_real_moe_configs(name, expected):
         assert getattr(spec.moe, field) == value, field
     assert (spec.moe.scoring, spec.moe.grouped, spec.moe.correction_bias) == (
         "softmax", False, False)  # fmt: skip
-    assert backend_refusal(spec, interpret=False) is None
-    assert backend_refusal(spec, interpret=True) is None
 
 
 def _moe_config(**changes):
@@ -87,7 +85,7 @@ def test_sparse_layers_are_vllms():
     assert spec.moe.sparse_layers == (False, True, False, False, False, True)
     config = _moe_config(norm_topk_prob=False, mlp_only_layers=[0, 1, 2, 3, 4, 5])
     spec = ModelSpec.from_hf_config(config, torch.float32, 4096)
-    assert not spec.moe.renormalize and backend_refusal(spec, False) is None
+    assert not spec.moe.renormalize
 
 
 def test_a_gated_shared_expert_is_refused():
@@ -260,8 +258,6 @@ def test_real_deepseek_configs(name, mla, moe):
     # The grouped-query fields describe the latent cache (MLAAttentionSpec).
     assert (spec.num_kv_heads, spec.head_dim) == (1, 576)
     assert spec.num_q_heads == spec.mla.num_heads
-    assert "multi-head latent" in backend_refusal(spec, interpret=False)
-    assert backend_refusal(spec, interpret=True) is None
 
 
 @pytest.mark.parametrize(

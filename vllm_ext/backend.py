@@ -24,12 +24,7 @@ from vllm_ext import envs
 from vllm_ext.attention import KV_CACHE_LAYOUT
 from vllm_ext.megakernel.kernel.launcher import ARCH_OF_CAPABILITY
 from vllm_ext.megakernel.planner import batch_buckets
-from vllm_ext.model_spec import (
-    ModelSpec,
-    UnsupportedModelError,
-    backend_refusal,
-    sliding_window_refusal,
-)
+from vllm_ext.model_spec import ModelSpec, sliding_window_refusal
 from vllm_ext.runner import DecodeExecutor, decode_inputs
 from vllm_ext.weights import DecodeWeights
 
@@ -61,13 +56,9 @@ class DecodeStats:
 
 def model_spec(vllm_config: VllmConfig) -> ModelSpec:
     model_config = vllm_config.model_config
-    spec = ModelSpec.from_hf_config(
+    return ModelSpec.from_hf_config(
         model_config.hf_text_config, model_config.dtype, model_config.max_model_len
     )
-    refusal = backend_refusal(spec, envs.VLLM_MEGAKERNEL_INTERPRET)
-    if refusal is not None:
-        raise UnsupportedModelError(refusal)
-    return spec
 
 
 class MegakernelDecodeBackend(DecodeBackend):
@@ -80,7 +71,7 @@ class MegakernelDecodeBackend(DecodeBackend):
             # vLLM's own MLA backend writes the latent cache the program reads
             # (one row per token, no heads: no layout to record).
             vllm_config.attention_config.backend = _check_mla_attention(
-                vllm_config, spec
+                vllm_config, spec, interpret
             )
         else:
             attention = _attention_backend_for_platform(interpret)
@@ -145,6 +136,10 @@ class MegakernelDecodeBackend(DecodeBackend):
                     f"({attn.layer_name})."
                 )
         self.attentions = attentions
+        # The blocks the executor is built for (vLLM sets the config's again
+        # after loading the model: to this value, _check_mla_attention), and
+        # the first step checks a latent cache's against.
+        self.block_size = vllm_config.cache_config.block_size
         self._caches_checked = False
         max_batch, why = decode_batches(self.spec, device)
         if max_batch:
@@ -183,8 +178,7 @@ class MegakernelDecodeBackend(DecodeBackend):
         # verify_and_update_config refused every other case at start-up.
         from vllm_ext.megakernel.kernel.executor import GpuExecutor
 
-        cache = self.vllm_config.cache_config
-        block_size = cache.block_size
+        block_size = self.block_size
         max_len = self.vllm_config.model_config.max_model_len
         return GpuExecutor(
             self.spec,
@@ -217,7 +211,7 @@ class MegakernelDecodeBackend(DecodeBackend):
         # allocated after the backend is made).
         kv_caches = tuple(attn.kv_cache for attn in self.attentions)
         if not self._caches_checked and self.spec.mla is not None:
-            _check_latent_caches(self.attentions, kv_caches, self.spec)
+            _check_latent_caches(self.attentions, kv_caches, self.spec, self.block_size)
             self._caches_checked = True
         inputs = decode_inputs(batch, kv_caches)
         hidden = self.executor.step(inputs)
@@ -275,38 +269,87 @@ def _attention_backend_for_platform(interpret: bool) -> AttentionBackendEnum:
     )
 
 
-# vLLM's MLA attention backend whose latent cache the program reads (the
-# rows of paged_kv.write_latent: [num_blocks, block_size, kv_lora_rank +
-# qk_rope_head_dim], token t at block_table[t // block_size], offset
-# t % block_size), and the block size the CPU platform forces for it.
-MLA_ATTENTION_BACKEND = AttentionBackendEnum.CPU_MLA
-MLA_BLOCK_SIZE = 16
+@dataclass(frozen=True)
+class LatentBackend:
+    """A vLLM MLA attention backend whose latent cache the program reads:
+    the rows of ``paged_kv.write_latent`` (``[num_blocks, block_size,
+    kv_lora_rank + qk_rope_head_dim]``, token t at ``block_table[t //
+    block_size]``, offset ``t % block_size``), which its prefill writes; and
+    the block sizes its decode kernel takes, the first its default."""
+
+    backend: AttentionBackendEnum
+    blocks: tuple[int, ...]
+    any_multiple: bool = False  # or any multiple of blocks[0]
+
+    def takes(self, block_size: int) -> bool:
+        if self.any_multiple:
+            return block_size % self.blocks[0] == 0
+        return block_size in self.blocks
+
+    @property
+    def blocks_text(self) -> str:
+        if self.any_multiple:
+            return f"blocks of a multiple of {self.blocks[0]} tokens"
+        return f"blocks of {' or '.join(map(str, self.blocks))} tokens"
+
+
+# What vLLM 0.32.0 picks first for a bf16 latent cache on each platform
+# (its platforms' priority lists), pinned so that prefill writes the rows
+# the program reads: on a CPU, CPU_MLA (the platform forces blocks of 16);
+# on Hopper (compute capability 9.x), FLASH_ATTN_MLA; on Blackwell (10.x),
+# FLASHINFER_MLA (32 when no block size is given, as vLLM would choose).
+CPU_LATENT = LatentBackend(AttentionBackendEnum.CPU_MLA, (16,))
+GPU_LATENT = {
+    9: LatentBackend(AttentionBackendEnum.FLASH_ATTN_MLA, (16,), any_multiple=True),
+    10: LatentBackend(AttentionBackendEnum.FLASHINFER_MLA, (32, 64)),
+}
+
+
+def latent_backend(interpret: bool) -> LatentBackend:
+    """The latent-cache backend of this platform (``CPU_LATENT``,
+    ``GPU_LATENT``); a platform the kernel does not run on is refused as for
+    a GQA model."""
+    if current_platform.is_cuda():
+        capability = current_platform.get_device_capability()
+        major = capability.major if capability is not None else None
+        if major not in GPU_LATENT:
+            raise ValueError(
+                f"--decode-backend megakernel reads vLLM's latent cache (multi-"
+                f"head latent attention) on {SUPPORTED_GPUS}; this GPU has "
+                f"{tuple(capability or ())}"
+            )
+        return GPU_LATENT[major]
+    _attention_backend_for_platform(interpret)  # refuses what needs a GPU
+    return CPU_LATENT
 
 
 def _check_mla_attention(
-    vllm_config: VllmConfig, spec: ModelSpec
+    vllm_config: VllmConfig, spec: ModelSpec, interpret: bool
 ) -> AttentionBackendEnum:
     """The attention backend of a multi-head latent attention model: vLLM's
-    CPU_MLA, whose prefill writes the latent rows the program's decode steps
-    read and append to (reference mode on a CPU only: backend_refusal
-    refuses MLA on the GPU route)."""
-    why = _mla_attention_refusal(vllm_config, spec)
+    own for this platform (``latent_backend``), whose prefill writes the
+    latent rows the program's decode steps read and append to. Without
+    ``--block-size`` the block size is set now to the one vLLM would set
+    after loading the model (``Platform.update_block_size_for_backend``:
+    16 where the backend takes it, else its smallest), so that the kernel,
+    built while the model loads, is built for the blocks the cache gets."""
+    latent = latent_backend(interpret)
+    why = _mla_attention_refusal(vllm_config, spec, latent)
     if why is not None:
         raise ValueError(
             f"--decode-backend megakernel on {spec.architecture} (multi-head "
             f"latent attention): {why}"
         )
-    return MLA_ATTENTION_BACKEND
+    cache = vllm_config.cache_config
+    if not cache.user_specified_block_size:
+        cache.block_size = latent.blocks[0]
+    return latent.backend
 
 
-def _mla_attention_refusal(vllm_config: VllmConfig, spec: ModelSpec) -> str | None:
-    name = MLA_ATTENTION_BACKEND.name
-    if not current_platform.is_cpu():
-        return (
-            "reference mode runs MLA models on a CPU only, over vLLM's "
-            f"{name} latent cache; this is the {current_platform.device_name!r} "
-            "platform"
-        )
+def _mla_attention_refusal(
+    vllm_config: VllmConfig, spec: ModelSpec, latent: LatentBackend
+) -> str | None:
+    name = latent.backend.name
     if not vllm_config.model_config.use_mla:
         # VLLM_MLA_DISABLE: vLLM builds per-head K/V attention instead.
         return (
@@ -314,34 +357,37 @@ def _mla_attention_refusal(vllm_config: VllmConfig, spec: ModelSpec) -> str | No
             "backend runs the latent form only; unset VLLM_MLA_DISABLE"
         )
     chosen = vllm_config.attention_config.backend
-    if chosen is not None and chosen != MLA_ATTENTION_BACKEND:
+    if chosen is not None and chosen != latent.backend:
         return (
             f"the backend reads the latent cache as vLLM's {name} attention "
             f"backend writes it, but --attention-backend {chosen.name} was "
             f"given; pass --attention-backend {name} or drop it"
         )
-    if chosen is None and _cpu_has_amx():
+    if latent is CPU_LATENT and chosen is None and _cpu_has_amx():
         # vLLM prefers AMX_MLA there (bf16 only, blocks of 32): not checked
         # against the program; the platform decided its block size and
         # scheduling before this hook, so only the user can pin CPU_MLA.
         return (
             "on a CPU with AMX vLLM picks its AMX_MLA attention backend, whose "
             "cache the backend does not read; pass --attention-backend "
-            f"{name} (its block size {MLA_BLOCK_SIZE} is then forced)"
+            f"{name} (its block size {latent.blocks[0]} is then forced)"
         )
-    block_size = vllm_config.cache_config.block_size
-    if block_size != MLA_BLOCK_SIZE:
+    cache = vllm_config.cache_config
+    if cache.user_specified_block_size and not latent.takes(cache.block_size):
         return (
-            f"vLLM's {name} backend runs blocks of {MLA_BLOCK_SIZE} tokens, "
-            f"not {block_size}"
+            f"vLLM's {name} backend runs {latent.blocks_text}, not "
+            f"--block-size {cache.block_size}"
         )
-    widths = MLA_ATTENTION_BACKEND.get_class().get_supported_head_sizes()
-    if spec.mla.latent_width not in widths:
-        # (Its decode kernel; vLLM itself would fail later, in a step.)
-        return (
-            f"vLLM's {name} backend takes latent rows of {widths} "
-            f"(kv_lora_rank + qk_rope_head_dim), not {spec.mla.latent_width}"
-        )
+    if latent is CPU_LATENT:
+        widths = latent.backend.get_class().get_supported_head_sizes()
+        if spec.mla.latent_width not in widths:
+            # (Its decode kernel; vLLM itself would fail later, in a step.)
+            return (
+                f"vLLM's {name} backend takes latent rows of {widths} "
+                f"(kv_lora_rank + qk_rope_head_dim), not {spec.mla.latent_width}"
+            )
+    # (A GPU backend checks its own combination when vLLM builds the layers,
+    # and refuses it there, named, at start-up.)
     return None
 
 
@@ -363,7 +409,7 @@ def _mla_attention_layers(
     is the latent cache the program reads."""
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
-    name = MLA_ATTENTION_BACKEND.get_class().get_name()
+    name = latent_backend(envs.VLLM_MEGAKERNEL_INTERPRET).backend.name
     found = []
     for i, layer in enumerate(model.model.layers):
         attns = [m for m in layer.self_attn.modules() if isinstance(m, MLAAttention)]
@@ -394,20 +440,22 @@ def _check_latent_caches(
     attentions: list[torch.nn.Module],
     kv_caches: tuple[torch.Tensor, ...],
     spec: ModelSpec,
+    block_size: int,
 ) -> None:
     """vLLM binds the caches after the backend is made: check, at the first
-    step, that each is the latent layout the program reads."""
+    step, that each is the latent layout the program reads, in blocks of the
+    size the program was built for."""
     for attn, cache in zip(attentions, kv_caches, strict=True):
         shape = tuple(cache.shape)
         if (
             cache.dim() != 3
-            or shape[1:] != (MLA_BLOCK_SIZE, spec.mla.latent_width)
+            or shape[1:] != (block_size, spec.mla.latent_width)
             or cache.dtype != spec.dtype
         ):
             raise ValueError(
                 f"--decode-backend megakernel: {attn.layer_name}'s latent cache "
                 f"is {shape} {cache.dtype}, expected [num_blocks, "
-                f"{MLA_BLOCK_SIZE}, {spec.mla.latent_width}] {spec.dtype}."
+                f"{block_size}, {spec.mla.latent_width}] {spec.dtype}."
             )
 
 

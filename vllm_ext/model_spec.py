@@ -27,8 +27,9 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "Qwen3MoeForCausalLM": (False, True),
     "MixtralForCausalLM": (False, False),
     # Multi-head latent attention (MlaSpec) and DeepSeek's MoE (Kimi-K2
-    # loads as DeepSeek-V3): the reference forward and the program run them,
-    # reference mode on a CPU; the GPU route refuses them (backend_refusal).
+    # loads as DeepSeek-V3): the reference forward and the program run them;
+    # the GPU kernel has their device functions (compiled, not yet run on a
+    # GPU), over the latent cache of vLLM's MLA backend (backend.py).
     "DeepseekV2ForCausalLM": (False, False),
     "DeepseekV3ForCausalLM": (False, False),
 }
@@ -333,26 +334,6 @@ def _deepseek_moe(c: Any, need) -> MoeSpec | None:
         shared_intermediate=(getattr(c, "n_shared_experts", None) or 0)
         * c.moe_intermediate_size,
     )
-
-
-def backend_refusal(spec: ModelSpec, interpret: bool) -> str | None:
-    """Why the decode backend cannot serve the model yet (a sentence for
-    the start-up error), or None. Multi-head latent attention runs in
-    reference mode only (``interpret``; on a CPU, over vLLM's CPU_MLA latent
-    cache: ``backend._check_mla_attention``): the GPU kernel's MLA device
-    functions have not run on a GPU yet, nor has the binding of vLLM's GPU
-    latent caches been checked, so on the GPU route a DeepSeek model fails
-    at start-up, never in a step. (Mixtures of experts run in both: on a GPU,
-    through the kernel for the batches a GPU check measured it faster on,
-    ``backend.decode_batches``.)"""
-    if spec.mla is not None and not interpret:
-        return (
-            f"{spec.architecture}: multi-head latent attention (MLA) is not "
-            "yet supported on the megakernel's GPU route (not yet checked on a "
-            "GPU); reference mode, VLLM_MEGAKERNEL_INTERPRET=1, "
-            "runs MLA models on a CPU; or use vLLM's default decode path"
-        )
-    return None
 
 
 def sliding_window_refusal(window: int | None, max_model_len: int | None) -> str | None:

@@ -14,7 +14,9 @@ MLA_Q, MLA_APPEND, MLA_ATTN, MLA_COMBINE; kernel/ops/mla_*.py).
   mixture-of-experts opcodes in one kernel) at batch 1 on sm_100a, and to
   its first (dense) layer at 16 on sm_90a (its mixture at batch 16 is the
   costliest build, ~75 s: compiled by hand, docs/design.md, as were the
-  other cells of the product).
+  other cells of the product). Each arch at the latent blocks the GPU
+  route binds there by default: 16 on sm_90a (FLASH_ATTN_MLA), 32 on
+  sm_100a (FLASHINFER_MLA).
 * ``KernelShape.from_program`` takes an MLA program's constants, and
   refuses them beside any experimental variant.
 * The address table of an MLA program round-trips through the CPU
@@ -36,6 +38,7 @@ from test_kernel_aot import check_sass
 from test_mla_program import mla_spec
 from test_moe_kernel_aot import sass_of
 
+from vllm_ext.backend import GPU_LATENT
 from vllm_ext.megakernel.cost import DEVICES
 from vllm_ext.megakernel.interpret import ProgramInterpreter, pad_inputs
 from vllm_ext.megakernel.kernel.aot import BuildResult, build
@@ -69,9 +72,15 @@ def real_spec(model: str, batch: int, layers: int = 2) -> ModelSpec:
     return spec_or_exit("test", model, "bfloat16", batch).with_layers(layers)
 
 
-def real_shape(model: str, batch: int, layers: int = 2) -> KernelShape:
+def real_shape(model: str, batch: int, layers: int = 2,
+               block_size: int = 16) -> KernelShape:  # fmt: skip
     program = plan(real_spec(model, batch, layers), batch, H200, with_lm_head=True)
-    return KernelShape.from_program(program, 16)
+    return KernelShape.from_program(program, block_size)
+
+
+# The latent cache's blocks the GPU route binds by default on each arch:
+# FLASH_ATTN_MLA's 16 (Hopper), FLASHINFER_MLA's 32 (Blackwell).
+LATENT_BLOCK = {"sm_90a": GPU_LATENT[9].blocks[0], "sm_100a": GPU_LATENT[10].blocks[0]}
 
 
 # (model, batch, arch, layers): see the module docstring for why these four.
@@ -91,7 +100,7 @@ def builds(tmp_path_factory) -> dict[tuple, BuildResult]:
     def one(case):
         model, batch, arch, layers = case
         return build(arch, root / f"{model}-{batch}-{arch}",
-                     real_shape(model, batch, layers))  # fmt: skip
+                     real_shape(model, batch, layers, LATENT_BLOCK[arch]))  # fmt: skip
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         return dict(zip(GRID, pool.map(one, GRID), strict=True))
