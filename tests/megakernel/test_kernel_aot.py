@@ -191,19 +191,22 @@ def test_split_rows_compile_clean(gpu, tmp_path):
     assert built.async_copies == 0 and built.mma_ops == 0
 
 
-# (Head dim 64: Llama-3.2-1B's `fast` cases in the GPU check's bundle;
-# CI time.)
-@pytest.mark.parametrize("model, gpu", [("mistral", "sm_90a")])
-def test_wide_attention_variant_compiles_clean(gpu, model, tmp_path):
-    """The experimental wide attention, alone: head dim 128 with 2 q heads
-    per kv head (Mistral), at batch 4 (two warps per request) and at batch
-    16 (one per request)."""
-    shape = dataclasses.replace(demo_shape(model, 4), wide_attn=True)
-    built = build(gpu, tmp_path / "b4", shape)
+# Real shapes at the smallest and largest buckets, one on each arch (the
+# whole grid, every dense config at batches 4, 16 and 64 on both archs:
+# scripts/compile_grid.py --wide-attn, docs/perf.md).
+@pytest.mark.parametrize("config, batch, gpu",
+                         [("mistral-7b-v0.3", 4, "sm_90a"),
+                          ("llama-3.1-8b", 64, "sm_100a")])  # fmt: skip
+def test_wide_attention_variant_compiles_clean(config, batch, gpu, tmp_path):
+    """The experimental wide attention for many requests in flight, with the
+    tensor-core GEMV it runs beside: at batch 4 (two warps per request) and
+    at 64 (8 requests at a time, a warp each)."""
+    shape = real_shape(config, batch, wide_attn=True)
+    assert shape.wide_attn and shape.mma_gemv
+    built = build(gpu, tmp_path, shape)
     check_sass(built)
-    assert built.async_copies == 0
-    both = dataclasses.replace(demo_shape(model, 16), wide_attn=True)
-    check_sass(build(gpu, tmp_path / "b16", both))
+    assert built.spill_bytes == 0 and built.hot_local_loads == 0
+    assert built.async_copies == 0 and built.mma_ops > 0
 
 
 @pytest.mark.parametrize("gpu", ["sm_90a"])

@@ -129,7 +129,8 @@ def _backend_log(monkeypatch, env: dict) -> tuple[object, list[str]]:
     attn = SimpleNamespace(sliding_window=None, layer_name="layers.0.attn")
     layer = SimpleNamespace(self_attn=SimpleNamespace(attn=attn))
     model = SimpleNamespace(model=SimpleNamespace(layers=[layer]))
-    config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=512))
+    config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=512),
+                             cache_config=SimpleNamespace(block_size=16))  # fmt: skip
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
