@@ -248,8 +248,7 @@ def _mscale(factor: float, m: float) -> float:  # DeepSeek's YaRN correction
     ],
 )  # fmt: skip
 def test_real_deepseek_configs(name, mla, moe):
-    """DeepSeek-V2/V3 and Kimi-K2 read as vLLM's deepseek_v2.py reads them,
-    and refused by the backend on the GPU route (reference mode runs MLA)."""
+    """DeepSeek-V2/V3 and Kimi-K2 read as vLLM's deepseek_v2.py reads them."""
     spec = ModelSpec.from_hf_config(_deepseek_config(name), torch.bfloat16, 4096)
     for field, value in mla.items():
         assert getattr(spec.mla, field) == pytest.approx(value), field

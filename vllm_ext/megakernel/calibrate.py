@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -107,11 +108,15 @@ def solve_exec(program: Program, device: Device, op: Op, measured_s: float,
     """The seconds per byte of ``op``'s instructions (``exec_s_per_byte``)
     at which the model's time for the breakdown row that runs them alone
     without waits is ``measured_s``, within 0.1%; 0 where the model's
-    weight stream alone already takes that long."""
+    weight stream alone already takes that long. The other kinds' figures
+    in ``device`` stay (a routed EXPERT_UP tile runs TOPK's routing)."""
+    if not math.isfinite(measured_s) or measured_s <= 0:
+        raise ValueError(f"{op.name}'s breakdown row is {measured_s} s")
     row = probe(program, keep=(op,), waits=False)
+    others = tuple((n, c) for n, c in device.exec_s_per_byte if n != op.name)
 
     def step(per_byte: float) -> float:
-        d = dataclasses.replace(device, exec_s_per_byte=((op.name, per_byte),))
+        d = dataclasses.replace(device, exec_s_per_byte=(*others, (op.name, per_byte)))
         return predict(row, d, lookahead).step_s
 
     lo, t_lo = 0.0, step(0.0)
@@ -243,7 +248,8 @@ def fit_case(name: str, timing: dict, device: Device, bandwidth: float | None,
         per_phase = (step_ms - rows["no waits"]["ms"]) * 1e-3 / phases(program)
     lookahead = kernel_lookahead_bytes(timing.get("shape"))
     present = {i.op for q in program.queues for i in q}
-    terms = []
+    # In opcode order, each kind fitted with the earlier kinds' figures set
+    # (TOPK's before EXPERT_UP's, whose routed tiles run its routing).
     for op in Op:
         if op.name in rows and op in present:
             row_s = rows[op.name]["ms"] * 1e-3
@@ -251,8 +257,8 @@ def fit_case(name: str, timing: dict, device: Device, bandwidth: float | None,
             # FINAL_NORM) has no execution to fit.
             quiet = row_s <= (1 + NOISE) * rows["NOP"]["ms"] * 1e-3
             c = 0.0 if quiet else solve_exec(program, fitted, op, row_s, lookahead)
-            terms.append((op.name, c))
-    fitted = dataclasses.replace(fitted, exec_s_per_byte=tuple(terms))
+            kept = [t for t in fitted.exec_s_per_byte if t[0] != op.name]
+            fitted = dataclasses.replace(fitted, exec_s_per_byte=(*kept, (op.name, c)))
     no_waits = rows.get("no waits", {}).get("ms")
     predicted_no_waits = None
     if no_waits is not None:
