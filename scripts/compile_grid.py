@@ -11,11 +11,11 @@ ring and the tensor-core GEMV); exits 1 if any build fails or breaks a rule.
 
     .venv/bin/python scripts/compile_grid.py [--batches 1,4,16,64]
         [--archs sm_90a,sm_100a] [--configs llama-3.2-1b,...] [--jobs 2]
-        [--split-qkv] [--wide-attn]
+        [--whole-heads] [--wide-attn]
 
-``--split-qkv`` builds the experimental head-parts program instead (with
-QK-norm, ATTN finishing q and the new K), ``--wide-attn`` the experimental
-attention for many requests in flight, under the same rules.
+``--whole-heads`` builds QKV in whole heads instead (the GPU check's
+comparison case), ``--wide-attn`` the experimental attention for many
+requests in flight, under the same rules.
 
 About 3-30 s per build on two cores (the MoE and MLA models longest).
 """
@@ -67,10 +67,10 @@ def main() -> int:
     parser.add_argument("--configs", default=",".join(
         sorted(p.stem for p in CONFIGS.glob("*.json"))))  # fmt: skip
     parser.add_argument("--jobs", type=int, default=1)
-    parser.add_argument("--split-qkv", action="store_true")
+    parser.add_argument("--whole-heads", action="store_true")
     parser.add_argument("--wide-attn", action="store_true")
     args = parser.parse_args()
-    flags = tuple(f for f, on in (("--split-qkv", args.split_qkv),
+    flags = tuple(f for f, on in (("--whole-heads", args.whole_heads),
                                   ("--wide-attn", args.wide_attn)) if on)  # fmt: skip
     grid = [(c, int(b), a) for c in args.configs.split(",")
             for b in args.batches.split(",")

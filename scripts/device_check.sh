@@ -39,22 +39,21 @@ COVERAGE=${DEVICE_CHECK_COVERAGE-"qwen2.5-0.5b:1 qwen3-0.6b:1"}
 # The GPU side runs the cases smallest shape first, each default before its
 # variants, and the variants of a shape in the order listed here: what the
 # call's deadline cuts is the end of this list.
-VARIANTS=${DEVICE_CHECK_VARIANTS-"llama-3.2-1b:1:legacy llama-3.2-1b:1:fast llama-3.2-1b:1:split llama-3.2-1b:1:tail llama-3.2-1b:16:legacy llama-3.2-1b:16:fast llama-3.1-8b:1:legacy llama-3.1-8b:1:split llama-3.1-8b:16:legacy llama-3.1-8b:16:fast qwen3-0.6b:1:parts qwen3-30b-a3b:1:parts:8"}
+VARIANTS=${DEVICE_CHECK_VARIANTS-"llama-3.2-1b:1:legacy llama-3.2-1b:1:fast llama-3.2-1b:1:heads llama-3.2-1b:1:tail llama-3.2-1b:16:legacy llama-3.2-1b:16:fast llama-3.1-8b:1:legacy llama-3.1-8b:1:heads llama-3.1-8b:16:legacy llama-3.1-8b:16:fast qwen3-0.6b:1:heads qwen3-30b-a3b:1:heads:8"}
 variant_flags() {
     case $1 in
         # the previous control (thread 0 waits, CTA barriers, CUDA-core
         # GEMVs from global memory), timed beside the warp roles (the
         # default; tensor-core GEMVs from batch 4 up)
-        legacy) echo --legacy-control ;;
+        legacy) echo --legacy-control --whole-heads ;;
         # each head's COMBINE run by its last ATTN chunk
         tail) echo --fused-combine ;;
-        # tail, with QKV tiles of head parts (96 instead of 48 per layer)
-        split) echo --fused-combine --split-qkv ;;
-        # split and the wide attention
-        fast) echo --wide-attn --fused-combine --split-qkv ;;
-        # head parts alone (a mixture takes no other variant); with QK-norm
-        # (Qwen3) ATTN finishes q and the new K
-        parts) echo --split-qkv ;;
+        # tail and the wide attention
+        fast) echo --wide-attn --fused-combine ;;
+        # QKV in whole heads (48 tiles a layer on the Llama shapes, where the
+        # default's head parts make 96; with QK-norm, as Qwen3, QKV finishes
+        # q and k, not ATTN): the tiling the cost model replaced, 2026-12-02
+        heads) echo --whole-heads ;;
         *) echo "device_check: unknown variant $1" >&2; exit 2 ;;
     esac
 }

@@ -88,7 +88,7 @@ from vllm_ext.megakernel.ops import (  # noqa: E402
     route,
     topk,
 )
-from vllm_ext.megakernel.planner import plan  # noqa: E402
+from vllm_ext.megakernel.planner import plan, qkv_parts_to_fill  # noqa: E402
 from vllm_ext.megakernel.variants import KERNEL  # noqa: E402
 from vllm_ext.model_spec import MlaSpec, ModelSpec, MoeSpec  # noqa: E402
 from vllm_ext.runner import DecodeInputs  # noqa: E402
@@ -148,6 +148,18 @@ ATTN_TOLERANCE = 2**-6
 BUDGET_S = int(os.environ.get("DEVICE_CHECK_BUDGET_S", "330"))
 
 
+def saved_spec(meta: dict) -> ModelSpec:
+    """The model shape build.save_program saved (bf16)."""
+    fields = dict(meta["spec"])
+    fields["dtype"] = torch.bfloat16
+    if fields.get("moe") is not None:  # saved as a dict
+        moe = dict(fields["moe"], sparse_layers=tuple(fields["moe"]["sparse_layers"]))
+        fields["moe"] = MoeSpec(**moe)
+    if fields.get("mla") is not None:
+        fields["mla"] = MlaSpec(**fields["mla"])
+    return ModelSpec(**fields)
+
+
 def load_case(case_dir: Path, layers: int | None = None):
     """The case's model shape and program; with ``layers``, the program of
     that many layers instead (layers are data to the kernel: shape.py)."""
@@ -160,14 +172,7 @@ def load_case(case_dir: Path, layers: int | None = None):
             layers = (
                 json.loads(manifest.read_text()).get("layers", {}).get(case_dir.name)
             )
-    fields = dict(meta["spec"])
-    fields["dtype"] = torch.bfloat16
-    if fields.get("moe") is not None:  # saved as a dict (build.save_program)
-        moe = dict(fields["moe"], sparse_layers=tuple(fields["moe"]["sparse_layers"]))
-        fields["moe"] = MoeSpec(**moe)
-    if fields.get("mla") is not None:
-        fields["mla"] = MlaSpec(**fields["mla"])
-    spec = ModelSpec(**fields)
+    spec = saved_spec(meta)
     if layers is not None:
         spec = spec.with_layers(layers)
     shape = meta["shape"]
@@ -248,10 +253,12 @@ class FlashInferDecode(flashinfer_baseline.FlashInferDecode):
 
 
 def is_variant(case_dir: Path) -> bool:
-    """A case built with an experimental kernel variant (build flags)."""
-    shape = torch.load(case_dir / "program.pt")["shape"]
-    flags = (*KERNEL, "fused_combine")  # (split_qkv shows as qkv_parts)
-    return any(shape.get(f) for f in flags) or shape.get("qkv_parts", 1) > 1
+    """A case built with an experimental kernel variant or in whole heads
+    (build flags)."""
+    meta = torch.load(case_dir / "program.pt")
+    shape, flags = meta["shape"], (*KERNEL, "fused_combine")
+    parts = qkv_parts_to_fill(saved_spec(meta), DEVICES["h200"].num_sms)
+    return any(shape.get(f) for f in flags) or shape.get("qkv_parts", 1) != parts
 
 
 # Default cases whose whole step is also run against the interpreter (drift,

@@ -88,14 +88,16 @@ def _default(model: str, dtype: str):
     return DEFAULT_RUNS[model, dtype]
 
 
-# The program variants (fused COMBINE, QKV head parts: 2 parts at head dim
-# 64, 4 at 128) through vLLM on three of the fp32 runs; Qwen3-MoE's heads
-# in parts have QK-norm, which attention then applies (a mixture takes no
-# fused COMBINE).
-VARIANTS = {("llama", "float32"): "fused_combine,split_qkv",
-            ("mistral", "float32"): "fused_combine,split_qkv",
-            ("qwen3_moe", "float32"): "split_qkv"}  # fmt: skip
-PARTS = {"llama": 2, "mistral": 4, "qwen3_moe": 2}
+# The program variant (fused COMBINE) through vLLM on two of the fp32 runs
+# (a mixture takes none).
+VARIANTS = {("llama", "float32"): "fused_combine",
+            ("mistral", "float32"): "fused_combine"}  # fmt: skip
+# QKV's head parts, the planner's on 132 SMs: as many as fill them, each
+# part's RoPE halves multiples of 16 rows (2 at head dim 64, 4 at 128);
+# with QK-norm (qwen3, qwen3_moe) attention then applies it. A latent
+# attention has no QKV.
+PARTS = {"llama": 2, "mistral": 4, "qwen2": 2, "qwen3": 4, "qwen3_moe": 2,
+         "mixtral": 2, "deepseek_v3": 1, "deepseek_v3_moe": 1}  # fmt: skip
 
 
 # (qwen3_moe: a dense layer then 8 experts top 2; mixtral: 4 experts top 2.
@@ -137,8 +139,7 @@ def test_megakernel_matches_default(demo_model, monkeypatch, arch, dtype):
     assert tokens == sum(n - 1 for n in MAX_TOKENS)
     assert steps == max(MAX_TOKENS) - 1
     variants = VARIANTS.get((arch, dtype), "")
-    parts = PARTS[arch] if "split_qkv" in variants else 1
-    assert kinds == {("fused_combine" in variants, parts)}
+    assert kinds == {("fused_combine" in variants, PARTS[arch])}
 
     if dtype == "float32":
         assert [ids for ids, _ in mega] == [ids for ids, _ in default]

@@ -79,7 +79,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
         os.environ.get("VLLM_MEGAKERNEL_CACHE_DIR") or None
     ),
     # Experimental kernel and program variants, comma-separated (names in
-    # megakernel/variants.py; e.g. "fused_combine,split_qkv"). Off by default.
+    # megakernel/variants.py; e.g. "fused_combine,wide_attn"). Off by default.
     "VLLM_MEGAKERNEL_VARIANTS": lambda: _variants("VLLM_MEGAKERNEL_VARIANTS"),
 }
 

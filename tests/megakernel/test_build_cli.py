@@ -32,15 +32,11 @@ def build(*args: str) -> subprocess.CompletedProcess:
     # test_kernel_aot.py's, test_gemv_mma_aot.py's and test_planted_bugs.py's,
     # every config and bucket on both archs scripts/compile_grid.py's. Here
     # the program variants with the wide attention at the largest shape
-    # (registers), and the legacy control.
+    # (registers), and the legacy control in whole heads (the GPU check's
+    # comparison with the kernel of 2026-11-30).
     [
-        (
-            "llama-3.1-8b",
-            "sm_90a",
-            64,
-            ("--wide-attn", "--fused-combine", "--split-qkv"),
-        ),
-        ("llama-3.1-8b", "sm_100a", 1, ("--legacy-control",)),
+        ("llama-3.1-8b", "sm_90a", 64, ("--wide-attn", "--fused-combine")),
+        ("llama-3.1-8b", "sm_100a", 1, ("--legacy-control", "--whole-heads")),
     ],
 )
 def test_build_real_shape(tmp_path, name, arch, batch, variant):
@@ -70,9 +66,10 @@ def test_build_real_shape(tmp_path, name, arch, batch, variant):
     fused = "--fused-combine" in variant
     assert (program["queues"][..., 0] == 4).any() != fused
     assert (summary["release_atomics"] > 1) == fused
-    # Head parts: twice the Llama shapes' 48 QKV tiles per layer.
+    # Head parts (the default): twice the Llama shapes' 48 whole heads per
+    # layer.
     qkv = int((program["queues"][..., 0] == 2).sum())
-    assert qkv == (96 if "--split-qkv" in variant else 48) * program["spec"][
+    assert qkv == (48 if "--whole-heads" in variant else 96) * program["spec"][
         "num_layers"]  # fmt: skip
 
 

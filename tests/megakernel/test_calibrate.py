@@ -218,7 +218,10 @@ def test_a_case_of_fewer_layers_is_replanned_at_its_depth():
     timing = {
         "megakernel_ms": 2 * chain,
         "layers": 2,
-        "program": {"queue_lengths": [len(q) for q in program.queues]},
+        "program": {
+            "qkv_parts": program.qkv_parts,
+            "queue_lengths": [len(q) for q in program.queues],
+        },
         "breakdown": {"NOP": {"ms": walk}, "NOP, waits": {"ms": chain}},
     }
     fit = fit_case("llama-3.2-1b-b1", timing, device, None)

@@ -84,9 +84,10 @@ def test_dry_run_builds_a_small_bundle():
     moe = json.loads((bundle / "moe_baseline" / "manifest.json").read_text())
     assert list(moe["shapes"]) == ["E=256,N=2048,K=7168,top_k=8,dtype=bfloat16"]
     assert (bundle / "moe_baseline" / "vllm_fused_moe_kernel.py").exists()
-    # legacy_control, wide_attn, fused_combine, qkv_parts
-    flags = {"llama-3.2-1b-b1": (0, 0, 0, 1),
-             "llama-3.2-1b-b1-plant-kv-slot": (0, 0, 0, 1),
+    # legacy_control, wide_attn, fused_combine, qkv_parts (head parts on the
+    # Llama shape; a latent attention has no QKV)
+    flags = {"llama-3.2-1b-b1": (0, 0, 0, 2),
+             "llama-3.2-1b-b1-plant-kv-slot": (0, 0, 0, 2),
              "deepseek-v3-b1": (0, 0, 0, 1)}  # fmt: skip
     for name, build in manifest["builds"].items():
         assert build["spill_bytes"] == 0 and build["arch"] == "sm_90a"
@@ -185,14 +186,15 @@ def harness(request, tmp_path, monkeypatch):
 
 
 SPLIT = {"arch": "llama", "fuse_combine": True, "qkv_parts": 2}
-# Qwen3's QK-norm over head parts: ATTN finishes q and the new K.
-QK_LATE = {"qkv_parts": 2}
+# Whole heads (the GPU check's comparison case): QKV finishes Qwen3's q and
+# k, where the default's head parts leave QK-norm to ATTN.
+HEADS = {"qkv_parts": 1}
 MOE = {"arch": "deepseek_routing"}
 MIXTURE_CHECKS = {"ROUTE", "TOPK", "TOPK_WEIGHTS", "EXPERT_UP", "EXPERT_DOWN"}
 
 
-@pytest.mark.parametrize("harness", [{}, {"fuse_combine": True}, SPLIT, QK_LATE, MOE],
-                         ids=["plain", "fused", "split", "qk-late", "moe"],
+@pytest.mark.parametrize("harness", [{}, {"fuse_combine": True}, SPLIT, HEADS, MOE],
+                         ids=["plain", "fused", "split", "heads", "moe"],
                          indirect=True)  # fmt: skip
 def test_harness_passes_a_correct_kernel(harness):
     d, case, _ = harness
@@ -213,7 +215,7 @@ def test_harness_passes_a_correct_kernel(harness):
     assert result["graph"]["ok"] and len(result["graph"]["replays"]) == d.GRAPH_REPLAYS
 
 
-@pytest.mark.parametrize("harness", [{}, QK_LATE], ids=["plain", "qk-late"],
+@pytest.mark.parametrize("harness", [{}, HEADS], ids=["plain", "heads"],
                          indirect=True)  # fmt: skip
 @pytest.mark.parametrize(
     "buffer, op", [("act", "GATE_UP"), ("q", "QKV"), ("part_o", "ATTN")]
@@ -221,9 +223,11 @@ def test_harness_passes_a_correct_kernel(harness):
 def test_harness_names_the_wrong_instruction(harness, buffer, op):
     """The local checks judge each instruction on the kernel's own inputs:
     a wrong buffer fails its producer at its layer, and the instructions
-    upstream of it still pass (with QK-norm left to ATTN too: q as
-    projected, ATTN at its looser tolerance)."""
+    upstream of it still pass: with QK-norm left to ATTN (the default
+    program's head parts: q as projected, ATTN at its looser tolerance) and
+    done by QKV (whole heads)."""
     d, case, corrupt = harness
+    assert d.load_case(case)[1].qk_in_attn != d.is_variant(case)
     corrupt.update(name=buffer, layer=1)
     result = d.correctness(case)
     assert not result["ok"]

@@ -83,15 +83,16 @@ def test_interleavings_agree_bitwise_and_match_reference(arch, dtype, batch):
                          ids=["fused", "split", "both"])  # fmt: skip
 def test_program_variants_give_the_plain_programs_bits(arch, batch, fuse, split):
     """Fused COMBINE (the last ATTN chunk of each head runs its COMBINE, a
-    tail) and QKV over head parts: under any interleaving, and on the second
-    step (where a tail fires at twice the chunk count), the results are bit
-    for bit the plain program's."""
+    tail) and QKV over head parts (the planner's default): under any
+    interleaving, and on the second step (where a tail fires at twice the
+    chunk count), the results are bit for bit the plain program's (whole
+    heads, a COMBINE per q head)."""
     spec = make_spec(arch, torch.float32)
     weights = random_weights(spec, seed=1)
     device = dataclasses.replace(DEVICES["h200"], num_sms=16)
     parts = qkv_parts_to_fill(spec, 64) if split else 1
     assert (parts > 1) == split
-    plain = plan(spec, batch, device, with_lm_head=True)
+    plain = plan(spec, batch, device, with_lm_head=True, qkv_parts=1)
     other = plan(spec, batch, device, with_lm_head=True, fuse_combine=fuse,
                  qkv_parts=parts)  # fmt: skip
     ops = [i.op for q in other.queues for i in q]

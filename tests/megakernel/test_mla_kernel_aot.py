@@ -163,12 +163,13 @@ def test_from_program_takes_mla(model):
     assert sizes["attn"] == (2, 16, m.num_heads, 128)
 
 
-@pytest.mark.parametrize("flag", KERNEL + ("fused_combine", "qkv_parts"))
+@pytest.mark.parametrize("flag", KERNEL + ("fused_combine",))
 def test_variants_refuse_mla(flag):
     shape = real_shape("deepseek-v3", 1)
-    changes = {flag: 2 if flag == "qkv_parts" else True}
     with pytest.raises(ValueError, match="latent attention .* default kernel only"):
-        dataclasses.replace(shape, **changes)
+        dataclasses.replace(shape, **{flag: True})
+    with pytest.raises(ValueError, match="no QKV to split"):
+        dataclasses.replace(shape, qkv_parts=2)
 
 
 def test_shape_refuses_what_the_device_functions_cannot_run():

@@ -14,8 +14,11 @@ EXPERT_DOWN; kernel/ops/{route,topk,expert_up,expert_down}.py).
   DeepSeek-V3's at batch 1 on both, Qwen3-30B-A3B at batch 16 on sm_90a,
   Mixtral-8x7B at batch 16 on sm_100a (DeepSeek-V3's at 16, the costliest
   build, ~50 s, was checked by hand: docs/design.md); and Qwen3-30B-A3B at
-  batch 1 on sm_100a with its heads in two parts (the experimental
-  ``split_qkv``: ATTN then finishes q and the new K). DeepSeek-V3's
+  batch 1 on sm_100a. Qwen3-30B-A3B's and Mixtral's heads are in two parts
+  (the planner's; with QK-norm ATTN then finishes q and the new K), but at
+  batch 16 on sm_90a Qwen3-30B-A3B's are whole (the GPU check's comparison
+  case: QKV finishes them); DeepSeek-V3's stand-in fills the SMs with whole
+  heads. DeepSeek-V3's
   attention is multi-head latent attention, which the kernel does not have
   yet: its spec here is DeepSeek-V3's mixture, hidden size and dense width
   with a plain GQA attention of 128 q heads, head dim 128, and 32 kv heads
@@ -23,8 +26,7 @@ EXPERT_DOWN; kernel/ops/{route,topk,expert_up,expert_down}.py).
   batch 1: a limit of that op, not of the mixture's). Every spec is cut to
   2 layers (layers are data to the kernel).
 * ``KernelShape.from_program`` takes a mixture's constants from the
-  program, and refuses them beside any experimental variant but head
-  parts.
+  program, and refuses them beside any experimental variant.
 * The address table of an MoE program round-trips through the CPU
   stand-in (kernel_standin.py): the mixture's weights are read through
   the table and its buffers written where the table says, bit for bit
@@ -91,19 +93,20 @@ def real_spec(model: str, batch: int) -> ModelSpec:
     return spec.with_layers(2)
 
 
-def real_shape(model: str, batch: int, qkv_parts: int = 1) -> KernelShape:
+def real_shape(model: str, batch: int, qkv_parts: int | None = None) -> KernelShape:
     program = plan(real_spec(model, batch), batch, H200, with_lm_head=True,
                    qkv_parts=qkv_parts)  # fmt: skip
     return KernelShape.from_program(program, 16)
 
 
-# (model, batch, arch, qkv_parts): see the module docstring for why these.
+# (model, batch, arch, qkv_parts; None: the planner's): see the module
+# docstring for why these.
 GRID = [
-    ("deepseek-v3-moe", 1, "sm_90a", 1),
-    ("deepseek-v3-moe", 1, "sm_100a", 1),
+    ("deepseek-v3-moe", 1, "sm_90a", None),
+    ("deepseek-v3-moe", 1, "sm_100a", None),
     ("qwen3-30b-a3b", 16, "sm_90a", 1),
-    ("mixtral-8x7b", 16, "sm_100a", 1),
-    ("qwen3-30b-a3b", 1, "sm_100a", 2),
+    ("mixtral-8x7b", 16, "sm_100a", None),
+    ("qwen3-30b-a3b", 1, "sm_100a", None),
 ]
 
 
@@ -144,7 +147,10 @@ def test_real_shapes_compile_clean(builds, case):
     # acquire and its publish (its first slots' experts); a routed
     # EXPERT_UP's consumers hint their tile's two matrices and the following
     # EXPERT_DOWN tiles' (expert_up.hint_routed), outside that window.
-    slots = real_shape(*case[:2]).num_slots
+    shape = real_shape(*case[:2], case[3])
+    # Head parts where the planner splits (Qwen3-30B-A3B's QK-norm then ATTN's).
+    assert shape.qkv_parts == (1 if case[0] == "deepseek-v3-moe" else case[3] or 2)
+    slots = shape.num_slots
     controller = controller_routed_prefetches(sass)
     assert controller >= min(slots, PREFETCH_SLOTS)
     assert sass.count("UBLKPF.L2") >= controller + 2 + min(slots, PREFETCH_SLOTS)
@@ -199,9 +205,9 @@ def test_variants_refuse_the_mixture(flag):
     shape = real_shape("qwen3-30b-a3b", 1)
     with pytest.raises(ValueError, match="default kernel"):
         dataclasses.replace(shape, **{flag: True})
-    # Head parts change the attention alone: taken (with QK-norm, ATTN
-    # finishes q and the new K).
-    assert dataclasses.replace(shape, qkv_parts=2).qk_in_attn
+    # Head parts (the planner's) change the attention alone: with QK-norm,
+    # ATTN finishes q and the new K.
+    assert shape.qkv_parts == 2 and shape.qk_in_attn
 
 
 def test_shape_refuses_what_topk_cannot_run():

@@ -45,16 +45,19 @@ def test_json_summary():
 
 
 def test_program_variants_verify_and_interpret():
-    """--fused-combine and --split-qkv: the program the variant kernels run,
-    verified, costed and interpreted under two interleavings."""
-    result = run(
-        "--config", "llama-3.2-1b", "--batch", "2", "--arch", "sm_90a", "--json",
-        "--interleavings", "2", "--fused-combine", "--split-qkv",
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
-    assert summary["verified"] is True and summary["interleavings_ok"] is True
-    assert summary["fused_combine"] is True and summary["qkv_parts"] == 2
+    """--fused-combine and --whole-heads: the programs the variant kernel and
+    the GPU check's comparison case run, verified, costed and interpreted
+    under two interleavings (the default: head parts)."""
+    for flag, parts in (("--fused-combine", 2), ("--whole-heads", 1)):
+        result = run(
+            "--config", "llama-3.2-1b", "--batch", "2", "--arch", "sm_90a",
+            "--json", "--interleavings", "2", flag,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+        summary = json.loads(result.stdout.strip().splitlines()[-1])
+        assert summary["verified"] is True and summary["interleavings_ok"] is True
+        assert summary["fused_combine"] is (flag == "--fused-combine")
+        assert summary["qkv_parts"] == parts
 
 
 def test_blackwell_default_device():

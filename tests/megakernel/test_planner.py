@@ -106,13 +106,15 @@ def test_fused_combine_with_one_chunk_per_head():
 
 @pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.1-8b"])
 def test_qkv_head_parts_spread_qkv_and_verify(name):
-    """Head parts double the Llama shapes' 48 QKV tiles; the model predicts
-    a shorter step (the QKV phase no longer runs on 48 of 132 SMs)."""
+    """Head parts (the planner's default) double the Llama shapes' 48 QKV
+    tiles; the model predicts a shorter step than whole heads (the QKV phase
+    no longer runs on 48 of 132 SMs)."""
     spec = spec_of(name)
     parts = qkv_parts_to_fill(spec, DEVICES["h200"].num_sms)
     assert parts == 2
-    plain = plan(spec, 1, DEVICES["h200"], with_lm_head=True)
-    split = plan(spec, 1, DEVICES["h200"], with_lm_head=True, qkv_parts=parts)
+    plain = plan(spec, 1, DEVICES["h200"], with_lm_head=True, qkv_parts=1)
+    split = plan(spec, 1, DEVICES["h200"], with_lm_head=True)
+    assert split.qkv_parts == parts
     verify(split)
     qkv = [i for q in split.queues for i in q if i.op == Op.QKV]
     assert len(qkv) == 96 * spec.num_layers
@@ -128,8 +130,14 @@ def test_qkv_parts_refused_where_heads_cannot_split():
     with pytest.raises(ValueError, match="multiples of 16"):  # d = 64: 8 per half
         plan(spec_of("llama-3.2-1b"), 1, DEVICES["h200"], qkv_parts=4)
     # QK-norm splits too (ATTN finishes the heads: Program.qk_in_attn).
-    qwen3 = plan(spec_of("qwen3-8b"), 1, DEVICES["h200"], qkv_parts=2)
-    assert qkv_parts_to_fill(spec_of("qwen3-8b"), 132) == 2 and qwen3.qk_in_attn
+    qwen3 = plan(spec_of("qwen3-8b"), 1, DEVICES["h200"])
+    assert qwen3.qkv_parts == 2 and qwen3.qk_in_attn
+    # Heads that already fill the SMs stay whole, and QK-norm stays QKV's; a
+    # latent attention has no QKV.
+    wide = dataclasses.replace(spec_of("qwen3-8b"), num_q_heads=64)
+    assert qkv_parts_to_fill(wide, 132) == 1
+    assert not plan(wide, 1, DEVICES["h200"]).qk_in_attn
+    assert qkv_parts_to_fill(spec_of("deepseek-v3"), 132) == 1
 
 
 @pytest.mark.parametrize(

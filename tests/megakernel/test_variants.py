@@ -2,7 +2,6 @@
 """VLLM_MEGAKERNEL_VARIANTS: names to planner options and kernel flags."""
 
 import argparse
-import dataclasses
 
 import pytest
 import torch
@@ -20,28 +19,22 @@ def spec_of(name: str) -> ModelSpec:
 
 
 def test_names_to_options_and_flags():
-    v = Variants.parse(" legacy_control, fused_combine,split_qkv ,wide_attn")
-    assert str(v) == "legacy_control,wide_attn,fused_combine,split_qkv"
-    program = plan(spec_of("llama-3.2-1b"), 1, DEVICES["h200"],
-                   **v.plan_options(spec_of("llama-3.2-1b"), 132))  # fmt: skip
+    v = Variants.parse(" legacy_control, fused_combine ,wide_attn")
+    assert str(v) == "legacy_control,wide_attn,fused_combine"
+    program = plan(spec_of("llama-3.2-1b"), 1, DEVICES["h200"], **v.plan_options())
+    # (Head parts are the planner's, with or without variants.)
     assert program.fuse_combine and program.qkv_parts == 2
     shape = KernelShape.from_program(program, 16, **v.kernel_flags())
     # (The legacy control keeps the CUDA-core GEMV at any batch.)
     assert shape.legacy_control and shape.wide_attn and not shape.mma_gemv
     assert "mma_gemv" not in KERNEL and "mma_gemv" not in shape.as_dict()
     assert shape.fused_combine and shape.qkv_parts == 2
-    # QK-norm heads split too (ATTN finishes them). Heads that already fill
-    # the SMs stay whole (a build that asked for parts is refused); no
-    # names, no change.
-    assert v.plan_options(spec_of("qwen3-8b"), 132)["qkv_parts"] == 2
-    wide = dataclasses.replace(spec_of("qwen3-8b"), num_q_heads=64)
-    assert v.plan_options(wide, 132)["qkv_parts"] == 1
-    with pytest.raises(ValueError, match="cannot be split"):
-        v.plan_options(wide, 132, strict=True)
-    flags = argparse.Namespace(split_qkv=True, wide_attn=True, legacy_control=False)
-    assert Variants.from_flags(flags) == Variants.parse("wide_attn,split_qkv")
-    assert Variants.parse("").plan_options(spec_of("llama-3.2-1b"), 132) == {
-        "fuse_combine": False, "qkv_parts": 1}  # fmt: skip
+    # Head parts are no variant any more: the name is refused.
+    with pytest.raises(ValueError, match="unknown variant 'split_qkv'"):
+        Variants.parse("split_qkv")
+    flags = argparse.Namespace(fused_combine=True, wide_attn=True, legacy_control=False)
+    assert Variants.from_flags(flags) == Variants.parse("wide_attn,fused_combine")
+    assert Variants.parse("").plan_options() == {"fuse_combine": False}
     assert Variants.parse("").kernel_flags() == dict.fromkeys(KERNEL, False)
 
 

@@ -294,10 +294,11 @@ def main(argv: list[str] | None = None) -> int:
         "kv head merges the head's partials",
     )
     parser.add_argument(
-        "--split-qkv",
+        "--whole-heads",
         action="store_true",
-        help="experimental: QKV tiles are parts of heads (RoPE pairs), as many "
-        "parts as keep one tile per SM",
+        help="for the GPU check only: QKV tiles of whole heads instead of the "
+        "parts of heads that fill the SMs (the tiling before 2026-12-02), to "
+        "time against the default",
     )
     parser.add_argument(
         "--plant-bug",
@@ -320,8 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     device = DEVICES[DEFAULT_DEVICE[args.arch]]
     variants = Variants.from_flags(args)
     try:
-        options = variants.plan_options(spec, device.num_sms, strict=True)
-        program = plan(spec, args.batch, device, with_lm_head=True, **options)
+        # Not a variant (Variants cannot name it): only this flag sets it.
+        parts = 1 if args.whole_heads else None
+        program = plan(spec, args.batch, device, with_lm_head=True, qkv_parts=parts,
+                       **variants.plan_options())  # fmt: skip
         verify(program)
         shape = KernelShape.from_program(
             program, args.block_size, **variants.kernel_flags()

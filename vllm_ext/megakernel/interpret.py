@@ -412,7 +412,7 @@ class ProgramExecutor:
             from vllm_ext.megakernel.planner import plan
             from vllm_ext.megakernel.verify import verify
 
-            options = self.variants.plan_options(self.spec, self.device.num_sms)
+            options = self.variants.plan_options()
             program = plan(self.spec, bucket, self.device, **options)
             verify(program)
             self.interpreters[bucket] = ProgramInterpreter(

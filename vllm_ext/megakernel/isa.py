@@ -98,8 +98,8 @@ There is one kv head (the latent row), so MLA_ATTN splits the heads into
 ``attn_chunks`` chunks as ATTN: every SM has a tile at batch 1. MLA_Q and
 MLA_APPEND signal one counter, which MLA_ATTN waits for (it reads both).
 
-QKV's units are parts of fused heads: with ``P = qkv_parts`` (planner.py;
-1 by default, so units are heads), unit ``u`` is part ``u % P`` of fused
+QKV's units are parts of fused heads: with ``P = qkv_parts`` (planner.py:
+as many as fill the SMs; 1 makes units heads), unit ``u`` is part ``u % P`` of fused
 head ``u // P``, and part ``p`` of a head is its output dims
 ``[p*d/2P, (p+1)*d/2P)`` and the same shifted by ``d/2``: the pairs NeoX
 RoPE rotates together, so a part needs no other part's output. QK-norm

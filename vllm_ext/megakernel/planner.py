@@ -19,9 +19,12 @@ instructions: the last ATTN chunk of each kv head merges the head's partials
 itself (``tail`` in isa.py), which
 removes one of the six phase boundaries of a layer.
 
-With ``qkv_parts`` = P > 1, QKV tiles are parts of heads (isa.py), so the
-phase spreads over P times as many SMs: whole heads give 48 tiles on the
-Llama shapes, where the other phases use all 132 SMs.
+QKV's tiles are parts of heads (isa.py), as many parts per head as keep
+one tile per SM (``qkv_parts_to_fill``): whole heads would give 48 tiles on
+the Llama shapes, where the other phases use all 132 SMs. With QK-norm,
+ATTN then finishes q and the new K (``Program.qk_in_attn``). The cost model
+chose parts (docs/perf.md, 2026-12-02); the GPU check times whole heads
+beside them (``qkv_parts=1``, build.py's ``--whole-heads``).
 
 A multi-head latent attention layer (``spec.mla``) runs MLA_QKV_A (the fused
 q_a/kv_a down projection over all SMs), MLA_Q (one tile per head) beside
@@ -467,8 +470,11 @@ def expert_split(
 
 def qkv_parts_to_fill(spec: ModelSpec, num_sms: int) -> int:
     """The most parts per head that still leave QKV at most one tile per SM
-    (1 where heads cannot be split: see ``_qkv_parts_error``). With QK-norm,
-    ATTN then finishes the heads (``Program.qk_in_attn``)."""
+    (1 where heads cannot be split, ``_qkv_parts_error``, or a latent
+    attention has no QKV): the planner's default. With QK-norm, ATTN then
+    finishes the heads (``Program.qk_in_attn``)."""
+    if spec.mla is not None:
+        return 1
     heads, parts = spec.num_q_heads + 2 * spec.num_kv_heads, 1
     while heads * parts * 2 <= num_sms and _qkv_parts_error(spec, parts * 2) is None:
         parts *= 2
@@ -495,16 +501,20 @@ def plan(
     with_lm_head: bool = False,
     max_attn_chunks: int = MAX_ATTN_CHUNKS,
     fuse_combine: bool = False,
-    qkv_parts: int = 1,
+    qkv_parts: int | None = None,
     expert_tiles: int | None = None,
 ) -> Program:
     """The program of one decode step of ``batch`` requests on ``device``
-    (``expert_tiles``: a routed slot's EXPERT_UP tiles in place of
-    ``expert_split``'s choice, which plans with it)."""
+    (``qkv_parts``: QKV's parts per head in place of ``qkv_parts_to_fill``'s,
+    for the GPU check's whole-heads case and the tests; ``expert_tiles``: a
+    routed slot's EXPERT_UP tiles in place of ``expert_split``'s choice,
+    which plans with it)."""
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
     if spec.mla is not None and fuse_combine:
         raise ValueError("fused COMBINE is a grouped-query attention variant")
+    if qkv_parts is None:
+        qkv_parts = qkv_parts_to_fill(spec, device.num_sms)
     if (error := _qkv_parts_error(spec, qkv_parts)) is not None:
         raise ValueError(error)
     n_sm = device.num_sms

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_ext.model_spec import ModelSpec
-
 # KernelShape flags, as the build CLI names them with dashes.
 # legacy_control: the previous control (thread 0 waits, CTA barriers, direct
 # GEMVs), kept for the side-by-side GPU comparison with the warp roles.
 KERNEL = ("legacy_control", "wide_attn")
-# Planner options: the fused COMBINE (isa.py, tail) and QKV head parts.
-PROGRAM = ("fused_combine", "split_qkv")
+# Planner options: the fused COMBINE (isa.py, tail).
+PROGRAM = ("fused_combine",)
 
 
 @dataclass(frozen=True)
@@ -46,20 +44,9 @@ class Variants:
         (argparse attributes named as the variants)."""
         return cls(frozenset(n for n in KERNEL + PROGRAM if getattr(args, n, False)))
 
-    def plan_options(self, spec: ModelSpec, num_sms: int, strict: bool = False) -> dict:
-        """Keyword arguments of ``planner.plan``. Heads that splitting would
-        not spread (already a tile per SM) keep whole heads, or with
-        ``strict`` are a ValueError (a build asked for exactly that
-        variant)."""
-        from vllm_ext.megakernel.planner import qkv_parts_to_fill
-
-        parts = qkv_parts_to_fill(spec, num_sms) if "split_qkv" in self.names else 1
-        if strict and "split_qkv" in self.names and parts == 1:
-            raise ValueError(
-                "split_qkv: this model's heads cannot be split to fill more "
-                "SMs (already a head per SM, or head_dim too small)"
-            )
-        return {"fuse_combine": "fused_combine" in self.names, "qkv_parts": parts}
+    def plan_options(self) -> dict:
+        """Keyword arguments of ``planner.plan``."""
+        return {"fuse_combine": "fused_combine" in self.names}
 
     def kernel_flags(self) -> dict:
         """Keyword arguments of ``KernelShape.from_program``."""

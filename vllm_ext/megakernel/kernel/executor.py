@@ -68,7 +68,7 @@ class GpuExecutor:
         target = device_for(device, arch)
         log = logger.info if logger else None
         variants = variants or Variants()
-        options = variants.plan_options(spec, target.num_sms)
+        options = variants.plan_options()
         programs = {}
         for bucket in buckets:
             program = plan(spec, bucket, target, **options)

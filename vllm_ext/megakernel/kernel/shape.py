@@ -167,9 +167,9 @@ class KernelShape:
     # instructions; the last ATTN chunk of each kv head merges the head's
     # partials (isa.py, tail). Set from the program, which it must match.
     fused_combine: bool = False
-    # Experimental (not yet measured): QKV's units are heads split into this
-    # many RoPE-pair parts (isa.py), so the phase spreads over more SMs. Set
-    # from the program, which it must match.
+    # QKV's units are heads split into this many RoPE-pair parts (isa.py),
+    # so the phase spreads over the SMs. Set from the program, which it must
+    # match.
     qkv_parts: int = 1
     # The mixture of experts of the sparse layers (model_spec.MoeSpec; all
     # 0 / False in a dense model), run by ROUTE, TOPK, EXPERT_UP and
@@ -229,18 +229,11 @@ class KernelShape:
             self._check_moe()
 
     def _variants(self) -> list[str]:
-        variants = [
+        return [
             name
-            for name in (
-                "legacy_control",
-                "wide_attn",
-                "fused_combine",
-            )
+            for name in ("legacy_control", "wide_attn", "fused_combine")
             if getattr(self, name)
         ]
-        if self.qkv_parts > 1:
-            variants.append("qkv_parts")
-        return variants
 
     def _check_mla(self) -> None:
         variants = self._variants()
@@ -249,6 +242,8 @@ class KernelShape:
                 "the multi-head latent attention instructions run in the default "
                 f"kernel only, not with the experimental {', '.join(variants)}"
             )
+        if self.qkv_parts != 1:
+            raise ValueError("an MLA kernel has no QKV to split (qkv_parts 1)")
         heads, rank, rope = self.mla_heads, self.kv_lora_rank, self.qk_rope
         if (self.q_heads, self.kv_heads, self.head_dim) != (
             heads, heads, self.v_head_dim
@@ -287,14 +282,11 @@ class KernelShape:
             raise ValueError("the MLA softmax scale must be positive")
 
     def _check_moe(self) -> None:
-        # Head parts change QKV and ATTN only, which a mixture's attention
-        # shares with a dense model's.
-        variants = [v for v in self._variants() if v != "qkv_parts"]
+        variants = self._variants()
         if variants:
             raise ValueError(
                 "the mixture-of-experts instructions run in the default kernel "
-                f"(or with head parts) only, not with the experimental "
-                f"{', '.join(variants)}"
+                f"only, not with the experimental {', '.join(variants)}"
             )
         for name in ("expert_intermediate", "shared_intermediate"):
             if getattr(self, name) % 8:
