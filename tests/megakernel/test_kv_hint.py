@@ -116,15 +116,19 @@ def test_the_cost_model_hints_what_the_kernel_does():
 
 
 def test_hinted_rows_shorten_the_step_but_are_not_free(monkeypatch):
-    """Llama-3.2-1B at batch 4: the hints take time from the controller's
-    walk on, so the step lies between no hints and rows that cost nothing."""
+    """Llama-3.2-1B at batch 16: the hints take time from the controller's
+    walk on, so the step lies between no hints and rows that cost nothing.
+    (At batch 4 until the merges moved after every group's attention,
+    2026-12-02; since then the model has the 1B's hints cost 1% at batch 1
+    and 3% at 4, where a chunk's rows are few and the weights many, and
+    gain elsewhere: docs/perf.md.)"""
     from vllm_ext.megakernel.plan import spec_or_exit
 
-    spec = spec_or_exit("t", "llama-3.2-1b", "bfloat16", 4)
+    spec = spec_or_exit("t", "llama-3.2-1b", "bfloat16", 16)
     device = cost.DEVICES["h200"]
 
     def step() -> float:
-        return cost.predict(planner.plan(spec, 4, device)).step_s
+        return cost.predict(planner.plan(spec, 16, device)).step_s
 
     hinted = step()
     monkeypatch.setattr(planner, "KV_HINT_BYTES", 0)
