@@ -178,7 +178,8 @@ def load_case(case_dir: Path, layers: int | None = None):
     shape = meta["shape"]
     program = plan(spec, meta["batch"], DEVICES["h200"], with_lm_head=True,
                    fuse_combine=shape.get("fused_combine", False),
-                   qkv_parts=shape.get("qkv_parts", 1))  # fmt: skip
+                   qkv_parts=shape.get("qkv_parts", 1),
+                   combine_parts=shape.get("combine_parts", 1))  # fmt: skip
     table, lengths = program.encode()
     if layers is None and not (
         torch.equal(table, meta["queues"]) and torch.equal(lengths, meta["lengths"])
@@ -881,6 +882,7 @@ def timing(case_dir: Path) -> dict:
               # (vllm_ext/megakernel/calibrate.py).
               "program": {"fuse_combine": program.fuse_combine,
                           "qkv_parts": program.qkv_parts,
+                          "combine_parts": program.combine_parts,
                           "queue_lengths": [len(q) for q in program.queues]},
               "shape": torch.load(case_dir / "program.pt")["shape"]}  # fmt: skip
 

@@ -220,6 +220,7 @@ def test_a_case_of_fewer_layers_is_replanned_at_its_depth():
         "layers": 2,
         "program": {
             "qkv_parts": program.qkv_parts,
+            "combine_parts": program.combine_parts,
             "queue_lengths": [len(q) for q in program.queues],
         },
         "breakdown": {"NOP": {"ms": walk}, "NOP, waits": {"ms": chain}},

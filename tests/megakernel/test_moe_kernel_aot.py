@@ -204,7 +204,8 @@ def test_from_program_takes_the_mixture():
 def test_variants_refuse_the_mixture(flag):
     shape = real_shape("qwen3-30b-a3b", 1)
     with pytest.raises(ValueError, match="default kernel"):
-        dataclasses.replace(shape, **{flag: True})
+        # (A fused COMBINE takes whole heads: the mixture is what is refused.)
+        dataclasses.replace(shape, **{flag: True}, combine_parts=1)
     # Head parts (the planner's) change the attention alone: with QK-norm,
     # ATTN finishes q and the new K.
     assert shape.qkv_parts == 2 and shape.qk_in_attn

@@ -13,6 +13,7 @@ from vllm_ext.megakernel.cost import DEVICES, predict
 from vllm_ext.megakernel.isa import Op, decode
 from vllm_ext.megakernel.planner import (
     batch_buckets,
+    combine_parts_to_fill,
     plan,
     qkv_group_tiles,
     qkv_parts_to_fill,
@@ -75,17 +76,20 @@ def test_real_programs_verify(name, batch):
 @pytest.mark.parametrize("name", REAL)
 @pytest.mark.parametrize("batch", [1])  # (the program's shape is the batch's)
 def test_fused_combine_programs_verify_and_cost(name, batch):
-    """No COMBINE instructions (the plain program's: one per q head), one
-    tail per (layer, kv head); the cost model runs the tails (the O_PROJs
-    wait for them) and keeps the same floor."""
+    """No COMBINE instructions (the plain program's: one per q head's dim
+    part), one tail per (layer, kv head), merging whole heads; the cost
+    model runs the tails (the O_PROJs wait for them) and keeps the same
+    floor."""
     spec = spec_of(name)
     plain = plan(spec, batch, DEVICES["h200"], with_lm_head=True)
     fused = plan(spec, batch, DEVICES["h200"], with_lm_head=True, fuse_combine=True)
     report = verify(fused)
     tails = sum(1 for sm, _ in report.schedule if sm >= len(fused.queues))
     assert tails == spec.num_layers * spec.num_kv_heads
+    parts = combine_parts_to_fill(spec, 132)
+    assert fused.combine_parts == 1 < parts == plain.combine_parts
     combines = sum(i.op == Op.COMBINE for q in plain.queues for i in q)
-    assert combines == spec.num_layers * spec.num_q_heads
+    assert combines == spec.num_layers * spec.num_q_heads * plain.combine_parts
     assert fused.num_instructions == plain.num_instructions - combines
     pred, base = predict(fused), predict(plain)
     assert pred.floor_s == base.floor_s
@@ -327,3 +331,21 @@ def test_the_chain_of_phase_boundaries_dominates_the_walk(name):
     )
     chained = predict(probe(program, keep=()))
     assert chained.step_s > 2 * walk.step_s
+
+
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.1-8b"])
+@pytest.mark.parametrize("batch", [1, 4, 16, 64])
+def test_every_layer_phase_spreads_over_the_sms(name, batch):
+    """Each opcode of a layer runs on at least 96 of the H200's 132 SMs at
+    every bucket: QKV's head parts (48 whole heads would take 48), COMBINE's
+    dim parts (32 q heads would take 32), the GEMVs' tiles and the
+    attention chunks (128 each; a tile has 16-column multiples)."""
+    program = plan(spec_of(name), batch, DEVICES["h200"], with_lm_head=True)
+    sms: dict[Op, set[int]] = {}
+    for sm, _, instr in program.in_global_order():
+        if instr.layer == 1:
+            sms.setdefault(instr.op, set()).add(sm)
+    assert set(sms) == {Op.QKV, Op.ATTN, Op.COMBINE, Op.O_PROJ, Op.GATE_UP, Op.DOWN}
+    assert min(len(s) for s in sms.values()) >= 96, {
+        op.name: len(s) for op, s in sms.items()
+    }

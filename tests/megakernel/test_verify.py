@@ -125,7 +125,12 @@ def test_read_before_its_writer_in_the_same_queue_is_a_race():
 
 
 def test_double_write(program):
-    where = find(program, Op.DOWN, 0)
+    # Layer 0's first DOWN tile: 16 more columns are its neighbour's.
+    where = min(
+        ((sm, i) for sm, i, instr in program.in_global_order()
+         if instr.op == Op.DOWN and instr.layer == 0),
+        key=lambda w: program.queues[w[0]][w[1]].arg0,
+    )  # fmt: skip
     instr = program.queues[where[0]][where[1]]
     bad = replace_instr(program, where, arg1=instr.arg1 + 16)
     with pytest.raises(VerificationError, match="written twice"):
@@ -136,10 +141,13 @@ def test_double_write(program):
     "heads, error", [((0, 2), "written twice"), ((1, 1), "no instruction writes")]
 )
 def test_combine_heads_written_twice_or_not_at_all(program, heads, error):
-    """COMBINE runs a tile per q head (isa.pack_cols): one that takes its
-    neighbour's head too, or none, is caught."""
-    where = find(program, Op.COMBINE, 0)
-    assert unpack_cols(program.queues[where[0]][where[1]].arg1) == (0, 1)
+    """COMBINE runs a tile per unit, a q head's dim part (isa.pack_cols):
+    one that takes its neighbour's unit too, or none, is caught."""
+    assert program.combine_parts == 2
+    where = next(
+        (sm, i) for sm, i, instr in program.in_global_order()
+        if instr.op == Op.COMBINE and unpack_cols(instr.arg1) == (0, 1)
+    )  # fmt: skip
     lo, hi = heads
     arg1 = lo << 16 | hi  # (pack_cols refuses an empty range)
     with pytest.raises(VerificationError, match=error):

@@ -220,7 +220,8 @@ def fit_case(name: str, timing: dict, device: Device, bandwidth: float | None,
         options = timing.get("program", {})  # absent before 2026-11-30's 4th run
         program = plan(spec, int(m["batch"]), device, with_lm_head=True,
                        fuse_combine=options.get("fuse_combine", False),
-                       qkv_parts=options.get("qkv_parts", 1))  # fmt: skip
+                       qkv_parts=options.get("qkv_parts", 1),
+                       combine_parts=options.get("combine_parts", 1))  # fmt: skip
     lengths = [len(q) for q in program.queues]
     ran = (timing.get("program") or {}).get("queue_lengths")
     if ran is None and not planned:

@@ -246,13 +246,18 @@ class ProgramInterpreter:
             buf["part_lse"][layer][b, a] = lse
         elif i.op == Op.COMBINE:
             group = s.num_q_heads // s.num_kv_heads
+            parts = self.program.combine_parts
+            dims = s.head_dim // parts
+            o, lse = buf["part_o"][layer][:, a], buf["part_lse"][layer][:, a]
+            out = buf["attn"][layer][:, a * group : (a + 1) * group]
             lo, hi = unpack_cols(b)
-            merged = combine.reference(
-                buf["part_o"][layer][:, a, :, lo:hi],
-                buf["part_lse"][layer][:, a, :, lo:hi],
-                dtype,
-            )
-            buf["attn"][layer][:, a * group + lo : a * group + hi] = merged
+            # Units: dim parts of q heads (isa.py); the merge is elementwise
+            # over dims, so a part's bits are the whole head's.
+            for u in range(lo, hi):
+                j, cols = u // parts, slice(u % parts * dims, (u % parts + 1) * dims)
+                out[:, j, cols] = combine.reference(
+                    o[:, :, j, cols], lse[:, :, j], dtype
+                )
         elif i.op == Op.O_PROJ:
             attn_flat = buf["attn"][layer].reshape(self.program.batch, -1)
             buf["hmid"][layer][:, a:b] = o_proj.reference(

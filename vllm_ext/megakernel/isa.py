@@ -33,9 +33,10 @@ QKV        RMSNorm(h[l]) @ Wqkv (+bias) for heads   fused head parts
 ATTN       partial attention of kv head g's q       g, chunk c (of
            heads over chunk c of each sequence      ``attn_chunks``)
            -> (o, lse) in fp32
-COMBINE    merge kv head g's chunks by lse for      g, packed q heads
-           its q heads [lo, hi) -> attn[l][:, g     [lo, hi) of g
-           * group + lo : g * group + hi]           (``pack_cols``)
+COMBINE    merge kv head g's chunks by lse for      g, packed units
+           its units [lo, hi) -> those dims of      [lo, hi) of g
+           attn[l] (unit u: dim part u % C of q     (``pack_cols``)
+           head g * group + u // C)
 O_PROJ     hmid[l][:, lo:hi] = h[l][:, lo:hi]       hidden cols [lo, hi)
            + attn[l] @ Wo[lo:hi].T
 GATE_UP    act[l][:, lo:hi] = SiLU(x @ Wg.T) *      intermediate cols
@@ -108,6 +109,12 @@ as projected, and ATTN applies QK-norm and RoPE: to its q heads as it loads
 them, and, in the chunk that holds a request's newest token (the only one
 that reads it), to the new K in the cache row, in place, before any of the
 chunk's tokens is read (``Program.qk_in_attn``).
+
+COMBINE's units are dim parts of q heads: with ``C = combine_parts``
+(planner.py: as many as fill the SMs; 1 makes units heads, and a tail's
+merge is always whole heads), unit ``u`` of kv head g is dims
+``[p*d/C, (p+1)*d/C)``, ``p = u % C``, of its q head ``u // C``. The merge
+is elementwise over dims, so a part needs nothing of another.
 
 Every activation buffer is written once per step (per-layer buffers), so
 the only hazards are read-after-write, which the counters order.
@@ -219,8 +226,9 @@ def decode(table: torch.Tensor, lengths: torch.Tensor) -> list[list[Instruction]
 
 
 def tail_combine(program, attn: Instruction) -> Instruction:
-    """The COMBINE an ATTN chunk's tail runs: all of its kv head's q heads
-    (``program``: a planner.Program)."""
+    """The COMBINE an ATTN chunk's tail runs: all of its kv head's q heads,
+    whole (``program``: a planner.Program, whose ``combine_parts`` is 1
+    when it fuses the COMBINE)."""
     spec = program.spec
     group = spec.num_q_heads // spec.num_kv_heads
     return Instruction(Op.COMBINE, attn.layer, attn.arg0, pack_cols(0, group))

@@ -90,7 +90,8 @@ def check_interleavings(program, n: int, seed: int = 0) -> tuple[bool, float]:
     )
     small = plan(spec, program.batch, program.device,
                  fuse_combine=program.fuse_combine,
-                 qkv_parts=program.qkv_parts)  # fmt: skip
+                 qkv_parts=program.qkv_parts,
+                 combine_parts=program.combine_parts)  # fmt: skip
     verify(small)
     weights = random_weights(spec, seed=seed)
     outs = []
@@ -186,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         "attn_chunks": program.attn_chunks,
         "fused_combine": program.fuse_combine,
         "qkv_parts": program.qkv_parts,
+        "combine_parts": program.combine_parts,
         "instructions_per_sm": [min(counts), max(counts)],
         "weight_bytes": program.weight_bytes(),
         "plan_s": round(plan_s, 3),

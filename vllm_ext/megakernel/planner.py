@@ -14,7 +14,11 @@ QKV tiles only, an MLA layer's MLA_Q for q_a's tiles of the down projection
 and MLA_APPEND for kv_a's). Tiles are sized from bytes so every phase
 spreads over all SMs.
 
-COMBINE runs a tile per q head. With ``fuse_combine`` there are no COMBINE
+COMBINE runs a tile per unit: a q head's dim part, as many parts as keep
+one tile per SM (``combine_parts_to_fill``; Llama's 32 q heads in 4 parts).
+Every group's ATTN precedes every COMBINE in the global order: a queue
+runs in order, and a merge between two groups' chunks held the later one
+until the earlier group had ended. With ``fuse_combine`` there are no COMBINE
 instructions: the last ATTN chunk of each kv head merges the head's partials
 itself (``tail`` in isa.py), which
 removes one of the six phase boundaries of a layer.
@@ -103,6 +107,8 @@ class Program:
     # MLA (isa.py): MLA_ATTN's head groups, MLA_COMBINE's parts per head.
     mla_head_groups: int = 1
     mla_v_parts: int = 1
+    # COMBINE's units: q heads split into this many dim parts (isa.py).
+    combine_parts: int = 1
 
     @property
     def num_instructions(self) -> int:
@@ -231,9 +237,9 @@ class Program:
             return Cost(0, late + b * group * d * (e + 4) + b * group * 4, early)
         if instr.op == Op.COMBINE:
             lo, hi = unpack_cols(instr.arg1)
-            heads = hi - lo
+            units, dims = hi - lo, d // self.combine_parts
             return Cost(
-                0, self.attn_chunks * b * heads * (d + 1) * 4 + b * heads * d * e
+                0, self.attn_chunks * b * units * (dims + 1) * 4 + b * units * dims * e
             )
         if instr.op == Op.O_PROJ:
             width = s.q_size if s.mla is None else s.mla.num_heads * s.mla.v_head_dim
@@ -481,6 +487,19 @@ def qkv_parts_to_fill(spec: ModelSpec, num_sms: int) -> int:
     return parts
 
 
+def combine_parts_to_fill(spec: ModelSpec, num_sms: int) -> int:
+    """The most dim parts per q head (a power of two, at least 8 dims each)
+    that still leave COMBINE at most one tile per SM: the planner's default
+    (1 for a latent attention, which has no COMBINE)."""
+    if spec.mla is not None:
+        return 1
+    parts = 1
+    while (spec.num_q_heads * parts * 2 <= num_sms
+           and spec.head_dim % (parts * 2 * 8) == 0):  # fmt: skip
+        parts *= 2
+    return parts
+
+
 def _qkv_parts_error(spec: ModelSpec, parts: int) -> str | None:
     d = spec.head_dim
     if parts < 1 or parts & (parts - 1):
@@ -503,18 +522,31 @@ def plan(
     fuse_combine: bool = False,
     qkv_parts: int | None = None,
     expert_tiles: int | None = None,
+    combine_parts: int | None = None,
 ) -> Program:
     """The program of one decode step of ``batch`` requests on ``device``
     (``qkv_parts``: QKV's parts per head in place of ``qkv_parts_to_fill``'s,
     for the GPU check's whole-heads case and the tests; ``expert_tiles``: a
     routed slot's EXPERT_UP tiles in place of ``expert_split``'s choice,
-    which plans with it)."""
+    which plans with it; ``combine_parts``: COMBINE's dim parts per q head
+    in place of ``combine_parts_to_fill``'s, for reports of older programs
+    and the tests)."""
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
     if spec.mla is not None and fuse_combine:
         raise ValueError("fused COMBINE is a grouped-query attention variant")
     if qkv_parts is None:
         qkv_parts = qkv_parts_to_fill(spec, device.num_sms)
+    if combine_parts is None:
+        combine_parts = (
+            1 if fuse_combine else combine_parts_to_fill(spec, device.num_sms)
+        )
+    if fuse_combine and combine_parts != 1:
+        raise ValueError("a fused COMBINE merges whole heads (combine_parts 1)")
+    if combine_parts < 1 or spec.head_dim % combine_parts:
+        raise ValueError(f"{combine_parts} COMBINE parts do not divide head_dim "
+                         f"{spec.head_dim}")  # fmt: skip
+    cparts = combine_parts
     if (error := _qkv_parts_error(spec, qkv_parts)) is not None:
         raise ValueError(error)
     n_sm = device.num_sms
@@ -560,13 +592,14 @@ def plan(
             a = phase(Op.ATTN, layer, attn_tiles, ready[g], f"L{layer}.attn.g{g}",
                       tail)  # fmt: skip
             if not fuse_combine:
-                # A tile per q head: a group's merge is spread over its
-                # heads' SMs, not read by one (Qwen3-30B-A3B at batch 1:
+                # A tile per unit (a q head's dim part): a group's merge is
+                # spread over SMs, not read by one (Qwen3-30B-A3B at batch 1:
                 # 66 KB of partials, 2 us at an SM's share of bandwidth).
-                heads = [(g, pack_cols(j, j + 1)) for j in range(group)]
-                merges.append((Op.COMBINE, layer, heads, a, combine_c, NO_COUNTER))
+                units = [(g, pack_cols(u, u + 1)) for u in range(group * cparts)]
+                merges.append((Op.COMBINE, layer, units, a, combine_c, NO_COUNTER))
         phases.extend(merges)
-        return (combine_c, spec.num_kv_heads if fuse_combine else spec.num_q_heads)
+        merged = spec.num_kv_heads if fuse_combine else spec.num_q_heads * cparts
+        return (combine_c, merged)
 
     def latent_attention(layer: int, prev) -> tuple[int, int]:
         assert mla is not None
@@ -674,7 +707,7 @@ def plan(
 
     program = Program(
         spec, batch, device, chunks, with_lm_head, (), tuple(counters), (),
-        fuse_combine, qkv_parts, groups, v_parts,
+        fuse_combine, qkv_parts, groups, v_parts, cparts,
     )  # fmt: skip
     queues: list[list[Instruction]] = [[] for _ in range(n_sm)]
     load = [0] * n_sm
@@ -739,4 +772,5 @@ def plan(
         qkv_parts,
         groups,
         v_parts,
+        cparts,
     )

@@ -91,12 +91,16 @@ def accesses(program, instr: Instruction) -> tuple[list[Region], list[Region]]:
         ]
         return reads, [Region("part", ly, a * chunks + b, a * chunks + b + 1)]
     if op == Op.COMBINE:
+        # attn units: (q head, dim part) pairs (isa.py).
         lo, hi = unpack_cols(b)
+        base = a * group * program.combine_parts
         reads = [Region("part", ly, a * chunks, (a + 1) * chunks)]
-        return reads, [Region("attn", ly, a * group + lo, a * group + hi)]
+        return reads, [Region("attn", ly, base + lo, base + hi)]
     if op == Op.O_PROJ:
-        # MLA: attn units are (head, v part) pairs (MLA_COMBINE's tiles).
-        units = nq * program.mla_v_parts if s.mla is not None else nq
+        # attn units: (q head, dim part) pairs, MLA's (head, v part) pairs
+        # (MLA_COMBINE's tiles).
+        parts = program.mla_v_parts if s.mla is not None else program.combine_parts
+        units = nq * parts
         reads = [Region("attn", ly, 0, units), Region("h", ly, a, b)]
         return reads, [Region("hmid", ly, a, b)]
     if op == Op.GATE_UP:

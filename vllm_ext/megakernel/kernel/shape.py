@@ -171,6 +171,9 @@ class KernelShape:
     # so the phase spreads over the SMs. Set from the program, which it must
     # match.
     qkv_parts: int = 1
+    # COMBINE's units are q heads split into this many dim parts (isa.py).
+    # Set from the program, which it must match.
+    combine_parts: int = 1
     # The mixture of experts of the sparse layers (model_spec.MoeSpec; all
     # 0 / False in a dense model), run by ROUTE, TOPK, EXPERT_UP and
     # EXPERT_DOWN (ops/route.py, topk.py, expert_up.py, expert_down.py).
@@ -225,6 +228,11 @@ class KernelShape:
             )
         if self.q_heads % self.kv_heads:
             raise ValueError("q_heads must be a multiple of kv_heads")
+        if self.combine_parts < 1 or self.head_dim % self.combine_parts:
+            raise ValueError(f"{self.combine_parts} COMBINE parts do not divide "
+                             f"head_dim {self.head_dim}")  # fmt: skip
+        if self.fused_combine and self.combine_parts != 1:
+            raise ValueError("a fused COMBINE merges whole heads (combine_parts 1)")
         if self.moe:
             self._check_moe()
 
@@ -445,6 +453,7 @@ class KernelShape:
             wide_attn=wide_attn,
             fused_combine=program.fuse_combine,
             qkv_parts=program.qkv_parts,
+            combine_parts=program.combine_parts,
             **gqa,
             **moe,
             **mla,

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """COMBINE (reference: ``ops/combine.py``): merge kv head g's chunk
-partials of its q heads [lo, hi) by log-sum-exp in fp32, in chunk order,
-into the layer's attention output (bf16). A row with no tokens (padding)
-gives zeros."""
+partials of its units [lo, hi) (dim parts of q heads, isa.py) by
+log-sum-exp in fp32, in chunk order, into the layer's attention output
+(bf16). A row with no tokens (padding) gives zeros."""
 
 import cutlass
 import cutlass.cute as cute
@@ -20,11 +20,12 @@ def combine(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, g, lo, hi):
     part_o = gmem(Float32, ptrs[layer, LayerSlot.PART_O], (chunks, nkv, b, group, d))
     part_lse = gmem(Float32, ptrs[layer, LayerSlot.PART_LSE], (chunks, nkv, b, group))
     attn = gmem(BFloat16, ptrs[layer, LayerSlot.ATTN], (b, shape.q_heads, d))
+    parts = shape.combine_parts
+    dims = d // parts
     tidx, _, _ = thread_ids()
     n = hi - lo
-    for idx in cutlass.range(tidx, b * n * d, NUM_THREADS):
-        i, rest = idx // (n * d), idx % (n * d)
-        gi, dim = lo + rest // d, rest % d
+    for idx in cutlass.range(tidx, b * n * dims, NUM_THREADS):
+        i, gi, dim = unit_element(idx, lo, n, dims, parts)
         top = Float32(float("-inf"))
         for c in cutlass.range_constexpr(chunks):
             top = cute.math.max(top, part_lse[c, g, i, gi])
@@ -38,3 +39,13 @@ def combine(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, g, lo, hi):
         if den == Float32(0.0):
             den = Float32(1.0)
         attn[i, g * group + gi, dim] = (num / den).to(BFloat16)
+
+
+def unit_element(idx, lo, n, dims, parts):
+    """Thread-strided element ``idx`` of units [lo, lo + n) (``dims`` dims
+    each, ``parts`` per q head) -> (request, q head in the group, dim). Plain
+    arithmetic, so tests/megakernel/test_combine_parts_mapping.py runs it on
+    Python ints."""
+    i, rest = idx // (n * dims), idx % (n * dims)
+    u = lo + rest // dims
+    return i, u // parts, (u % parts) * dims + rest % dims
