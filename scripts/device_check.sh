@@ -43,7 +43,8 @@ VARIANTS=${DEVICE_CHECK_VARIANTS-"llama-3.2-1b:1:legacy llama-3.2-1b:1:fast llam
 variant_flags() {
     case $1 in
         # the previous control (thread 0 waits, CTA barriers, CUDA-core
-        # GEMVs from global memory), timed beside the warp roles (the
+        # GEMVs from global memory) in whole QKV heads as it ran (its
+        # COMBINE in today's dim parts), timed beside the warp roles (the
         # default; tensor-core GEMVs from batch 4 up)
         legacy) echo --legacy-control --whole-heads ;;
         # each head's COMBINE run by its last ATTN chunk
