@@ -31,12 +31,17 @@ def build(*args: str) -> subprocess.CompletedProcess:
     # Two builds (CI time): the default kernel's shapes are
     # test_kernel_aot.py's, test_gemv_mma_aot.py's and test_planted_bugs.py's,
     # every config and bucket on both archs scripts/compile_grid.py's. Here
-    # the program variants with the wide attention at the largest shape
-    # (registers), and the legacy control in whole heads (the GPU check's
-    # comparison with the kernel of 2026-11-30).
+    # the program variant and whole heads (the GPU check's comparison
+    # tiling) with the wide attention at the largest shape (registers), and
+    # the legacy control on the default program (VLLM_MEGAKERNEL_VARIANTS).
     [
-        ("llama-3.1-8b", "sm_90a", 64, ("--wide-attn", "--fused-combine")),
-        ("llama-3.1-8b", "sm_100a", 1, ("--legacy-control", "--whole-heads")),
+        (
+            "llama-3.1-8b",
+            "sm_90a",
+            64,
+            ("--wide-attn", "--fused-combine", "--whole-heads"),
+        ),
+        ("llama-3.1-8b", "sm_100a", 1, ("--legacy-control",)),
     ],
 )
 def test_build_real_shape(tmp_path, name, arch, batch, variant):

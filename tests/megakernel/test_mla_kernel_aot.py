@@ -168,8 +168,9 @@ def test_variants_refuse_mla(flag):
     shape = real_shape("deepseek-v3", 1)
     with pytest.raises(ValueError, match="latent attention .* default kernel only"):
         dataclasses.replace(shape, **{flag: True})
-    with pytest.raises(ValueError, match="no QKV to split"):
-        dataclasses.replace(shape, qkv_parts=2)
+    for parts in ("qkv_parts", "combine_parts"):
+        with pytest.raises(ValueError, match="no QKV or COMBINE to split"):
+            dataclasses.replace(shape, **{parts: 2})
 
 
 def test_shape_refuses_what_the_device_functions_cannot_run():

@@ -249,7 +249,8 @@ def test_group_counters_never_lengthen_the_predicted_step(name):
     data"): a group's attention no longer waits for the slowest QKV tile of
     every group, and the step is never longer for it. (Its gain has shrunk
     as the rest caught up: QKV's tiles one a SM under the placement caps,
-    the past KV rows hinted before the wait, COMBINE a tile per q head; at
+    the past KV rows hinted before the wait, COMBINE a tile per q head (now
+    per dim part); at
     batch 4 it is now 0.1% on Llama-3.1-8B and none on Qwen3-8B.)"""
     for batch in (1, 4):
         program = plan(spec_of(name), batch, DEVICES["h200"], with_lm_head=True)

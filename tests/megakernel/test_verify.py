@@ -138,11 +138,14 @@ def test_double_write(program):
 
 
 @pytest.mark.parametrize(
-    "heads, error", [((0, 2), "written twice"), ((1, 1), "no instruction writes")]
-)
+    "heads, error",
+    [((0, 2), "written twice"), ((1, 1), "no instruction writes"),
+     ((0, 5), "beyond kv head 0's 4")],
+)  # fmt: skip
 def test_combine_heads_written_twice_or_not_at_all(program, heads, error):
     """COMBINE runs a tile per unit, a q head's dim part (isa.pack_cols):
-    one that takes its neighbour's unit too, or none, is caught."""
+    one that takes its neighbour's unit too, none, or units past its kv
+    head's, is caught."""
     assert program.combine_parts == 2
     where = next(
         (sm, i) for sm, i, instr in program.in_global_order()

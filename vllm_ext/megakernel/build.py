@@ -35,7 +35,7 @@ from vllm_ext.megakernel.cost import DEFAULT_DEVICE, DEVICES
 from vllm_ext.megakernel.kernel import aot
 from vllm_ext.megakernel.kernel.shape import PLANTED_BUGS, KernelShape
 from vllm_ext.megakernel.plan import print_summary, spec_or_exit
-from vllm_ext.megakernel.planner import plan
+from vllm_ext.megakernel.planner import plan, qkv_parts_to_fill
 from vllm_ext.megakernel.variants import Variants
 from vllm_ext.megakernel.verify import verify
 
@@ -323,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Not a variant (Variants cannot name it): only this flag sets it.
         parts = 1 if args.whole_heads else None
+        if args.whole_heads and qkv_parts_to_fill(spec, device.num_sms) == 1:
+            raise ValueError("--whole-heads: this model's default program "
+                             "already has whole heads")  # fmt: skip
         program = plan(spec, args.batch, device, with_lm_head=True, qkv_parts=parts,
                        **variants.plan_options())  # fmt: skip
         verify(program)

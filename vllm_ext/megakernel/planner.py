@@ -541,8 +541,9 @@ def plan(
         combine_parts = (
             1 if fuse_combine else combine_parts_to_fill(spec, device.num_sms)
         )
-    if fuse_combine and combine_parts != 1:
-        raise ValueError("a fused COMBINE merges whole heads (combine_parts 1)")
+    if (fuse_combine or spec.mla is not None) and combine_parts != 1:
+        raise ValueError("a fused COMBINE or a latent attention merges whole "
+                         "heads (combine_parts 1)")  # fmt: skip
     if combine_parts < 1 or spec.head_dim % combine_parts:
         raise ValueError(f"{combine_parts} COMBINE parts do not divide head_dim "
                          f"{spec.head_dim}")  # fmt: skip

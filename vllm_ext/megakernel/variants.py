@@ -2,7 +2,10 @@
 """The experimental kernel and program variants, by name: what
 ``VLLM_MEGAKERNEL_VARIANTS`` selects for a served model (the build CLI has a
 flag for each). Off by default; one becomes the default once the GPU check
-has shown it correct and faster (docs/perf.md).
+has shown it correct and faster (docs/perf.md). (QKV's head parts, the
+``split_qkv`` variant until 2026-12-02, became the planner's default by
+the cost model after thirteen sessions without a GPU: docs/design.md,
+"QKV in head parts".)
 
 Kernel variants are ``KernelShape`` flags: they change how instructions
 run, not the program. Program variants are planner options: the program

@@ -93,6 +93,11 @@ def accesses(program, instr: Instruction) -> tuple[list[Region], list[Region]]:
     if op == Op.COMBINE:
         # attn units: (q head, dim part) pairs (isa.py).
         lo, hi = unpack_cols(b)
+        if hi > group * program.combine_parts:
+            raise VerificationError(
+                f"{instr}: units [{lo}, {hi}) beyond kv head {a}'s "
+                f"{group * program.combine_parts}"
+            )
         base = a * group * program.combine_parts
         reads = [Region("part", ly, a * chunks, (a + 1) * chunks)]
         return reads, [Region("attn", ly, base + lo, base + hi)]

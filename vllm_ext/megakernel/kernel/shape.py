@@ -250,8 +250,9 @@ class KernelShape:
                 "the multi-head latent attention instructions run in the default "
                 f"kernel only, not with the experimental {', '.join(variants)}"
             )
-        if self.qkv_parts != 1:
-            raise ValueError("an MLA kernel has no QKV to split (qkv_parts 1)")
+        if self.qkv_parts != 1 or self.combine_parts != 1:
+            raise ValueError("an MLA kernel has no QKV or COMBINE to split "
+                             "(qkv_parts, combine_parts 1)")  # fmt: skip
         heads, rank, rope = self.mla_heads, self.kv_lora_rank, self.qk_rope
         if (self.q_heads, self.kv_heads, self.head_dim) != (
             heads, heads, self.v_head_dim
