@@ -39,7 +39,7 @@ COVERAGE=${DEVICE_CHECK_COVERAGE-"qwen2.5-0.5b:1 qwen3-0.6b:1"}
 # The GPU side runs the cases smallest shape first, each default before its
 # variants, and the variants of a shape in the order listed here: what the
 # call's deadline cuts is the end of this list.
-VARIANTS=${DEVICE_CHECK_VARIANTS-"llama-3.2-1b:1:legacy llama-3.2-1b:1:fast llama-3.2-1b:1:heads llama-3.2-1b:1:tail llama-3.2-1b:16:legacy llama-3.2-1b:16:fast llama-3.1-8b:1:legacy llama-3.1-8b:1:heads llama-3.1-8b:16:legacy llama-3.1-8b:16:fast qwen3-0.6b:1:heads qwen3-30b-a3b:1:heads:8"}
+VARIANTS=${DEVICE_CHECK_VARIANTS-"llama-3.2-1b:1:legacy llama-3.2-1b:1:wide llama-3.2-1b:1:heads llama-3.2-1b:16:legacy llama-3.2-1b:16:wide llama-3.1-8b:1:legacy llama-3.1-8b:1:heads llama-3.1-8b:16:legacy llama-3.1-8b:16:wide qwen3-0.6b:1:heads qwen3-30b-a3b:1:heads:8"}
 variant_flags() {
     case $1 in
         # the previous control (thread 0 waits, CTA barriers, CUDA-core
@@ -47,10 +47,9 @@ variant_flags() {
         # COMBINE in today's dim parts), timed beside the warp roles (the
         # default; tensor-core GEMVs from batch 4 up)
         legacy) echo --legacy-control --whole-heads ;;
-        # each head's COMBINE run by its last ATTN chunk
-        tail) echo --fused-combine ;;
-        # tail and the wide attention
-        fast) echo --wide-attn --fused-combine ;;
+        # the wide attention (the one experimental variant: ATTN read KV
+        # at 0.1 TB/s on the H200, 2026-11-30)
+        wide) echo --wide-attn ;;
         # QKV in whole heads (48 tiles a layer on the Llama shapes, where the
         # default's head parts make 96; with QK-norm, as Qwen3, QKV finishes
         # q and k, not ATTN): the tiling the cost model replaced, 2026-12-02

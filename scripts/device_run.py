@@ -177,7 +177,6 @@ def load_case(case_dir: Path, layers: int | None = None):
         spec = spec.with_layers(layers)
     shape = meta["shape"]
     program = plan(spec, meta["batch"], DEVICES["h200"], with_lm_head=True,
-                   fuse_combine=shape.get("fused_combine", False),
                    qkv_parts=shape.get("qkv_parts", 1),
                    combine_parts=shape.get("combine_parts", 1))  # fmt: skip
     table, lengths = program.encode()
@@ -254,10 +253,10 @@ class FlashInferDecode(flashinfer_baseline.FlashInferDecode):
 
 
 def is_variant(case_dir: Path) -> bool:
-    """A case built with an experimental kernel variant or in whole heads
-    (build flags)."""
+    """A case built with the experimental kernel variant, the legacy control
+    or in whole heads (build flags)."""
     meta = torch.load(case_dir / "program.pt")
-    shape, flags = meta["shape"], (*KERNEL, "fused_combine")
+    shape, flags = meta["shape"], (*KERNEL, "legacy_control")
     parts = qkv_parts_to_fill(saved_spec(meta), DEVICES["h200"].num_sms)
     return any(shape.get(f) for f in flags) or shape.get("qkv_parts", 1) != parts
 
@@ -880,8 +879,7 @@ def timing(case_dir: Path) -> dict:
     result = {"batch": b, "context": context, "layers": spec.num_layers,
               # What the calibration re-plans, and the kernel it models
               # (vllm_ext/megakernel/calibrate.py).
-              "program": {"fuse_combine": program.fuse_combine,
-                          "qkv_parts": program.qkv_parts,
+              "program": {"qkv_parts": program.qkv_parts,
                           "combine_parts": program.combine_parts,
                           "queue_lengths": [len(q) for q in program.queues]},
               "shape": torch.load(case_dir / "program.pt")["shape"]}  # fmt: skip
@@ -1068,8 +1066,8 @@ BREAKDOWN = {
 
 
 # A variant case's rows: what the variants change (the waits: the weight
-# pipeline, the L2 lookahead, the fused COMBINE; QKV: head parts; ATTN: wide
-# attention; GATE_UP and DOWN: the tensor-core GEMV; NOP: the staged queue).
+# pipeline, the L2 lookahead; QKV: head parts; ATTN: wide attention; GATE_UP
+# and DOWN: the tensor-core GEMV; NOP: the staged queue).
 VARIANT_ROWS = ("no waits", "QKV", "ATTN", "GATE_UP", "DOWN", "NOP", "NOP, waits")
 
 
@@ -1091,11 +1089,6 @@ def breakdown(ex, program, step, full_ms: float, rows=tuple(BREAKDOWN)) -> dict:
         for name, (keep, waits) in BREAKDOWN.items():
             if name not in rows or (keep and not any(int(o) in by_op for o in keep)):
                 continue  # (not asked for, or no such instruction in the program)
-            if program.fuse_combine and (name == "COMBINE" or waits):
-                # No COMBINE instructions: the merges run in ATTN's row. And
-                # a NOP'd ATTN runs no merge, so its tail never signals: the
-                # waits probe is the unfused twin's.
-                continue
             table, _ = probe(program, keep, waits).encode()
             ex.queue = table.to(original.device)
             replay = graphed(step)

@@ -57,10 +57,10 @@ def _generate(model: str, dtype: str, **engine_kwargs):
         backend = runner.decode_backend
         stats = None
         if backend is not None:
-            # Which programs reference mode ran: (fused COMBINE, QKV parts).
+            # Which programs reference mode ran: (QKV parts, COMBINE parts).
             executor = getattr(backend, "executor", None)
             interps = getattr(executor, "interpreters", {}).values()
-            kinds = {(i.program.fuse_combine, i.program.qkv_parts) for i in interps}
+            kinds = {(i.program.qkv_parts, i.program.combine_parts) for i in interps}
             stats = (backend.stats.steps, backend.stats.tokens, kinds)
         results = [
             (
@@ -88,16 +88,15 @@ def _default(model: str, dtype: str):
     return DEFAULT_RUNS[model, dtype]
 
 
-# The program variant (fused COMBINE) through vLLM on two of the fp32 runs
-# (a mixture takes none).
-VARIANTS = {("llama", "float32"): "fused_combine",
-            ("mistral", "float32"): "fused_combine"}  # fmt: skip
-# QKV's head parts, the planner's on 132 SMs: as many as fill them, each
-# part's RoPE halves multiples of 16 rows (2 at head dim 64, 4 at 128);
-# with QK-norm (qwen3, qwen3_moe) attention then applies it. A latent
-# attention has no QKV.
-PARTS = {"llama": 2, "mistral": 4, "qwen2": 2, "qwen3": 4, "qwen3_moe": 2,
-         "mixtral": 2, "deepseek_v3": 1, "deepseek_v3_moe": 1}  # fmt: skip
+# (QKV's head parts, COMBINE's dim parts), the planner's on 132 SMs. QKV:
+# as many as fill them, each part's RoPE halves multiples of 16 rows (2 at
+# head dim 64, 4 at 128); with QK-norm (qwen3, qwen3_moe) attention then
+# applies it. COMBINE: as many as leave one tile per SM, 8 dims each at
+# least (4 q heads: 8 parts at 64, 16 at 128; mistral's 2 heads: 16 at
+# 128). A latent attention has neither.
+PARTS = {"llama": (2, 8), "mistral": (4, 16), "qwen2": (2, 8), "qwen3": (4, 16),
+         "qwen3_moe": (2, 8), "mixtral": (2, 8), "deepseek_v3": (1, 1),
+         "deepseek_v3_moe": (1, 1)}  # fmt: skip
 
 
 # (qwen3_moe: a dense layer then 8 experts top 2; mixtral: 4 experts top 2.
@@ -105,12 +104,12 @@ PARTS = {"llama": 2, "mistral": 4, "qwen2": 2, "qwen3": 4, "qwen3_moe": 2,
 # cache, blocks of 16, which prefill writes and the program appends to;
 # deepseek_v3_moe adds a q LoRA, YaRN and DeepSeek's grouped sigmoid routing.)
 # Left out for CI time (30 min), each covered by a sibling: qwen2's QKV bias
-# runs in bf16, Mistral's head dim 128 in fp32 (with the program variants;
-# bf16 dense: llama, qwen2), Mixtral's and Qwen3-MoE's mixtures in fp32
-# (bf16 MoE: deepseek_v3_moe), dense MLA in fp32 (bf16 MLA:
-# deepseek_v3_moe). Qwen3 in both: the same checks run in vLLM's harness
-# (test_megakernel_decode.py, the series' own test: fp32 greedy-equal and
-# bf16 logprobs-close), which the README's test command runs too.
+# runs in bf16, Mistral's head dim 128 in fp32 (bf16 dense: llama, qwen2),
+# Mixtral's and Qwen3-MoE's mixtures in fp32 (bf16 MoE: deepseek_v3_moe),
+# dense MLA in fp32 (bf16 MLA: deepseek_v3_moe). Qwen3 in both: the same
+# checks run in vLLM's harness (test_megakernel_decode.py, the series' own
+# test: fp32 greedy-equal and bf16 logprobs-close), which the README's test
+# command runs too.
 CI_TIME_SKIPS = {("qwen2", "float32"), ("mistral", "bfloat16"),
                  ("mixtral", "bfloat16"), ("qwen3_moe", "bfloat16"),
                  ("deepseek_v3", "bfloat16"), ("qwen3", "float32"),
@@ -127,7 +126,6 @@ E2E_CASES = [
 @pytest.mark.parametrize("arch, dtype", E2E_CASES)
 def test_megakernel_matches_default(demo_model, monkeypatch, arch, dtype):
     monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
-    monkeypatch.setenv("VLLM_MEGAKERNEL_VARIANTS", VARIANTS.get((arch, dtype), ""))
     model = demo_model(arch)
     default = _default(model, dtype)
     mega, stats = _generate(model, dtype, decode_backend="megakernel")
@@ -138,8 +136,7 @@ def test_megakernel_matches_default(demo_model, monkeypatch, arch, dtype):
     steps, tokens, kinds = stats
     assert tokens == sum(n - 1 for n in MAX_TOKENS)
     assert steps == max(MAX_TOKENS) - 1
-    variants = VARIANTS.get((arch, dtype), "")
-    assert kinds == {("fused_combine" in variants, PARTS[arch])}
+    assert kinds == {PARTS[arch]}
 
     if dtype == "float32":
         assert [ids for ids, _ in mega] == [ids for ids, _ in default]

@@ -109,10 +109,12 @@ class MegakernelDecodeBackend(DecodeBackend):
         variants = envs.VLLM_MEGAKERNEL_VARIANTS  # raises on an unknown name
         if variants.names:
             logger.warning(
-                "VLLM_MEGAKERNEL_VARIANTS=%s: experimental variants, not yet "
-                "measured on a GPU%s.",
+                "VLLM_MEGAKERNEL_VARIANTS=%s: an experimental kernel variant, "
+                "not yet measured on a GPU%s.",
                 variants,
-                " (reference mode runs the program variants only)" if interpret else "",
+                " (reference mode runs the program, the same for every variant)"
+                if interpret
+                else "",
             )
 
     def __init__(
@@ -173,7 +175,6 @@ class MegakernelDecodeBackend(DecodeBackend):
                 DEVICES[envs.VLLM_MEGAKERNEL_INTERPRET_DEVICE],
                 self.buckets,
                 seed=envs.VLLM_MEGAKERNEL_INTERPRET_SEED,
-                variants=envs.VLLM_MEGAKERNEL_VARIANTS,
             )
         # verify_and_update_config refused every other case at start-up.
         from vllm_ext.megakernel.kernel.executor import GpuExecutor

@@ -78,8 +78,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_MEGAKERNEL_CACHE_DIR": lambda: (
         os.environ.get("VLLM_MEGAKERNEL_CACHE_DIR") or None
     ),
-    # Experimental kernel and program variants, comma-separated (names in
-    # megakernel/variants.py; e.g. "fused_combine,wide_attn"). Off by default.
+    # The experimental kernel variant ("wide_attn"; megakernel/variants.py),
+    # comma-separated names. Off by default.
     "VLLM_MEGAKERNEL_VARIANTS": lambda: _variants("VLLM_MEGAKERNEL_VARIANTS"),
 }
 

@@ -31,16 +31,12 @@ def build(*args: str) -> subprocess.CompletedProcess:
     # Two builds (CI time): the default kernel's shapes are
     # test_kernel_aot.py's, test_gemv_mma_aot.py's and test_planted_bugs.py's,
     # every config and bucket on both archs scripts/compile_grid.py's. Here
-    # the program variant and whole heads (the GPU check's comparison
-    # tiling) with the wide attention at the largest shape (registers), and
-    # the legacy control on the default program (VLLM_MEGAKERNEL_VARIANTS).
+    # the wide attention (the one variant) with whole heads (the GPU check's
+    # comparison tiling) at the largest shape (registers), and the legacy
+    # control (the GPU check's other comparison case) on the default
+    # program.
     [
-        (
-            "llama-3.1-8b",
-            "sm_90a",
-            64,
-            ("--wide-attn", "--fused-combine", "--whole-heads"),
-        ),
+        ("llama-3.1-8b", "sm_90a", 64, ("--wide-attn", "--whole-heads")),
         ("llama-3.1-8b", "sm_100a", 1, ("--legacy-control",)),
     ],
 )
@@ -66,11 +62,12 @@ def test_build_real_shape(tmp_path, name, arch, batch, variant):
     # each bulk-copy site.
     assert (summary["bulk_copies"] > 0) != legacy
     assert summary["l2_prefetches"] >= summary["bulk_copies"]
-    # Fused COMBINE: no COMBINE instructions (opcode 4); the tail's acq_rel
-    # and release atomics beside the one signal of the default kernel.
-    fused = "--fused-combine" in variant
-    assert (program["queues"][..., 0] == 4).any() != fused
-    assert (summary["release_atomics"] > 1) == fused
+    # COMBINE instructions (opcode 4) and the one release atomic: the
+    # signal.
+    assert (program["queues"][..., 0] == 4).any()
+    assert summary["release_atomics"] == 1
+    assert program["shape"]["wide_attn"] == ("--wide-attn" in variant)
+    assert program["shape"]["legacy_control"] == legacy
     # Head parts (the default): twice the Llama shapes' 48 whole heads per
     # layer.
     qkv = int((program["queues"][..., 0] == 2).sum())

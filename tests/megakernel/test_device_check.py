@@ -84,24 +84,23 @@ def test_dry_run_builds_a_small_bundle():
     moe = json.loads((bundle / "moe_baseline" / "manifest.json").read_text())
     assert list(moe["shapes"]) == ["E=256,N=2048,K=7168,top_k=8,dtype=bfloat16"]
     assert (bundle / "moe_baseline" / "vllm_fused_moe_kernel.py").exists()
-    # legacy_control, wide_attn, fused_combine, qkv_parts (head parts on the
-    # Llama shape; a latent attention has no QKV)
-    flags = {"llama-3.2-1b-b1": (0, 0, 0, 2),
-             "llama-3.2-1b-b1-plant-kv-slot": (0, 0, 0, 2),
-             "deepseek-v3-b1": (0, 0, 0, 1)}  # fmt: skip
+    # legacy_control, wide_attn, qkv_parts, combine_parts (head parts and
+    # dim parts on the Llama shape; a latent attention has neither)
+    flags = {"llama-3.2-1b-b1": (0, 0, 2, 4),
+             "llama-3.2-1b-b1-plant-kv-slot": (0, 0, 2, 4),
+             "deepseek-v3-b1": (0, 0, 1, 1)}  # fmt: skip
     for name, build in manifest["builds"].items():
         assert build["spill_bytes"] == 0 and build["arch"] == "sm_90a"
         meta = torch.load(bundle / name / "program.pt")
         shape = meta["shape"]
-        got = (shape["legacy_control"], shape["wide_attn"], shape["fused_combine"],
-               shape["qkv_parts"])  # fmt: skip
+        got = (shape["legacy_control"], shape["wide_attn"], shape["qkv_parts"],
+               shape["combine_parts"])  # fmt: skip
         assert got == flags[name]
         # A planted bug is the default kernel but for the bug it names.
         assert shape["planted_bug"] == planted.get(name, "")
-        # A fused program has no COMBINE instructions (opcode 4); nor has
-        # an MLA one (MLA_COMBINE instead).
+        # An MLA program has no COMBINE instructions (opcode 4): MLA_COMBINE.
         combines = (meta["queues"][..., 0] == 4).any()
-        assert combines != (shape["fused_combine"] or shape["mla_heads"] > 0)
+        assert combines != (shape["mla_heads"] > 0)
         assert (shape["mla_heads"] == 128) == (name == "deepseek-v3-b1")
         assert build["async_copies"] == 0
         # The default kernel's ring: bulk copies (the legacy control has none).
@@ -185,7 +184,8 @@ def harness(request, tmp_path, monkeypatch):
     return d, tmp_path, corrupt
 
 
-SPLIT = {"arch": "llama", "fuse_combine": True, "qkv_parts": 2}
+# Llama: QKV in head parts without QK-norm (QKV finishes q and k).
+SPLIT = {"arch": "llama"}
 # Whole heads (the GPU check's comparison case): QKV finishes Qwen3's q and
 # k, where the default's head parts leave QK-norm to ATTN.
 HEADS = {"qkv_parts": 1}
@@ -193,8 +193,8 @@ MOE = {"arch": "deepseek_routing"}
 MIXTURE_CHECKS = {"ROUTE", "TOPK", "TOPK_WEIGHTS", "EXPERT_UP", "EXPERT_DOWN"}
 
 
-@pytest.mark.parametrize("harness", [{}, {"fuse_combine": True}, SPLIT, HEADS, MOE],
-                         ids=["plain", "fused", "split", "heads", "moe"],
+@pytest.mark.parametrize("harness", [{}, SPLIT, HEADS, MOE],
+                         ids=["plain", "split", "heads", "moe"],
                          indirect=True)  # fmt: skip
 def test_harness_passes_a_correct_kernel(harness):
     d, case, _ = harness
@@ -300,19 +300,6 @@ def test_element_wise_errors_count_where_the_max_hides_them(harness):
     assert d.elem_err(close, want, d.DEFAULT_ELEMENT_FLOOR) <= check["tol"]
 
 
-@pytest.mark.parametrize("harness", [{"fuse_combine": True}], ids=["fused"],
-                         indirect=True)  # fmt: skip
-def test_harness_names_a_wrong_fused_combine(harness):
-    """With fused COMBINEs the merge has no instruction of its own: a wrong
-    merge still fails COMBINE at its layer, and ATTN before it passes."""
-    d, case, corrupt = harness
-    corrupt.update(name="attn", layer=1)
-    errors = d.correctness(case)["steps"][0]["errors"]
-    assert errors["COMBINE"]["layer"] == 1
-    assert errors["COMBINE"]["max"] > errors["COMBINE"]["tol"]
-    assert errors["ATTN"]["max"] <= errors["ATTN"]["tol"]
-
-
 def test_graph_replays_are_judged(harness, monkeypatch):
     """A replay that runs nothing (a graph captured around a stale or
     missing launch) leaves NaN; one that reuses the captured step number
@@ -406,26 +393,20 @@ def test_probes_keep_only_what_they_are_asked_to():
     assert (probe(program, ()).encode()[0][..., 0] == int(Op.NOP)).all()
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_waits_probe_is_a_valid_program_or_skipped(monkeypatch, fused):
+def test_waits_probe_is_a_valid_program(monkeypatch):
     """The breakdown's all-NOP probe with waits keeps every signal the waits
-    count on, so it runs to the end on the GPU; a fused program's NOP'd ATTN
-    runs no tail, so that probe is left to its unfused twin."""
-    from vllm_ext.megakernel.verify import VerificationError, verify
+    count on, so it runs to the end on the GPU."""
+    from vllm_ext.megakernel.verify import verify
 
     d = _device_run()
     spec = make_spec("llama", torch.bfloat16)
-    program = plan(spec, 2, DEVICES["h200"], with_lm_head=True, fuse_combine=fused)
+    program = plan(spec, 2, DEVICES["h200"], with_lm_head=True)
     queue, _ = program.encode()
     keep, waits = d.BREAKDOWN["NOP, waits"]
     nops = probe(program, keep, waits)
     table, _ = nops.encode()
-    assert (table[..., 4:] == queue[..., 4:]).all()  # waits, signals, tails
-    if fused:
-        with pytest.raises(VerificationError, match="only ATTN may have a tail"):
-            verify(nops)
-    else:
-        verify(nops)
+    assert (table[..., 4:] == queue[..., 4:]).all()  # waits and signals
+    verify(nops)
 
     ex = types.SimpleNamespace(queue=queue)
     probes = []
@@ -437,10 +418,9 @@ def test_waits_probe_is_a_valid_program_or_skipped(monkeypatch, fused):
     monkeypatch.setattr(d, "graphed", lambda step: None)
     monkeypatch.setattr(d, "time_ms", time_probe)
     out = d.breakdown(ex, program, lambda: None, 1.0)
-    assert ("NOP, waits" in out) is not fused and ("COMBINE" in out) is not fused
+    assert "NOP, waits" in out and "COMBINE" in out
     assert len(probes) == len(out) and ex.queue is queue
-    if not fused:
-        assert torch.equal(probes[list(out).index("NOP, waits")], table)
+    assert torch.equal(probes[list(out).index("NOP, waits")], table)
     # A variant case times the rows the variants move, in the same order.
     rows = d.breakdown(ex, program, lambda: None, 1.0, d.VARIANT_ROWS)
     assert list(rows) == [r for r in out if r in d.VARIANT_ROWS]
@@ -494,13 +474,12 @@ def _bundle(tmp_path: Path) -> Path:
     driver must run them), with one planted bug."""
     spec = make_spec("llama", torch.bfloat16)
     bundle = tmp_path / "bundle"
-    for name, batch, fuse in (("m-b2", 2, False), ("m-b1-tail", 1, True),
-                              ("m-b1", 1, False), ("m-b1-legacy", 1, False),
-                              ("m-b1-plant-kv-slot", 1, False)):  # fmt: skip
-        program = plan(spec, batch, DEVICES["h200"], with_lm_head=True,
-                       fuse_combine=fuse)  # fmt: skip
-        legacy = name.endswith("legacy")
-        shape = KernelShape.from_program(program, BLOCK_SIZE, legacy_control=legacy)
+    for name, batch in (("m-b2", 2), ("m-b1-wide", 1), ("m-b1", 1),
+                        ("m-b1-legacy", 1), ("m-b1-plant-kv-slot", 1)):  # fmt: skip
+        program = plan(spec, batch, DEVICES["h200"], with_lm_head=True)
+        shape = KernelShape.from_program(program, BLOCK_SIZE,
+                                         legacy_control=name.endswith("legacy"),
+                                         wide_attn=name.endswith("wide"))  # fmt: skip
         (bundle / name).mkdir(parents=True)
         save_program(bundle / name / "program.pt", program, shape)
     meta = torch.load(bundle / "m-b1-plant-kv-slot" / "program.pt")
@@ -511,7 +490,7 @@ def _bundle(tmp_path: Path) -> Path:
     meta["spec"]["num_layers"] = 1
     (bundle / "s-b1").mkdir()
     torch.save(meta, bundle / "s-b1" / "program.pt")
-    manifest = {"commit": "abc", "variant_order": ["m-b1-legacy", "m-b1-tail"],
+    manifest = {"commit": "abc", "variant_order": ["m-b1-legacy", "m-b1-wide"],
                 "first": "m-b1"}  # fmt: skip
     (bundle / "manifest.json").write_text(json.dumps(manifest))
     return bundle
@@ -567,7 +546,7 @@ def test_driver_order_and_verdict(tmp_path, monkeypatch):
         ("correctness", "m-b1-plant-kv-slot", None),
         ("sanitize", "m-b1", "memcheck"), ("sanitize", "m-b1", "racecheck"),
         ("case", "s-b1", None), ("case", "m-b1-legacy", None),
-        ("case", "m-b1-tail", None), ("case", "m-b2", None),
+        ("case", "m-b1-wide", None), ("case", "m-b2", None),
     ]  # fmt: skip
     assert rc == 0 and report["verdict"] == "passed" and report["ok"]
     assert report["cases"]["m-b2"] == {"correctness": {"ok": True},

@@ -80,37 +80,30 @@ def test_interleavings_agree_bitwise_and_match_reference(arch, dtype, batch):
 
 @pytest.mark.parametrize("arch", sorted(SPECS))
 @pytest.mark.parametrize("batch", [1, 5])
-@pytest.mark.parametrize("fuse, split", [(True, False), (False, True), (True, True)],
-                         ids=["fused", "split", "both"])  # fmt: skip
-def test_program_variants_give_the_plain_programs_bits(arch, batch, fuse, split):
-    """Fused COMBINE (the last ATTN chunk of each head runs its COMBINE, a
-    tail), and QKV over head parts with COMBINE over dim parts (the
-    planner's default): under any interleaving, and on the second step
-    (where a tail fires at twice the chunk count), the results are bit for
-    bit the plain program's (whole heads, a COMBINE per q head)."""
+def test_head_and_dim_parts_give_the_whole_heads_bits(arch, batch):
+    """QKV over head parts with COMBINE over dim parts (the planner's
+    default): under any interleaving, and on the second step (counters at
+    twice their counts), the results are bit for bit the program of whole
+    heads' (a QKV unit per head, a COMBINE per q head)."""
     spec = make_spec(arch, torch.float32)
     weights = random_weights(spec, seed=1)
     device = dataclasses.replace(DEVICES["h200"], num_sms=16)
-    parts = qkv_parts_to_fill(spec, 64) if split else 1
-    assert (parts > 1) == split
+    parts = qkv_parts_to_fill(spec, 64)
+    assert parts > 1
     plain = plan(spec, batch, device, with_lm_head=True, qkv_parts=1,
                  combine_parts=1)  # fmt: skip
-    other = plan(spec, batch, device, with_lm_head=True, fuse_combine=fuse,
-                 qkv_parts=parts)  # fmt: skip
+    other = plan(spec, batch, device, with_lm_head=True, qkv_parts=parts)
     ops = [i.op for q in other.queues for i in q]
-    if fuse:
-        assert Op.COMBINE not in ops and other.attn_chunks > 1
     # QKV tiles: whole kv groups' units, at most one per SM (planner.py).
     tiles = sum(len(t) for t in qkv_group_tiles(spec, parts, 16))
     assert ops.count(Op.QKV) == tiles * spec.num_layers
     heads = spec.num_q_heads + 2 * spec.num_kv_heads
     assert tiles == min(heads * parts, 16) or heads * parts > 16
     # COMBINE: a tile per q head in the plain program, per dim part in the
-    # other (none where fused).
+    # other.
     merges = spec.num_layers * spec.num_q_heads
-    assert other.combine_parts == (1 if fuse else combine_parts_to_fill(spec, 16)) > 0
-    assert fuse or other.combine_parts > 1
-    assert ops.count(Op.COMBINE) == (0 if fuse else merges * other.combine_parts)
+    assert other.combine_parts == combine_parts_to_fill(spec, 16) > 1
+    assert ops.count(Op.COMBINE) == merges * other.combine_parts
     assert len(ops) == plain.num_instructions - merges + ops.count(Op.COMBINE) + (
         ops.count(Op.QKV) - min(heads, 16) * spec.num_layers)  # fmt: skip
 

@@ -225,21 +225,6 @@ def test_qk_norm_over_head_parts_compiles_clean(gpu, tmp_path):
     check_sass(build(gpu, tmp_path, shape))
 
 
-@pytest.mark.parametrize("gpu", ["sm_100a"])
-def test_fused_combine_variant_compiles_clean(gpu, tmp_path):
-    """The experimental fused COMBINE: the last ATTN chunk's signal is an
-    acq_rel atomic (fence, add, L1 invalidate) and the merge it then runs
-    ends with a release atomic of its own (the default kernel has one
-    release atomic and one acquire load: test_build_cli.py)."""
-    spec = ModelSpec.from_hf_config(hf_config("llama"), torch.bfloat16)
-    program = plan(spec, 4, DEVICES["h200"], with_lm_head=True, fuse_combine=True)
-    shape = KernelShape.from_program(program, 16)
-    assert shape.fused_combine
-    built = build(gpu, tmp_path, shape)
-    check_sass(built)
-    assert built.release_atomics >= 3 and built.acquire_loads >= 2
-
-
 def test_library_needs_only_libc(built):
     dynamic = subprocess.run(
         ["readelf", "-d", built.library], capture_output=True, text=True, check=True

@@ -129,17 +129,13 @@ def test_a_block_table_padded_past_max_model_len_is_read_up_to_it():
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
-# (The program variants' builds: test_build_cli.py; CI time.)
-@pytest.mark.parametrize("variants", [""], ids=["default"])
-def test_gpu_executor_builds_every_bucket_and_picks_one(tmp_path, monkeypatch,
-                                                        variants):  # fmt: skip
+# (The variant's builds: test_build_cli.py; CI time.)
+def test_gpu_executor_builds_every_bucket_and_picks_one(tmp_path, monkeypatch):
     """GpuExecutor on CPU with only the GPU queries and the library load
     replaced: it plans, builds (really, into a fresh cache) and prepares
     every bucket at construction, and routes each step to the smallest
-    bucket that fits; with VLLM_MEGAKERNEL_VARIANTS' program variants, their
-    programs and kernels."""
+    bucket that fits."""
     from vllm_ext.megakernel.kernel import executor as gpu
-    from vllm_ext.megakernel.variants import Variants
 
     spec = make_spec("mistral", torch.bfloat16)
     weights = random_weights(spec, seed=1)
@@ -159,13 +155,13 @@ def test_gpu_executor_builds_every_bucket_and_picks_one(tmp_path, monkeypatch,
     standins = {}
     ex = gpu.GpuExecutor(spec, weights, torch.device("cpu"), (1, 2),
                          block_size=BLOCK_SIZE, max_blocks=4,
-                         cache_dir=tmp_path,
-                         variants=Variants.parse(variants))  # fmt: skip
+                         cache_dir=tmp_path)  # fmt: skip
     assert sorted(ex.executors) == [1, 2] and len(set(loaded)) == 2
     for kex in ex.executors.values():
-        assert kex.shape.fused_combine == kex.program.fuse_combine == bool(variants)
-        # (Head parts: the planner's, as every bucket fills the SMs.)
+        assert not kex.shape.wide_attn and not kex.shape.legacy_control
+        # (Head and dim parts: the planner's, as every bucket fills the SMs.)
         assert kex.shape.qkv_parts == kex.program.qkv_parts == 4
+        assert kex.shape.combine_parts == kex.program.combine_parts > 1
     assert all(p.exists() and p.parent.parent == tmp_path for p in loaded)
     for kex in ex.executors.values():
         standins[kex.queue.data_ptr()] = KernelStandIn(kex.program, weights)

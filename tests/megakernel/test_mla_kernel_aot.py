@@ -163,7 +163,7 @@ def test_from_program_takes_mla(model):
     assert sizes["attn"] == (2, 16, m.num_heads, 128)
 
 
-@pytest.mark.parametrize("flag", KERNEL + ("fused_combine",))
+@pytest.mark.parametrize("flag", ("legacy_control", *KERNEL))
 def test_variants_refuse_mla(flag):
     shape = real_shape("deepseek-v3", 1)
     with pytest.raises(ValueError, match="latent attention .* default kernel only"):

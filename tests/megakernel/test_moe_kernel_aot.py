@@ -200,12 +200,11 @@ def test_from_program_takes_the_mixture():
     assert not dense.moe and dense.num_experts == 0
 
 
-@pytest.mark.parametrize("flag", KERNEL + ("fused_combine",))
+@pytest.mark.parametrize("flag", ("legacy_control", *KERNEL))
 def test_variants_refuse_the_mixture(flag):
     shape = real_shape("qwen3-30b-a3b", 1)
     with pytest.raises(ValueError, match="default kernel"):
-        # (A fused COMBINE takes whole heads: the mixture is what is refused.)
-        dataclasses.replace(shape, **{flag: True}, combine_parts=1)
+        dataclasses.replace(shape, **{flag: True})
     # Head parts (the planner's) change the attention alone: with QK-norm,
     # ATTN finishes q and the new K.
     assert shape.qkv_parts == 2 and shape.qk_in_attn

@@ -44,20 +44,20 @@ def test_json_summary():
     assert 0 < summary["floor_us"] < summary["predicted_us"]
 
 
-def test_program_variants_verify_and_interpret():
-    """--fused-combine and --whole-heads: the programs the variant kernel and
-    the GPU check's comparison case run, verified, costed and interpreted
-    under two interleavings (the default: head parts)."""
-    for flag, parts in (("--fused-combine", 2), ("--whole-heads", 1)):
+def test_whole_heads_verify_and_interpret():
+    """--whole-heads: the program of the GPU check's comparison case,
+    verified, costed and interpreted under two interleavings, beside the
+    default's head parts."""
+    for flags, parts in (((), 2), (("--whole-heads",), 1)):
         result = run(
             "--config", "llama-3.2-1b", "--batch", "2", "--arch", "sm_90a",
-            "--json", "--interleavings", "2", flag,
+            "--json", "--interleavings", "2", *flags,
         )  # fmt: skip
         assert result.returncode == 0, result.stdout + result.stderr
         summary = json.loads(result.stdout.strip().splitlines()[-1])
         assert summary["verified"] is True and summary["interleavings_ok"] is True
-        assert summary["fused_combine"] is (flag == "--fused-combine")
-        assert summary["qkv_parts"] == parts
+        assert summary["qkv_parts"] == parts and summary["combine_parts"] == 4
+        assert "fused_combine" not in summary
 
 
 def test_blackwell_default_device():

@@ -13,7 +13,6 @@ from vllm_ext.megakernel.cost import DEVICES, predict
 from vllm_ext.megakernel.isa import Op, decode
 from vllm_ext.megakernel.planner import (
     batch_buckets,
-    combine_parts_to_fill,
     plan,
     qkv_group_tiles,
     qkv_parts_to_fill,
@@ -71,41 +70,6 @@ def test_real_programs_verify(name, batch):
     program = plan(spec_of(name), batch, DEVICES["h200"], with_lm_head=True)
     report = verify(program)
     assert report.num_instructions == program.num_instructions
-
-
-@pytest.mark.parametrize("name", REAL)
-@pytest.mark.parametrize("batch", [1])  # (the program's shape is the batch's)
-def test_fused_combine_programs_verify_and_cost(name, batch):
-    """No COMBINE instructions (the plain program's: one per q head's dim
-    part), one tail per (layer, kv head), merging whole heads; the cost
-    model runs the tails (the O_PROJs wait for them) and keeps the same
-    floor."""
-    spec = spec_of(name)
-    plain = plan(spec, batch, DEVICES["h200"], with_lm_head=True)
-    fused = plan(spec, batch, DEVICES["h200"], with_lm_head=True, fuse_combine=True)
-    report = verify(fused)
-    tails = sum(1 for sm, _ in report.schedule if sm >= len(fused.queues))
-    assert tails == spec.num_layers * spec.num_kv_heads
-    parts = combine_parts_to_fill(spec, 132)
-    assert fused.combine_parts == 1 < parts == plain.combine_parts
-    combines = sum(i.op == Op.COMBINE for q in plain.queues for i in q)
-    assert combines == spec.num_layers * spec.num_q_heads * plain.combine_parts
-    assert fused.num_instructions == plain.num_instructions - combines
-    pred, base = predict(fused), predict(plain)
-    assert pred.floor_s == base.floor_s
-    # Without the tails' merges the O_PROJs would never start.
-    assert pred.step_s > pred.critical_path_s > 0
-
-
-def test_fused_combine_with_one_chunk_per_head():
-    """Few SMs for the kv heads: one chunk each, so every chunk is its head's
-    last and runs the merge."""
-    device = dataclasses.replace(DEVICES["h200"], num_sms=8)
-    program = plan(spec_of("llama-3.2-1b"), 1, device, with_lm_head=True,
-                   fuse_combine=True)  # fmt: skip
-    assert program.attn_chunks == 1
-    verify(program)
-    assert predict(program).step_s > predict(program).critical_path_s > 0
 
 
 @pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.1-8b"])
@@ -198,13 +162,13 @@ def qkv_signallers(program) -> dict[int, list]:
 
 
 @pytest.mark.parametrize("name", ["llama-3.2-1b", "qwen3-8b"])
-@pytest.mark.parametrize("fuse, parts", [(False, 1), (True, 2)])
-def test_attn_waits_for_its_own_groups_qkv_only(name, fuse, parts):
+@pytest.mark.parametrize("parts", [1, 2])
+def test_attn_waits_for_its_own_groups_qkv_only(name, parts):
     """ATTN(l, g) waits for a counter that exactly the QKV tiles of layer l
     holding kv group g's units signal, all of them."""
     spec = spec_of(name)
     parts = min(parts, qkv_parts_to_fill(spec, 132))
-    program = plan(spec, 1, DEVICES["h200"], fuse_combine=fuse, qkv_parts=parts)
+    program = plan(spec, 1, DEVICES["h200"], qkv_parts=parts)
     signallers = qkv_signallers(program)
     nq, nkv = spec.num_q_heads, spec.num_kv_heads
     per_group = (nq // nkv + 2) * parts
@@ -304,13 +268,10 @@ def test_weights_are_balanced_over_sms(device):
 
 
 def test_llama_1b_batch1_within_15_percent_of_floor_on_h200():
-    """The design target, by the model, for the program with the QKV head
-    parts and the fused COMBINE (docs/design.md says why the larger and the
+    """The design target, by the model, for the default program (QKV in head
+    parts, COMBINE in dim parts; docs/design.md says why the larger and the
     deeper-narrower shapes do not reach it yet)."""
-    spec = spec_of("llama-3.2-1b")
-    parts = qkv_parts_to_fill(spec, DEVICES["h200"].num_sms)
-    program = plan(spec, 1, DEVICES["h200"], with_lm_head=True, qkv_parts=parts,
-                   fuse_combine=True)  # fmt: skip
+    program = plan(spec_of("llama-3.2-1b"), 1, DEVICES["h200"], with_lm_head=True)
     pred = predict(program)
     # Floor: bf16 weights incl. the tied 128256 x 2048 LM head at 4.3 TB/s.
     assert 0.55e-3 < pred.floor_s < 0.60e-3

@@ -23,7 +23,7 @@ from vllm_ext.megakernel.kernel import aot
 from vllm_ext.megakernel.kernel.shape import PLANTED_BUGS, KernelShape
 from vllm_ext.megakernel.plan import spec_or_exit
 from vllm_ext.megakernel.planner import plan
-from vllm_ext.megakernel.variants import KERNEL, PROGRAM, Variants
+from vllm_ext.megakernel.variants import KERNEL, Variants
 
 CONFIG, BATCH = "llama-3.2-1b", 1
 
@@ -125,7 +125,7 @@ def test_served_path_cannot_plant(name):
     """VLLM_MEGAKERNEL_VARIANTS names no planted bug; the flags a command
     parses never carry one into the kernel; from_program (what the executor
     builds from) has no parameter for it."""
-    assert name not in KERNEL + PROGRAM
+    assert name not in KERNEL
     with pytest.raises(ValueError, match="unknown variant"):
         Variants.parse(name)
     args = argparse.Namespace(plant_bug="kv-slot", planted_bug="kv-slot")

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""VLLM_MEGAKERNEL_VARIANTS: names to planner options and kernel flags."""
+"""VLLM_MEGAKERNEL_VARIANTS: the one experimental variant's name to its
+kernel flag."""
 
 import argparse
 
@@ -18,35 +19,31 @@ def spec_of(name: str) -> ModelSpec:
     return ModelSpec.from_hf_config(configs.hf_config(name), torch.bfloat16, 4096)
 
 
-def test_names_to_options_and_flags():
-    v = Variants.parse(" legacy_control, fused_combine ,wide_attn")
-    assert str(v) == "legacy_control,wide_attn,fused_combine"
-    program = plan(spec_of("llama-3.2-1b"), 1, DEVICES["h200"], **v.plan_options())
-    # (Head parts are the planner's, with or without variants.)
-    assert program.fuse_combine and program.qkv_parts == 2
+def test_names_to_flags():
+    assert KERNEL == ("wide_attn",)
+    v = Variants.parse(" wide_attn ,")
+    assert str(v) == "wide_attn" and str(Variants()) == "none"
+    program = plan(spec_of("llama-3.2-1b"), 1, DEVICES["h200"])
     shape = KernelShape.from_program(program, 16, **v.kernel_flags())
-    # (The legacy control keeps the CUDA-core GEMV at any batch.)
-    assert shape.legacy_control and shape.wide_attn and not shape.mma_gemv
+    assert shape.wide_attn and not shape.legacy_control
     assert "mma_gemv" not in KERNEL and "mma_gemv" not in shape.as_dict()
-    assert shape.fused_combine and shape.qkv_parts == 2
-    # Head parts are no variant any more: the name is refused.
-    with pytest.raises(ValueError, match="unknown variant 'split_qkv'"):
-        Variants.parse("split_qkv")
-    flags = argparse.Namespace(fused_combine=True, wide_attn=True, legacy_control=False)
-    assert Variants.from_flags(flags) == Variants.parse("wide_attn,fused_combine")
-    assert Variants.parse("").plan_options() == {"fuse_combine": False}
-    assert Variants.parse("").kernel_flags() == dict.fromkeys(KERNEL, False)
+    flags = argparse.Namespace(wide_attn=True, legacy_control=True)
+    assert Variants.from_flags(flags) == v
+    assert Variants.parse("").kernel_flags() == {"wide_attn": False}
 
 
 def test_unknown_name_is_refused_through_envs(monkeypatch):
     monkeypatch.setenv("VLLM_MEGAKERNEL_VARIANTS", "wide_attn,turbo")
     with pytest.raises(ValueError, match="VLLM_MEGAKERNEL_VARIANTS: unknown "
-                       "variant 'turbo'; choose from legacy_control"):  # fmt: skip
+                       "variant 'turbo'; choose from wide_attn$"):  # fmt: skip
         _ = envs.VLLM_MEGAKERNEL_VARIANTS
-    # The variants the warp roles subsumed are gone (their kernels with them),
-    # and the tensor-core GEMV is no variant: it is the GEMV of every batch
-    # above 1 (KernelShape.mma_gemv).
-    for gone in ("weight_pipe", "mma_gemv"):
+    # Gone: the variants the warp roles subsumed (weight_pipe), the ones the
+    # cost model decided (split_qkv became the planner's default, the fused
+    # COMBINE was deleted, 2026-12-02), the tensor-core GEMV (the GEMV of
+    # every batch above 1) and the legacy control (a build flag of the GPU
+    # check, not served).
+    for gone in ("weight_pipe", "mma_gemv", "split_qkv", "fused_combine",
+                 "legacy_control"):  # fmt: skip
         monkeypatch.setenv("VLLM_MEGAKERNEL_VARIANTS", gone)
         with pytest.raises(ValueError, match=f"unknown variant '{gone}'"):
             _ = envs.VLLM_MEGAKERNEL_VARIANTS

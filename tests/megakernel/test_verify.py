@@ -165,17 +165,7 @@ def test_unwritten_read(program):
         verify(bad)
 
 
-# ------------------------------------------------- fused COMBINE (tails)
-
-
-@pytest.fixture
-def fused():
-    p = plan(SPEC, 4, DEVICE, with_lm_head=True, fuse_combine=True)
-    report = verify(p)
-    # One tail per (layer, kv head), scheduled as a queue past the real SMs.
-    tails = [k for k in report.schedule if k[0] >= DEVICE.num_sms]
-    assert len(tails) == SPEC.num_layers * SPEC.num_kv_heads
-    return p
+# ------------------------------------------------- ATTN -> COMBINE -> O_PROJ
 
 
 def chunks_of(program, layer: int, head: int) -> list[tuple[int, int]]:
@@ -193,44 +183,14 @@ def replace_all(program, where, **changes):
     return program
 
 
-def test_tail_only_on_attn(fused):
-    tail = fused.queues[find(fused, Op.ATTN)[0]][find(fused, Op.ATTN)[1]].tail
-    bad = replace_instr(fused, find(fused, Op.GATE_UP, 1), tail=tail)
-    with pytest.raises(VerificationError, match="only ATTN may have a tail"):
-        verify(bad)
-
-
-def test_tail_missing_on_one_chunk(fused):
-    bad = replace_instr(fused, chunks_of(fused, 1, 0)[-1], tail=NO_COUNTER)
-    with pytest.raises(VerificationError, match="exactly the .* ATTN chunks"):
-        verify(bad)
-
-
-def test_head_without_tail_starves_o_proj(fused):
-    # No chunk of head 1 merges: O_PROJ waits for one more signal than sent.
-    bad = replace_all(fused, chunks_of(fused, 0, 1), tail=NO_COUNTER)
-    with pytest.raises(VerificationError, match="waits for .* but .* signal it"):
-        verify(bad)
-
-
-def test_tails_of_two_layers_swapped_deadlock(fused):
-    # Counts still match, but layer 0's O_PROJ would wait for a merge of
-    # layer 1, which depends on layer 0's O_PROJ.
-    t0 = fused.queues[chunks_of(fused, 0, 0)[0][0]][chunks_of(fused, 0, 0)[0][1]]
-    t1 = fused.queues[chunks_of(fused, 1, 0)[0][0]][chunks_of(fused, 1, 0)[0][1]]
-    bad = replace_all(fused, chunks_of(fused, 0, 0), tail=t1.tail)
-    bad = replace_all(bad, chunks_of(fused, 1, 0), tail=t0.tail)
-    with pytest.raises(VerificationError, match="deadlock"):
-        verify(bad)
-
-
-def test_o_proj_not_waiting_for_the_tails_is_a_race(fused):
-    # O_PROJ waiting for one head's chunks instead of every head's merge:
+def test_o_proj_waiting_for_attention_not_the_merges_is_a_race(program):
+    # O_PROJ waiting for one head's chunks instead of every COMBINE unit:
     # the counts match for that counter, but attn is read before written.
-    attn = fused.queues[chunks_of(fused, 0, 0)[0][0]][chunks_of(fused, 0, 0)[0][1]]
-    where = find(fused, Op.O_PROJ, 0)
-    bad = replace_instr(fused, where, wait_counter=attn.signal_counter,
-                        wait_count=fused.attn_chunks)  # fmt: skip
+    sm, i = chunks_of(program, 0, 0)[0]
+    attn = program.queues[sm][i]
+    where = find(program, Op.O_PROJ, 0)
+    bad = replace_instr(program, where, wait_counter=attn.signal_counter,
+                        wait_count=program.attn_chunks)  # fmt: skip
     with pytest.raises(VerificationError, match="reads attn.*before"):
         verify(bad)
 

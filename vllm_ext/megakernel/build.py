@@ -277,21 +277,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--legacy-control",
         action="store_true",
-        help="experimental: the previous control (thread 0 waits, CTA barriers, "
-        "GEMVs from global memory) instead of the warp roles, to time against "
-        "the default",
+        help="for the GPU check only: the previous control (thread 0 waits, CTA "
+        "barriers, GEMVs from global memory) instead of the warp roles, to time "
+        "against the default",
     )
     parser.add_argument(
         "--wide-attn",
         action="store_true",
         help="experimental: attention with 128-bit K/V loads and the batch's "
         "requests side by side",
-    )
-    parser.add_argument(
-        "--fused-combine",
-        action="store_true",
-        help="experimental: no COMBINE instructions; the last ATTN chunk of each "
-        "kv head merges the head's partials",
     )
     parser.add_argument(
         "--whole-heads",
@@ -326,12 +320,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.whole_heads and qkv_parts_to_fill(spec, device.num_sms) == 1:
             raise ValueError("--whole-heads: this model's default program "
                              "already has whole heads")  # fmt: skip
-        program = plan(spec, args.batch, device, with_lm_head=True, qkv_parts=parts,
-                       **variants.plan_options())  # fmt: skip
+        program = plan(spec, args.batch, device, with_lm_head=True, qkv_parts=parts)
         verify(program)
-        shape = KernelShape.from_program(
-            program, args.block_size, **variants.kernel_flags()
-        )
+        # (The legacy control is not a variant either: only this flag sets it.)
+        shape = KernelShape.from_program(program, args.block_size,
+                                         legacy_control=args.legacy_control,
+                                         **variants.kernel_flags())  # fmt: skip
         if args.plant_bug:
             # Not a variant (Variants cannot name it): only this flag sets it.
             shape = dataclasses.replace(shape, planted_bug=args.plant_bug)

@@ -78,7 +78,7 @@ def probe(program: Program, keep=None, waits: bool = True) -> Program:
 
 def phases(program: Program) -> int:
     """Phases that wait: distinct (opcode, layer) among the instructions
-    with a wait (a fused COMBINE's wait is its ATTN's signal: not counted)."""
+    with a wait."""
     return len(
         {(i.op, i.layer) for q in program.queues for i in q
          if i.wait_counter != NO_COUNTER}
@@ -218,8 +218,9 @@ def fit_case(name: str, timing: dict, device: Device, bandwidth: float | None,
         if "layers" in timing:  # a case run with its first layers only
             spec = spec.with_layers(timing["layers"])
         options = timing.get("program", {})  # absent before 2026-11-30's 4th run
+        if options.get("fuse_combine"):
+            raise ValueError(f"{name}: a fused-COMBINE program, no longer planned")
         program = plan(spec, int(m["batch"]), device, with_lm_head=True,
-                       fuse_combine=options.get("fuse_combine", False),
                        qkv_parts=options.get("qkv_parts", 1),
                        combine_parts=options.get("combine_parts", 1))  # fmt: skip
     lengths = [len(q) for q in program.queues]

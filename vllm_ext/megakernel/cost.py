@@ -57,9 +57,6 @@ A design tool, not a claim. Its assumptions, all here:
   its slice of the chunk's blocks, up to ``KV_HINT_BYTES``; the rows read
   at execution are the rest (``Cost.early_bytes``: what the SM hints).
   The controller's own time to walk the block table is not modelled.
-* A tail (isa.py: the last ATTN chunk of a head runs its COMBINE) starts
-  ``dependency_latency_s`` after that chunk's signal (its atomic's round
-  trip) and costs what a COMBINE instruction costs, on the same SM.
 * The weight-read floor is all weight bytes at the full copy bandwidth.
 
 GPU measurements update ``DEVICES``; docs/perf.md keeps predicted and
@@ -72,7 +69,7 @@ import bisect
 import heapq
 from dataclasses import dataclass
 
-from vllm_ext.megakernel.isa import NO_COUNTER, Instruction, Op, tail_combine
+from vllm_ext.megakernel.isa import NO_COUNTER, Instruction, Op
 
 # Instructions the kernel's controller may run ahead of its consumers
 # (kernel/control.py's QUEUE_SLOTS; a test keeps the two equal, and this
@@ -212,7 +209,6 @@ def predict(
     # is met; instructions start in time order (ends are never earlier than
     # the start of the instruction that signalled them).
     need = {i.wait_counter: i.wait_count for q in queues for i in q}
-    signallers = _signallers(queues)
     # Per counter: the signals so far, and when the latest arrived.
     signals: dict[int, int] = {}
     latest: dict[int, float] = {}
@@ -269,23 +265,15 @@ def predict(
         start, sm = heapq.heappop(heap)
         instr, cost = queues[sm][pos[sm]], costs[sm][pos[sm]]
         end = start + exec_s(device, instr, cost)
-        ended = [(instr.signal_counter, end)]
-        c = instr.signal_counter
-        if instr.tail != NO_COUNTER and signals.get(c, 0) + 1 == signallers[c]:
-            # (Started in time order, so an earlier chunk may end later.)
-            end = max(end, latest.get(c, end)) + device.dependency_latency_s
-            end += _tail_s(program, instr, device)
-            ended.append((instr.tail, end))
         streams[sm].stall(pos[sm], end, window)
         finish[sm] = end
         ends[sm].append(end)
         pos[sm] += 1
         schedule(sm)
-        for counter, at in ended:
-            if counter == NO_COUNTER:
-                continue
+        counter = instr.signal_counter
+        if counter != NO_COUNTER:
             signals[counter] = signals.get(counter, 0) + 1
-            latest[counter] = max(latest.get(counter, at), at)
+            latest[counter] = max(latest.get(counter, end), end)
             if signals[counter] == need.get(counter):
                 for waiter in blocked.pop(counter, []):
                     schedule(waiter)
@@ -301,20 +289,6 @@ def predict(
         sm_weight_bytes=weight_bytes,
         critical_path_s=_critical_path(program, costs, routing, device),
     )
-
-
-def _signallers(queues) -> dict[int, int]:
-    count: dict[int, int] = {}
-    for q in queues:
-        for i in q:
-            count[i.signal_counter] = count.get(i.signal_counter, 0) + 1
-    return count
-
-
-def _tail_s(program, attn, device: Device) -> float:
-    """Execution time of the COMBINE an ATTN's tail runs."""
-    combine = tail_combine(program, attn)
-    return exec_s(device, combine, program.cost(combine))
 
 
 def _routing_times(program, queue, device: Device) -> dict[int, float]:
@@ -445,7 +419,6 @@ def _critical_path(program, costs, routing, device: Device) -> float:
     routing times, ``_routing_times``): the latency floor of the program."""
     by_counter: dict[int, float] = {}
     sm_end: dict[int, float] = {}
-    signallers, seen = _signallers(program.queues), {}
     done = 0.0
     # Phases appear in global order in every queue, so one pass over the
     # instructions in that order sees every signaller before its waiters.
@@ -459,12 +432,6 @@ def _critical_path(program, costs, routing, device: Device) -> float:
         c = instr.signal_counter
         if c != NO_COUNTER:
             by_counter[c] = max(by_counter.get(c, 0.0), end)
-            seen[c] = seen.get(c, 0) + 1
-            if instr.tail != NO_COUNTER and seen[c] == signallers[c]:
-                # The last chunk in global order stands for whichever ends last.
-                end = max(end, by_counter[c]) + device.dependency_latency_s
-                end += _tail_s(program, instr, device)
-                by_counter[instr.tail] = max(by_counter.get(instr.tail, 0.0), end)
         sm_end[sm] = end
         done = max(done, end)
     return done

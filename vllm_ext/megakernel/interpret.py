@@ -7,8 +7,7 @@ instruction's wait is met (``counters[c] >= epoch * count``), runs it, and
 signals. Counters persist across steps and are never reset (epochs), as on
 the GPU. Every instruction computes its output from its inputs alone, and
 reductions run in a fixed order, so the result is bit for bit the same
-under every interleaving; the tests check that. A tail (isa.py) runs as on
-the GPU: on the SM whose ATTN completes its head, right after its signal.
+under every interleaving; the tests check that.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from vllm_ext.megakernel.isa import (
     NO_COUNTER,
     Instruction,
     Op,
-    tail_combine,
     unpack_cols,
 )
 from vllm_ext.megakernel.ops import (
@@ -45,7 +43,6 @@ from vllm_ext.megakernel.ops import (
     topk,
 )
 from vllm_ext.megakernel.planner import Program
-from vllm_ext.megakernel.variants import Variants
 from vllm_ext.paged_kv import write_kv
 from vllm_ext.runner import DecodeInputs
 from vllm_ext.weights import DecodeWeights
@@ -64,12 +61,6 @@ class ProgramInterpreter:
         self.rng = random.Random(seed)
         self.counters = [0] * program.num_counters
         self.epoch = 0
-        # How many instructions signal each counter (a tail runs on the last).
-        self.signallers = [0] * program.num_counters
-        for q in program.queues:
-            for instr in q:
-                if instr.signal_counter != NO_COUNTER:
-                    self.signallers[instr.signal_counter] += 1
 
     def step(self, inputs: DecodeInputs) -> torch.Tensor:
         """One decode step of exactly ``program.batch`` rows; returns the
@@ -112,10 +103,6 @@ class ProgramInterpreter:
             c = instr.signal_counter
             if c != NO_COUNTER:
                 signal(c)
-                done = self.epoch * self.signallers[c]
-                if instr.tail != NO_COUNTER and self.counters[c] == done:
-                    self._execute(tail_combine(self.program, instr))
-                    signal(instr.tail)
             arrive(sm)
         stuck = [sm for sm in range(len(queues)) if pos[sm] < len(queues[sm])]
         if stuck:
@@ -402,11 +389,9 @@ class ProgramExecutor:
         device,
         buckets: tuple[int, ...],
         seed: int = 0,
-        variants: Variants | None = None,
     ) -> None:
         self.spec, self.weights, self.device = spec, weights, device
         self.buckets, self.seed = buckets, seed
-        self.variants = variants or Variants()
         self.interpreters: dict[int, ProgramInterpreter] = {}
 
     def interpreter(self, batch: int) -> ProgramInterpreter:
@@ -417,8 +402,7 @@ class ProgramExecutor:
             from vllm_ext.megakernel.planner import plan
             from vllm_ext.megakernel.verify import verify
 
-            options = self.variants.plan_options()
-            program = plan(self.spec, bucket, self.device, **options)
+            program = plan(self.spec, bucket, self.device)
             verify(program)
             self.interpreters[bucket] = ProgramInterpreter(
                 program, self.weights, seed=self.seed + bucket

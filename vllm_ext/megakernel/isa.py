@@ -4,21 +4,16 @@
 A program is one queue of instructions per SM. Each instruction is
 ``WORDS`` int32 words::
 
-    [opcode, layer, arg0, arg1, wait_counter, wait_count, signal_counter, tail]
+    [opcode, layer, arg0, arg1, wait_counter, wait_count, signal_counter, 0]
 
-It first waits until ``counters[wait_counter] >= epoch * wait_count``
-(``wait_counter == NO_COUNTER``: no wait), runs, makes its stores visible,
-then adds 1 to ``counters[signal_counter]``. ``tail`` is ATTN's alone
-(NO_COUNTER elsewhere, and for ATTN in the default program): the chunk whose
-signal completes its head (brings ``counters[signal_counter]`` to
-``epoch * attn_chunks``: every chunk of kv head g has stored its partial)
-then runs COMBINE for all of g's q heads on the same CTA and adds 1 to
-``counters[tail]``.
-The merge thus starts as soon as its last input exists, with no phase
-boundary and no instruction of its own. ``epoch`` is the 1-based step
-number, kept on the device (the cell after the last counter, bumped before
-each launch): counters only grow, so the same program replays step after
-step (inside a CUDA graph too) with no host reset.
+(the last word pads a row to 32 bytes: the controller fetches it in one
+vector load). It first waits until ``counters[wait_counter] >= epoch *
+wait_count`` (``wait_counter == NO_COUNTER``: no wait), runs, makes its
+stores visible, then adds 1 to ``counters[signal_counter]``. ``epoch`` is
+the 1-based step number, kept on the device (the cell after the last
+counter, bumped before each launch): counters only grow, so the same
+program replays step after step (inside a CUDA graph too) with no host
+reset.
 
 What ``arg0``/``arg1`` mean per opcode (all instructions cover every request
 of the batch):
@@ -111,10 +106,10 @@ that reads it), to the new K in the cache row, in place, before any of the
 chunk's tokens is read (``Program.qk_in_attn``).
 
 COMBINE's units are dim parts of q heads: with ``C = combine_parts``
-(planner.py: as many as fill the SMs; 1 makes units heads, and a tail's
-merge is always whole heads), unit ``u`` of kv head g is dims
-``[p*d/C, (p+1)*d/C)``, ``p = u % C``, of its q head ``u // C``. The merge
-is elementwise over dims, so a part needs nothing of another.
+(planner.py: as many as fill the SMs; 1 makes units heads), unit ``u`` of
+kv head g is dims ``[p*d/C, (p+1)*d/C)``, ``p = u % C``, of its q head
+``u // C``. The merge is elementwise over dims, so a part needs nothing of
+another.
 
 Every activation buffer is written once per step (per-layer buffers), so
 the only hazards are read-after-write, which the counters order.
@@ -174,7 +169,6 @@ class Instruction:
     wait_counter: int = NO_COUNTER
     wait_count: int = 0
     signal_counter: int = NO_COUNTER
-    tail: int = NO_COUNTER
 
     def words(self) -> tuple[int, ...]:
         return (
@@ -185,13 +179,13 @@ class Instruction:
             self.wait_counter,
             self.wait_count,
             self.signal_counter,
-            self.tail,
+            0,
         )
 
     @classmethod
     def from_words(cls, words) -> Instruction:
-        op, layer, a0, a1, wc, wn, sc, tail = (int(w) for w in words)
-        return cls(Op(op), layer, a0, a1, wc, wn, sc, tail)
+        op, layer, a0, a1, wc, wn, sc, _ = (int(w) for w in words)
+        return cls(Op(op), layer, a0, a1, wc, wn, sc)
 
     def __str__(self) -> str:
         wait = (
@@ -199,10 +193,9 @@ class Instruction:
             if self.wait_counter == NO_COUNTER
             else (f" wait c{self.wait_counter}>={self.wait_count}")
         )
-        tail = "" if self.tail == NO_COUNTER else f", last COMBINE c{self.tail}"
         return (
             f"{self.op.name}(l={self.layer}, {self.arg0}, {self.arg1}){wait}"
-            f" signal c{self.signal_counter}{tail}"
+            f" signal c{self.signal_counter}"
         )
 
 
@@ -223,12 +216,3 @@ def decode(table: torch.Tensor, lengths: torch.Tensor) -> list[list[Instruction]
         [Instruction.from_words(table[sm, i].tolist()) for i in range(int(n))]
         for sm, n in enumerate(lengths.tolist())
     ]
-
-
-def tail_combine(program, attn: Instruction) -> Instruction:
-    """The COMBINE an ATTN chunk's tail runs: all of its kv head's q heads,
-    whole (``program``: a planner.Program, whose ``combine_parts`` is 1
-    when it fuses the COMBINE)."""
-    spec = program.spec
-    group = spec.num_q_heads // spec.num_kv_heads
-    return Instruction(Op.COMBINE, attn.layer, attn.arg0, pack_cols(0, group))

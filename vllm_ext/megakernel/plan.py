@@ -25,7 +25,6 @@ import torch
 
 from vllm_ext.megakernel.cost import DEFAULT_DEVICE, DEVICES, predict
 from vllm_ext.megakernel.planner import plan
-from vllm_ext.megakernel.variants import Variants
 from vllm_ext.megakernel.verify import VerificationError, verify
 from vllm_ext.model_spec import ModelSpec, UnsupportedModelError
 
@@ -89,7 +88,6 @@ def check_interleavings(program, n: int, seed: int = 0) -> tuple[bool, float]:
         vocab_size=min(program.spec.vocab_size, INTERPRET_VOCAB),
     )
     small = plan(spec, program.batch, program.device,
-                 fuse_combine=program.fuse_combine,
                  qkv_parts=program.qkv_parts,
                  combine_parts=program.combine_parts)  # fmt: skip
     verify(small)
@@ -125,11 +123,6 @@ def main(argv: list[str] | None = None) -> int:
         help="stop at the final norm (vLLM's LM head computes the logits)",
     )
     parser.add_argument(
-        "--fused-combine",
-        action="store_true",
-        help="the last ATTN chunk of each kv head runs its COMBINE (isa.py)",
-    )
-    parser.add_argument(
         "--whole-heads",
         action="store_true",
         help="QKV tiles of whole heads instead of the parts that fill the SMs "
@@ -157,13 +150,12 @@ def main(argv: list[str] | None = None) -> int:
         device = dataclasses.replace(device, dependency_latency_s=latency)
     spec = spec_or_exit("plan", args.config, args.dtype, args.batch)
 
-    options = Variants.from_flags(args).plan_options()
     parts = 1 if args.whole_heads else None
     t0 = time.perf_counter()
     try:
         program = plan(spec, args.batch, device, with_lm_head=args.lm_head,
-                       qkv_parts=parts, **options)  # fmt: skip
-    except ValueError as e:  # a variant the model cannot take (planner.py)
+                       qkv_parts=parts)  # fmt: skip
+    except ValueError as e:  # whole heads the model cannot take (planner.py)
         print(f"plan: {e}", file=sys.stderr)
         return 2
     plan_s = time.perf_counter() - t0
@@ -185,7 +177,6 @@ def main(argv: list[str] | None = None) -> int:
         "num_instructions": program.num_instructions,
         "num_counters": program.num_counters,
         "attn_chunks": program.attn_chunks,
-        "fused_combine": program.fuse_combine,
         "qkv_parts": program.qkv_parts,
         "combine_parts": program.combine_parts,
         "instructions_per_sm": [min(counts), max(counts)],

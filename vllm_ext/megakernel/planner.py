@@ -18,10 +18,9 @@ COMBINE runs a tile per unit: a q head's dim part, as many parts as keep
 one tile per SM (``combine_parts_to_fill``; Llama's 32 q heads in 4 parts).
 Every group's ATTN precedes every COMBINE in the global order: a queue
 runs in order, and a merge between two groups' chunks held the later one
-until the earlier group had ended. With ``fuse_combine`` there are no COMBINE
-instructions: the last ATTN chunk of each kv head merges the head's partials
-itself (``tail`` in isa.py), which
-removes one of the six phase boundaries of a layer.
+until the earlier group had ended. (A fused COMBINE, the last chunk of a
+head merging its partials, was planned until 2026-12-02: the cost model
+put it at or above this program everywhere, docs/perf.md.)
 
 QKV's tiles are parts of heads (isa.py), as many parts per head as keep
 one tile per SM (``qkv_parts_to_fill``): whole heads would give 48 tiles on
@@ -100,8 +99,6 @@ class Program:
     counter_names: tuple[str, ...]
     # (sm, index in queue) of every instruction, in the global order.
     order: tuple[tuple[int, int], ...] = field(repr=False)
-    # ATTN's last chunk per kv head runs the head's COMBINE (isa.py, tail).
-    fuse_combine: bool = False
     # QKV's units: heads split into this many RoPE-pair parts (isa.py).
     qkv_parts: int = 1
     # MLA (isa.py): MLA_ATTN's head groups, MLA_COMBINE's parts per head.
@@ -519,7 +516,6 @@ def plan(
     *,
     with_lm_head: bool = False,
     max_attn_chunks: int = MAX_ATTN_CHUNKS,
-    fuse_combine: bool = False,
     qkv_parts: int | None = None,
     expert_tiles: int | None = None,
     combine_parts: int | None = None,
@@ -533,21 +529,15 @@ def plan(
     and the tests)."""
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
-    if spec.mla is not None and fuse_combine:
-        raise ValueError("fused COMBINE is a grouped-query attention variant")
     if qkv_parts is None:
         qkv_parts = qkv_parts_to_fill(spec, device.num_sms)
     if combine_parts is None:
-        combine_parts = (
-            1 if fuse_combine else combine_parts_to_fill(spec, device.num_sms)
-        )
-    if (fuse_combine or spec.mla is not None) and combine_parts != 1:
-        raise ValueError("a fused COMBINE or a latent attention merges whole "
-                         "heads (combine_parts 1)")  # fmt: skip
+        combine_parts = combine_parts_to_fill(spec, device.num_sms)
+    if spec.mla is not None and combine_parts != 1:
+        raise ValueError("a latent attention merges whole heads (combine_parts 1)")
     if combine_parts < 1 or spec.head_dim % combine_parts:
         raise ValueError(f"{combine_parts} COMBINE parts do not divide head_dim "
                          f"{spec.head_dim}")  # fmt: skip
-    cparts = combine_parts
     if (error := _qkv_parts_error(spec, qkv_parts)) is not None:
         raise ValueError(error)
     n_sm = device.num_sms
@@ -557,18 +547,17 @@ def plan(
         counters.append(name)
         return len(counters) - 1
 
-    # Phases in global order: (op, layer, tiles, wait (counter, count), signal,
-    # tail).
-    phases: list[tuple[Op, int, list[tuple[int, int]], tuple[int, int], int, int]]
+    # Phases in global order: (op, layer, tiles, wait (counter, count), signal).
+    phases: list[tuple[Op, int, list[tuple[int, int]], tuple[int, int], int]]
     phases = []
     none = (NO_COUNTER, 0)
 
     def gemv_tiles(n: int) -> list[tuple[int, int]]:
         return split(n, n_sm, COL_MULTIPLE)
 
-    def phase(op, layer, tiles, wait, name, tail=NO_COUNTER) -> tuple[int, int]:
+    def phase(op, layer, tiles, wait, name) -> tuple[int, int]:
         c = counter(name)
-        phases.append((op, layer, tiles, wait, c, tail))
+        phases.append((op, layer, tiles, wait, c))
         return (c, len(tiles))
 
     def grouped_query_attention(layer: int, prev) -> tuple[int, int]:
@@ -589,18 +578,14 @@ def plan(
         merges = []
         for g in range(spec.num_kv_heads):
             attn_tiles = [(g, c) for c in range(chunks)]
-            tail = combine_c if fuse_combine else NO_COUNTER
-            a = phase(Op.ATTN, layer, attn_tiles, ready[g], f"L{layer}.attn.g{g}",
-                      tail)  # fmt: skip
-            if not fuse_combine:
-                # A tile per unit (a q head's dim part): a group's merge is
-                # spread over SMs, not read by one (Qwen3-30B-A3B at batch 1:
-                # 66 KB of partials, 2 us at an SM's share of bandwidth).
-                units = [(g, pack_cols(u, u + 1)) for u in range(group * cparts)]
-                merges.append((Op.COMBINE, layer, units, a, combine_c, NO_COUNTER))
+            a = phase(Op.ATTN, layer, attn_tiles, ready[g], f"L{layer}.attn.g{g}")
+            # A tile per unit (a q head's dim part): a group's merge is
+            # spread over SMs, not read by one (Qwen3-30B-A3B at batch 1:
+            # 66 KB of partials, 2 us at an SM's share of bandwidth).
+            units = [(g, pack_cols(u, u + 1)) for u in range(group * combine_parts)]
+            merges.append((Op.COMBINE, layer, units, a, combine_c))
         phases.extend(merges)
-        merged = spec.num_kv_heads if fuse_combine else spec.num_q_heads * cparts
-        return (combine_c, merged)
+        return (combine_c, spec.num_q_heads * combine_parts)
 
     def latent_attention(layer: int, prev) -> tuple[int, int]:
         assert mla is not None
@@ -628,8 +613,8 @@ def plan(
         q_c = counter(f"L{layer}.q_latent")
         q_tiles = split(mla.num_heads, n_sm, 1)
         q_wait = q_a if lora else prev
-        phases.append((Op.MLA_Q, layer, q_tiles, q_wait, q_c, NO_COUNTER))
-        phases.append((Op.MLA_APPEND, layer, [(0, 0)], kv_a, q_c, NO_COUNTER))
+        phases.append((Op.MLA_Q, layer, q_tiles, q_wait, q_c))
+        phases.append((Op.MLA_APPEND, layer, [(0, 0)], kv_a, q_c))
         ready = (q_c, len(q_tiles) + 1)
         per_group = mla.num_heads // groups
         combine_c = counter(f"L{layer}.combine")
@@ -641,7 +626,7 @@ def plan(
                 for head in range(g * per_group, (g + 1) * per_group)
                 for p in range(v_parts)
             ]
-            phases.append((Op.MLA_COMBINE, layer, tiles, a, combine_c, NO_COUNTER))
+            phases.append((Op.MLA_COMBINE, layer, tiles, a, combine_c))
         return (combine_c, mla.num_heads * v_parts)
 
     h = spec.hidden_size
@@ -678,18 +663,18 @@ def plan(
                 (slots, pack_cols(lo, hi))
                 for lo, hi in split(moe.shared_intermediate, n_sm, COL_MULTIPLE)
             ] if moe.shared_intermediate else []  # fmt: skip
-            phases.append((Op.EXPERT_UP, layer, shared, o, up_c, NO_COUNTER))
+            phases.append((Op.EXPERT_UP, layer, shared, o, up_c))
             # TOPK writes the routing table EXPERT_DOWN reads. A routed tile
             # computes the routing itself from the logits (TOPK's code, so
             # the same slots) and waits for ROUTE: no routed row waits for
             # TOPK's signal (isa.py).
-            phases.append((Op.TOPK, layer, [(0, 0)], r, up_c, NO_COUNTER))
+            phases.append((Op.TOPK, layer, [(0, 0)], r, up_c))
             routed = [
                 (slot, pack_cols(lo, hi))
                 for slot in range(slots)
                 for lo, hi in split(moe.expert_intermediate, per_slot, COL_MULTIPLE)
             ]
-            phases.append((Op.EXPERT_UP, layer, routed, r, up_c, NO_COUNTER))
+            phases.append((Op.EXPERT_UP, layer, routed, r, up_c))
             u = (up_c, len(shared) + 1 + len(routed))
             prev = phase(Op.EXPERT_DOWN, layer, gemv_tiles(h), u,
                          f"L{layer}.expert_down")  # fmt: skip
@@ -708,7 +693,7 @@ def plan(
 
     program = Program(
         spec, batch, device, chunks, with_lm_head, (), tuple(counters), (),
-        fuse_combine, qkv_parts, groups, v_parts, cparts,
+        qkv_parts, groups, v_parts, combine_parts,
     )  # fmt: skip
     queues: list[list[Instruction]] = [[] for _ in range(n_sm)]
     load = [0] * n_sm
@@ -731,7 +716,7 @@ def plan(
     op_tiles = Counter((op, layer) for op, layer, tiles, *_ in phases
                        for _ in tiles)  # fmt: skip
     taken: dict[tuple[Op, int], list[int]] = {}
-    for op, layer, tiles, (wait_c, wait_n), signal, tail in phases:
+    for op, layer, tiles, (wait_c, wait_n), signal in phases:
         if layer != routed_layer:
             routed, routed_layer = {}, layer
         in_phase = [0] * n_sm
@@ -739,7 +724,7 @@ def plan(
         phase_cap = math.ceil(len(tiles) / n_sm)
         op_cap = math.ceil(op_tiles[op, layer] / n_sm)
         for a0, a1 in tiles:
-            instr = Instruction(op, layer, a0, a1, wait_c, wait_n, signal, tail)
+            instr = Instruction(op, layer, a0, a1, wait_c, wait_n, signal)
             cost = program.step_cost(instr)
             if op == Op.EXPERT_DOWN:
                 sm = min(routed, key=lambda i: (routed[i], load[i]))
@@ -769,9 +754,8 @@ def plan(
         tuple(tuple(q) for q in queues),
         tuple(counters),
         tuple(order),
-        fuse_combine,
         qkv_parts,
         groups,
         v_parts,
-        cparts,
+        combine_parts,
     )

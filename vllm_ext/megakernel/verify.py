@@ -18,12 +18,6 @@ The argument, checked here rather than assumed:
 4. *Single assignment.* No buffer unit is written by two instructions, and
    every unit read is written by some instruction (activations are per-layer
    buffers, so a step has no write-after-read hazards to order).
-
-A tail (isa.py: the last ATTN chunk of a head runs its COMBINE) is checked as
-a COMBINE alone in a queue of its own that waits for all the head's chunks:
-that is when it runs, and it never waits after that, so it adds no way to
-deadlock. Its writes and the reads that wait for it are checked as any
-instruction's.
 """
 
 from __future__ import annotations
@@ -38,7 +32,6 @@ from vllm_ext.megakernel.isa import (
     NO_COUNTER,
     Instruction,
     Op,
-    tail_combine,
     unpack_cols,
 )
 
@@ -181,9 +174,8 @@ class Report:
 
 
 def verify(program) -> Report:
-    """Raise VerificationError naming the first fault; the schedule in the
-    report lists tails after the real queues (SM index >= num_sms)."""
-    queues = program.queues + _tail_queues(program)
+    """Raise VerificationError naming the first fault."""
+    queues = program.queues
     _check_counting(program, queues)
     schedule = _simulate(queues)
     _check_data(program, queues, schedule, _Clocks(queues, schedule))
@@ -193,36 +185,6 @@ def verify(program) -> Report:
         num_counters=program.num_counters,
         schedule=tuple(schedule),
     )
-
-
-def _tail_queues(program) -> tuple[tuple[Instruction, ...], ...]:
-    """One queue per tail: the COMBINE, waiting for every chunk of its head."""
-    heads: dict[int, list[Instruction]] = defaultdict(list)
-    tails = []
-    for q in program.queues:
-        for instr in q:
-            if instr.tail != NO_COUNTER and instr.op != Op.ATTN:
-                raise VerificationError(f"{instr}: only ATTN may have a tail")
-            if instr.signal_counter != NO_COUNTER:
-                heads[instr.signal_counter].append(instr)
-    for counter, chunks in heads.items():
-        first = chunks[0]
-        if all(i.tail == NO_COUNTER for i in chunks):
-            continue
-        same = {(i.op, i.layer, i.arg0, i.tail) for i in chunks}
-        if len(same) != 1 or len(chunks) != program.attn_chunks:
-            raise VerificationError(
-                f"counter {counter} ({program.counter_names[counter]}): a tail "
-                f"needs its counter signalled by exactly the {program.attn_chunks} "
-                f"ATTN chunks of one head with one tail, got {len(chunks)}: "
-                + "; ".join(str(i) for i in chunks[:3])
-            )
-        if not 0 <= first.tail < program.num_counters:
-            raise VerificationError(f"{first}: no such counter")
-        merge = tail_combine(program, first)
-        tails.append((Instruction(Op.COMBINE, first.layer, first.arg0, merge.arg1,
-                                  counter, len(chunks), first.tail),))  # fmt: skip
-    return tuple(tails)
 
 
 def _check_counting(program, queues) -> None:

@@ -38,9 +38,7 @@ consumers' loads without a further fence.
   acquire load once the count is met.
 * ``signal_done`` (thread 0, after the consumers' barrier: every
   consumer's stores are issued): add 1 to the signal counter with a release
-  atomic at GPU scope; with ``fused_combine`` an ATTN's atomic is acq_rel
-  and tells whether its chunk completed the head, whose merge the
-  consumers then run (``run_tail``).
+  atomic at GPU scope.
 
 The legacy control (``KernelShape.legacy_control``) has no roles: thread 0
 fetches, waits and signals between CTA barriers (the consumers' barrier is
@@ -56,8 +54,6 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 
 from vllm_ext.megakernel.isa import WORDS, Op
-from vllm_ext.megakernel.kernel.ops.combine import combine
-from vllm_ext.megakernel.kernel.ops.common import consumer_sync
 from vllm_ext.megakernel.kernel.ops.expert_down import (
     prefetch_routed as prefetch_routed_down,
 )
@@ -224,41 +220,10 @@ def wait_inputs(s: cutlass.Constexpr, counters: cute.Tensor, ins: cute.Tensor, e
 
 
 @cute.jit
-def signal_done(s: cutlass.Constexpr, counters: cute.Tensor, ins: cute.Tensor, op,
-                epoch, tail: cute.Tensor):  # fmt: skip
+def signal_done(counters: cute.Tensor, ins: cute.Tensor):
     """Thread 0, after the consumers' barrier that ends the instruction:
-    signal its counter. With ``fused_combine``, ``tail[0]`` becomes 1 when
-    this ATTN chunk completed its head (its atomic returned ``epoch * chunks
-    - 1``), else 0."""
-    if cutlass.const_expr(s.fused_combine):
-        tail[0] = Int32(0)
-        if op == Op.ATTN and ins[7] >= 0:
-            # Acquire too: the chunk that completes the head reads the other
-            # chunks' partials next.
-            old = cute.arch.atomic_add(counters.iterator + ins[6], Int32(1),
-                                       sem="acq_rel", scope="gpu")  # fmt: skip
-            if old + 1 - epoch * s.attn_chunks == 0:
-                tail[0] = Int32(1)
-        elif ins[6] >= 0:
-            cute.arch.atomic_add(counters.iterator + ins[6], Int32(1),
-                                 sem="release", scope="gpu")  # fmt: skip
-    elif ins[6] >= 0:
+    signal its counter."""
+    if ins[6] >= 0:
         cute.arch.atomic_add(
             counters.iterator + ins[6], Int32(1), sem="release", scope="gpu"
         )
-
-
-@cute.jit
-def run_tail(s: cutlass.Constexpr, ptrs: cute.Tensor, counters: cute.Tensor,
-             ins: cute.Tensor, layer, g, tail: cute.Tensor):  # fmt: skip
-    """Every consumer thread, after an ATTN with ``fused_combine``: the
-    chunk that completed kv head ``g`` merges its partials and signals
-    ``ins[7]``."""
-    tidx, _, _ = cute.arch.thread_idx()
-    consumer_sync()
-    if tail[0] != 0:
-        combine(s, ptrs, layer, g, 0, s.group)
-        consumer_sync()
-        if tidx == 0:
-            cute.arch.atomic_add(counters.iterator + ins[7], Int32(1),
-                                 sem="release", scope="gpu")  # fmt: skip

@@ -68,10 +68,9 @@ class GpuExecutor:
         target = device_for(device, arch)
         log = logger.info if logger else None
         variants = variants or Variants()
-        options = variants.plan_options()
         programs = {}
         for bucket in buckets:
-            program = plan(spec, bucket, target, **options)
+            program = plan(spec, bucket, target)
             verify(program)
             programs[bucket] = program
         try:

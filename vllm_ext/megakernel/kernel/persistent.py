@@ -44,7 +44,6 @@ from vllm_ext.megakernel.kernel.control import (
     release_instruction,
     ring_bytes,
     ring_init,
-    run_tail,
     signal_done,
     wait_inputs,
     wait_instruction,
@@ -121,7 +120,6 @@ def _buffers(s: KernelShape) -> list[int]:
         2 * (s.batch * s.hidden if stages_input(s) else VEC),  # x_stage
         *gqa_buffers(s),
         *([] if s.legacy_control else ring_bytes()),
-        4 if s.fused_combine else 0,  # tail flag
         4 * moe_words(s),  # the mixture's int32 scratch
         4 * s.batch * s.top_k,  # EXPERT_DOWN's sorted weights
         *mla_buffers(s),
@@ -343,16 +341,12 @@ class Megakernel:
                 cute.make_layout((s.batch, s.kv_lora_rank), stride=(s.kv_lora_rank, 1)),
             )
 
-        # Thread 0 tells the consumers whether its ATTN completed the head.
-        tail = None
-        if cutlass.const_expr(s.fused_combine):
-            tail = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
         # The legacy control has no weight pipeline: its ops receive x_stage
         # in its place and never read it.
         w_stage = x_stage
         scratch = _Scratch(rstd, head_buf, head_rstd, x_stage, warp_m, warp_l, warp_o,
-                           moe_i, moe_f, mla_x, mla_qb, mla_red, mla_lat,
-                           tail)  # fmt: skip
+                           moe_i, moe_f, mla_x, mla_qb, mla_red,
+                           mla_lat)  # fmt: skip
         q = Queue(queue, sm)
         args = _Args(ptrs, glob, counters, epoch, sm, max_spins, kv_block_stride,
                      block_table_stride, attn_scale, q, lengths)  # fmt: skip
@@ -408,7 +402,6 @@ class _Scratch:
     mla_qb: object
     mla_red: object
     mla_lat: object
-    tail: object
 
 
 @dataclass(frozen=True)
@@ -449,12 +442,8 @@ def _consumer_loop(s: cutlass.Constexpr, q: cutlass.Constexpr, length,
         # the instruction's words) before the release below.
         consumer_sync()
         if tidx == 0:
-            signal_done(s, a.counters, ins, op, a.epoch, m.tail)
+            signal_done(a.counters, ins)
             release_instruction(ring, pc)
-        if cutlass.const_expr(s.fused_combine):
-            if op == Op.ATTN:
-                # The tail: the last chunk of kv head a0 merges its partials.
-                run_tail(s, a.ptrs, a.counters, ins, layer, a0, m.tail)
         if cutlass.const_expr(paged):
             page = page + instr_pages(s, op, a0, a1)
 
@@ -483,10 +472,7 @@ def _legacy_loop(s: cutlass.Constexpr, q: cutlass.Constexpr, length,
         _execute(s, op, layer, a0, a1, a, m, w_stage, pc)
         consumer_sync()
         if tidx == 0:
-            signal_done(s, a.counters, ins, op, a.epoch, m.tail)
-        if cutlass.const_expr(s.fused_combine):
-            if op == Op.ATTN:
-                run_tail(s, a.ptrs, a.counters, ins, layer, a0, m.tail)
+            signal_done(a.counters, ins)
 
 
 @cute.jit

@@ -154,19 +154,16 @@ class KernelShape:
     rms_norm_eps: float
     qkv_bias: bool
     qk_norm: bool
-    # Experimental, for the side-by-side GPU comparison: the control
-    # validated on an H200 at commit 42d7577 (256 threads; thread 0 fetches,
-    # waits and signals between CTA barriers; the GEMVs read global memory)
-    # instead of the warp roles (kernel/persistent.py, kernel/control.py).
+    # For the GPU check's side-by-side comparison only (build.py's
+    # --legacy-control, not a variant): the control validated on an H200 at
+    # commit 42d7577 (256 threads; thread 0 fetches, waits and signals
+    # between CTA barriers; the GEMVs read global memory) instead of the
+    # warp roles (kernel/persistent.py, kernel/control.py).
     legacy_control: bool = False
-    # Experimental (not yet measured): ATTN with 128-bit K/V loads, several
-    # tokens per warp load and requests side by side
+    # The experimental variant (not yet measured): ATTN with 128-bit K/V
+    # loads, several tokens per warp load and requests side by side
     # (kernel/ops/attn_wide.py).
     wide_attn: bool = False
-    # Experimental (not yet measured): the program has no COMBINE
-    # instructions; the last ATTN chunk of each kv head merges the head's
-    # partials (isa.py, tail). Set from the program, which it must match.
-    fused_combine: bool = False
     # QKV's units are heads split into this many RoPE-pair parts (isa.py),
     # so the phase spreads over the SMs. Set from the program, which it must
     # match.
@@ -231,17 +228,11 @@ class KernelShape:
         if self.combine_parts < 1 or self.head_dim % self.combine_parts:
             raise ValueError(f"{self.combine_parts} COMBINE parts do not divide "
                              f"head_dim {self.head_dim}")  # fmt: skip
-        if self.fused_combine and self.combine_parts != 1:
-            raise ValueError("a fused COMBINE merges whole heads (combine_parts 1)")
         if self.moe:
             self._check_moe()
 
     def _variants(self) -> list[str]:
-        return [
-            name
-            for name in ("legacy_control", "wide_attn", "fused_combine")
-            if getattr(self, name)
-        ]
+        return [name for name in ("legacy_control", "wide_attn") if getattr(self, name)]
 
     def _check_mla(self) -> None:
         variants = self._variants()
@@ -452,7 +443,6 @@ class KernelShape:
             qk_norm=s.qk_norm,
             legacy_control=legacy_control,
             wide_attn=wide_attn,
-            fused_combine=program.fuse_combine,
             qkv_parts=program.qkv_parts,
             combine_parts=program.combine_parts,
             **gqa,
