@@ -32,10 +32,11 @@ BATCHES=${DEVICE_CHECK_BATCHES:-"1 4 16 64"}
 # Further shapes, MODEL:BATCH: the device code only they run (QKV bias,
 # QK-norm). Empty: none.
 COVERAGE=${DEVICE_CHECK_COVERAGE-"qwen2.5-0.5b:1 qwen3-0.6b:1"}
-# Experimental kernel variants, checked and timed beside the default in the
-# same call: MODEL:BATCH:VARIANT[:LAYERS], built into MODEL-bBATCH-VARIANT
-# with the variant's build flags (below), run with its first LAYERS layers
-# where given (as its default twin among the mixtures below). The breakdown tells their parts apart.
+# The experimental kernel variant and the comparison cases, checked and
+# timed beside the default in the same call: MODEL:BATCH:CASE[:LAYERS],
+# built into MODEL-bBATCH-CASE with the case's build flags (below), run
+# with its first LAYERS layers where given (as its default twin among the
+# mixtures below). The breakdown tells their parts apart.
 # The GPU side runs the cases smallest shape first, each default before its
 # variants, and the variants of a shape in the order listed here: what the
 # call's deadline cuts is the end of this list.
@@ -208,6 +209,9 @@ manifest = {"commit": commit, "builds": builds, "variant_order": order,
             "planted": planted, "layers": layers, "first": os.environ["FIRST"]}
 (bundle / "manifest.json").write_text(json.dumps(manifest))
 PY
+# The cost model's step for each case, written beside it: the report puts
+# the measurement next to it (issue 16).
+"$VENV/bin/python" "$ROOT/scripts/device_run.py" --predict "$BUNDLE"
 size=$(du -sb "$BUNDLE" | cut -f1)
 echo "[device_check] bundle $BUNDLE: $((size / 1024)) KiB (limit 60 MiB)"
 if [[ ${1:-} == --dry-run ]]; then

@@ -40,6 +40,7 @@ passed, incomplete (a required check did not run) or failed.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import json
 import os
@@ -63,8 +64,8 @@ from flashinfer_baseline import flashinfer_attend  # noqa: E402
 from flashinfer_mla import FlashInferMla, flashinfer_attention  # noqa: E402
 from per_op import per_op_step  # noqa: E402
 
-from vllm_ext.megakernel.calibrate import probe  # noqa: E402
-from vllm_ext.megakernel.cost import DEVICES  # noqa: E402
+from vllm_ext.megakernel.calibrate import kernel_lookahead_bytes, probe  # noqa: E402
+from vllm_ext.megakernel.cost import DEVICES, predict  # noqa: E402
 from vllm_ext.megakernel.interpret import ProgramInterpreter, pad_inputs  # noqa: E402
 from vllm_ext.megakernel.isa import NO_COUNTER, Op  # noqa: E402
 from vllm_ext.megakernel.kernel.launcher import (  # noqa: E402
@@ -185,6 +186,38 @@ def load_case(case_dir: Path, layers: int | None = None):
     ):
         raise SystemExit("the program planned here differs from the bundle's")
     return spec, program
+
+
+# The cost model's step beside each case's measurement (issue 16), at these
+# latencies per dependency, us.
+PREDICT_LATENCIES_US = (1, 2, 5)
+PREDICTED = "predicted.json"
+
+
+def predictions(case_dir: Path) -> dict:
+    """The cost model's step for the case as the GPU side runs and times it:
+    its program (its layers), the timing's context, its kernel's lookahead,
+    the H200's figures, at each of PREDICT_LATENCIES_US. Computed where the
+    bundle is built (``--predict``, on the CPU): the model knows programs,
+    not kernel flags, so a wide-attention case predicts as its default."""
+    spec, program = load_case(case_dir)
+    context = BENCH_CONTEXT if spec.mla is None else device_mla.BENCH_CONTEXT
+    program = dataclasses.replace(program, context=context)
+    lookahead = kernel_lookahead_bytes(torch.load(case_dir / "program.pt")["shape"])
+    h200, steps = DEVICES["h200"], {}
+    for us in PREDICT_LATENCIES_US:
+        device = dataclasses.replace(h200, dependency_latency_s=us * 1e-6)
+        steps[str(us)] = predict(program, device, lookahead).step_s * 1e3
+    floor_ms = program.weight_bytes() / h200.hbm_bytes_per_s * 1e3
+    return {"context": context, "step_ms": steps, "floor_ms": floor_ms}
+
+
+def write_predictions(bundle: Path) -> None:
+    """Every case's ``predictions`` into its folder (a planted bug's is its
+    twin's: not written)."""
+    for case in sorted(p for p in bundle.iterdir() if (p / "program.pt").exists()):
+        if not planted_bug(case):
+            (case / PREDICTED).write_text(json.dumps(predictions(case)))
 
 
 def make_executor(case_dir: Path, program, weights, max_blocks: int):
@@ -876,10 +909,15 @@ def timing(case_dir: Path) -> dict:
         if spec.mla is None
         else device_mla.bench_caches(spec, b * max_blocks, BLOCK_SIZE, "cuda"),
     )
+    predicted = case_dir / PREDICTED
     result = {"batch": b, "context": context, "layers": spec.num_layers,
+              # The model's, from the bundle's build (write_predictions).
+              "predicted": json.loads(predicted.read_text())
+              if predicted.exists() else None,
               # What the calibration re-plans, and the kernel it models
               # (vllm_ext/megakernel/calibrate.py).
-              "program": {"qkv_parts": program.qkv_parts,
+              "program": {"digest": program.digest(),
+                          "qkv_parts": program.qkv_parts,
                           "combine_parts": program.combine_parts,
                           "queue_lengths": [len(q) for q in program.queues]},
               "shape": torch.load(case_dir / "program.pt")["shape"]}  # fmt: skip
@@ -1265,6 +1303,31 @@ def markdown(report: dict) -> str:
             lines.append(
                 f"| {name} | {ok} | {f(ref)} | {f(mine)} | {ratio(ref, mine)} |"
             )
+    modelled = {
+        n: c["timing"]
+        for n, c in report["cases"].items()
+        if (c.get("timing") or {}).get("predicted")
+    }
+    if modelled:
+        lines += [
+            "",
+            "The cost model beside the measurement (the case's program at its "
+            "context, H200 figures; kernel flags are not modelled):",
+            "",
+            "| case | context | megakernel ms | model ms at "
+            + " / ".join(map(str, PREDICT_LATENCIES_US))
+            + " us per wait | megakernel / model at "
+            + f"{PREDICT_LATENCIES_US[0]} us |",
+            "|---|---|---|---|---|",
+        ]
+        for name, t in modelled.items():
+            p, mk = t["predicted"], t.get("megakernel_ms")
+            steps = [p["step_ms"].get(str(us)) for us in PREDICT_LATENCIES_US]
+            lines.append(
+                f"| {name} | {p['context']} | {f(mk)} | "
+                + " / ".join(f(x) for x in steps)
+                + f" | {ratio(mk, steps[0])} |"
+            )
     timed = {
         n: c["timing"]["breakdown"]
         for n, c in report["cases"].items()
@@ -1400,6 +1463,9 @@ def verdict(report: dict) -> tuple[str, list[str]]:
 def main() -> int:
     if sys.argv[1] == "--child":
         child(sys.argv[2], Path(sys.argv[3]))
+        return 0
+    if sys.argv[1] == "--predict":  # device_check.sh, on the build machine
+        write_predictions(Path(sys.argv[2]))
         return 0
     bundle, out = Path(sys.argv[1]), Path(sys.argv[2])
     quick = "--quick" in sys.argv

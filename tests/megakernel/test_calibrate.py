@@ -94,15 +94,18 @@ def test_recovers_the_figures_a_model_report_was_made_with(overhead, latency):
 
 
 @pytest.mark.parametrize(
-    "config, batch, terms, idle",
-    [("llama-3.2-1b", 1, {"ATTN": 5e-10, "GATE_UP": 2e-10}, "DOWN"),
-     ("llama-3.2-1b", 16, {"ATTN": 5e-10, "GATE_UP": 3.2e-9}, "DOWN"),
+    "config, batch, terms, idle, context",
+    [("llama-3.2-1b", 1, {"ATTN": 5e-10, "GATE_UP": 2e-10}, "DOWN", None),
+     ("llama-3.2-1b", 16, {"ATTN": 5e-10, "GATE_UP": 3.2e-9}, "DOWN", None),
      # TOPK's routing also runs inside each SM's first routed EXPERT_UP
      # tile: fitted first, it is not counted into EXPERT_UP's figure.
-     ("qwen3-30b-a3b", 1, {"TOPK": 1e-8, "EXPERT_UP": 1e-10}, "ROUTE")],
+     ("qwen3-30b-a3b", 1, {"TOPK": 1e-8, "EXPERT_UP": 1e-10}, "ROUTE", None),
+     # A run at 512 tokens of history (the GPU check's): ATTN's figure is
+     # per byte of that history, not of the model's nominal 1024.
+     ("llama-3.2-1b", 16, {"ATTN": 5e-10, "GATE_UP": 3.2e-9}, "DOWN", 512)],
 )  # fmt: skip
 def test_recovers_the_execution_figures_a_model_report_was_made_with(
-    config, batch, terms, idle
+    config, batch, terms, idle, context
 ):
     """Rows made by the model with a per-byte figure for two kinds give those
     figures back within 1%; a kind that keeps up with its stream gets 0;
@@ -110,14 +113,17 @@ def test_recovers_the_execution_figures_a_model_report_was_made_with(
     spec = load_spec(config, torch.bfloat16).with_layers(2)
     device = DEVICES["h200"]
     program = plan(spec, batch, device, with_lm_head=True)
+    ran = program if context is None else dataclasses.replace(program, context=context)
     truth = dataclasses.replace(device, exec_s_per_byte=tuple(terms.items()))
-    walk = probe(program, keep=(), waits=False)
+    walk = probe(ran, keep=(), waits=False)
     rows = {"NOP": {"ms": predict(walk, truth).step_s * 1e3}}
     for kind in (*terms, idle):
-        row = probe(program, keep=(Op[kind],), waits=False)
+        row = probe(ran, keep=(Op[kind],), waits=False)
         rows[kind] = {"ms": predict(row, truth).step_s * 1e3}
-    timing = {"megakernel_ms": predict(program, truth).step_s * 1e3,
+    timing = {"megakernel_ms": predict(ran, truth).step_s * 1e3,
               "breakdown": rows}  # fmt: skip
+    if context is not None:
+        timing["context"] = context
     fit = fit_case(f"{config}-b{batch}", timing, device, None, program=program)
     got = dict(fit.exec_s_per_byte)
     assert set(got) == {*terms, idle}
@@ -229,3 +235,35 @@ def test_a_case_of_fewer_layers_is_replanned_at_its_depth():
     assert fit.dependency_latency_s == pytest.approx(
         device.dependency_latency_s, rel=1e-3
     )
+
+
+def test_a_reordered_program_of_the_same_lengths_is_refused():
+    """The digest a report records tells the program that ran from one
+    planned later with the same queue lengths but another order (the
+    lengths alone do not)."""
+    device = DEVICES["h200"]
+    spec = load_spec("llama-3.2-1b", torch.bfloat16).with_layers(2)
+    program = plan(spec, 1, device, with_lm_head=True)
+    walk = predict(probe(program, keep=(), waits=False), device).step_s * 1e3
+    timing = {
+        "megakernel_ms": 2 * walk,
+        "layers": 2,
+        "program": {
+            "digest": program.digest(),
+            "qkv_parts": program.qkv_parts,
+            "combine_parts": program.combine_parts,
+            "queue_lengths": [len(q) for q in program.queues],
+        },
+        "breakdown": {"NOP": {"ms": walk}},
+    }
+    assert fit_case("llama-3.2-1b-b1", timing, device, None) is not None
+    # Two SMs' queues swapped: the same multiset of lengths, another program.
+    queues = list(program.queues)
+    k = next(i for i in range(1, len(queues)) if queues[i] != queues[0])
+    queues[0], queues[k] = queues[k], queues[0]
+    swapped = dataclasses.replace(program, queues=tuple(queues))
+    assert swapped.digest() != program.digest()
+    timing["program"]["digest"] = swapped.digest()
+    timing["program"]["queue_lengths"] = [len(q) for q in swapped.queues]
+    with pytest.raises(ValueError, match="digest differs"):
+        fit_case("llama-3.2-1b-b1", timing, device, None)

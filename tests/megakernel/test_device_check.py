@@ -4,8 +4,10 @@ limit, and its correctness harness (run here on CPU with a stand-in for the
 compiled kernel) passes a correct kernel and names the buffer of a wrong
 one."""
 
+import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -21,10 +23,13 @@ from tests.utils import load_script
 from vllm_ext.demo_models import hf_config
 from vllm_ext.megakernel.build import save_program
 from vllm_ext.megakernel.calibrate import probe
-from vllm_ext.megakernel.cost import DEVICES
+from vllm_ext.megakernel.cost import DEVICES, predict
 from vllm_ext.megakernel.isa import NO_COUNTER, Op
 from vllm_ext.megakernel.kernel.launcher import KernelExecutor
-from vllm_ext.megakernel.kernel.shape import KernelShape
+from vllm_ext.megakernel.kernel.ops.prefetch import PREFETCH_BYTES
+from vllm_ext.megakernel.kernel.ops.weight_pipe import L2_AHEAD_PAGES
+from vllm_ext.megakernel.kernel.persistent import ring_slots
+from vllm_ext.megakernel.kernel.shape import PAGE_BYTES, KernelShape
 from vllm_ext.megakernel.planner import plan
 from vllm_ext.model_spec import ModelSpec
 from vllm_ext.testing import BLOCK_SIZE, random_weights
@@ -108,7 +113,14 @@ def test_dry_run_builds_a_small_bundle():
     case = bundle / "llama-3.2-1b-b1"
     assert {p.name for p in case.iterdir()} == {
         "libmegakernel_sm_90a.so", "program.pt", "manifest.json", "build.json",
+        "predicted.json",
     }  # fmt: skip
+    # The model's step beside each case (a planted bug's is its twin's).
+    for name in builds_of(manifest):
+        predicted = bundle / name / "predicted.json"
+        assert predicted.exists() == (name not in planted), name
+    mla = json.loads((bundle / "deepseek-v3-b1" / "predicted.json").read_text())
+    assert mla["context"] == 4096 and set(mla["step_ms"]) == {"1", "2", "5"}
     size = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file())
     assert size < 60 << 20
 
@@ -448,6 +460,8 @@ def test_report_table():
                       "racecheck": {"status": "not run",
                                     "why": "compute-sanitizer not installed"}},
     }  # fmt: skip
+    report["cases"]["llama-3.2-1b-b1"]["timing"]["predicted"] = {
+        "context": 512, "step_ms": {"1": 0.6, "2": 0.625, "5": 0.75}}  # fmt: skip
     staged = {"correctness": {"ok": True}, "timing": {"megakernel_ms": 0.8}}
     report["cases"]["llama-3.2-1b-b1-split"] = staged
     report["cases"]["llama-3.2-1b-b1-legacy"] = {"correctness": {"ok": False}}
@@ -460,6 +474,9 @@ def test_report_table():
         "| 1.500 | 1.200 | 3.1e-02 |" in table
     )
     assert "| QKV | 0.100 (3.00) |" in table and "| NOP | 0.010 |" in table
+    # The model's step beside the measurement; a case without one has no row.
+    assert "| llama-3.2-1b-b1 | 512 | 1.000 | 0.600 / 0.625 / 0.750 | 1.667 |" in table
+    assert "| llama-3.2-1b-b1-split | " not in table.split("The cost model")[1]
     assert "4.00 TB/s" in table and "abc1234" in table
     assert table.startswith("verdict: incomplete (racecheck not run")
     assert "planted bugs: m-plant-kv-slot (kv-slot): rejected by KV_APPEND" in table
@@ -467,6 +484,53 @@ def test_report_table():
         "sanitizer: memcheck passed on llama-3.2-1b-b1; racecheck not run "
         "(compute-sanitizer not installed)" in table
     )
+
+
+def builds_of(manifest: dict) -> list[str]:
+    return sorted(manifest["builds"])
+
+
+def test_predictions_are_the_cases_programs_at_the_timed_context(tmp_path, monkeypatch):
+    """--predict writes, beside each case, the model's step for the program
+    the GPU side times: at the timing's context (not the model's nominal
+    one), with the case's kernel's lookahead (the legacy control's is
+    short), at 1 / 2 / 5 us per dependency; none for a planted bug."""
+    d = _device_run()
+    bundle = _bundle(tmp_path)
+    # (Its program is the 2-layer one under a 1-layer spec: for the order.)
+    shutil.rmtree(bundle / "s-b1")
+    d.write_predictions(bundle)
+    spec = make_spec("llama", torch.bfloat16)
+    got = {}
+    for case in ("m-b1", "m-b1-wide", "m-b1-legacy", "m-b2"):
+        p = json.loads((bundle / case / "predicted.json").read_text())
+        assert p["context"] == d.BENCH_CONTEXT == 512
+        got[case] = [p["step_ms"][str(us)] for us in (1, 2, 5)]
+        assert got[case] == sorted(got[case])  # longer waits, longer steps
+    assert not (bundle / "m-b1-plant-kv-slot" / "predicted.json").exists()
+    # Recomputed here: the default kernel's ring and L2 pages ahead.
+    ring = ring_slots(KernelShape.from_program(plan(spec, 1, DEVICES["h200"]),
+                                               BLOCK_SIZE)) * PAGE_BYTES  # fmt: skip
+    for i, us in enumerate((1, 2, 5)):
+        device = dataclasses.replace(DEVICES["h200"], dependency_latency_s=us * 1e-6)
+        program = plan(spec, 1, device, with_lm_head=True)
+        at_512 = dataclasses.replace(program, context=512)
+        want = predict(at_512, None, ring + L2_AHEAD_PAGES * PAGE_BYTES).step_s * 1e3
+        assert got["m-b1"][i] == pytest.approx(want, rel=1e-9)
+    # The timing's context, whatever it is (the tiny model's 512-token
+    # attention hides in its step; 64k tokens do not).
+    monkeypatch.setattr(d, "BENCH_CONTEXT", 1 << 16)
+    long = d.predictions(bundle / "m-b1")
+    assert long["context"] == 1 << 16 and long["step_ms"]["1"] > 2 * got["m-b1"][0]
+    # The model knows programs, not kernel flags: the wide attention's case
+    # predicts as its default. The legacy control streams one prefetch ahead
+    # (the tiny model's weights fit either window: seen in the call).
+    assert got["m-b1-wide"] == got["m-b1"]
+    seen = []
+    monkeypatch.setattr(d, "predict", lambda p, dev, ahead: seen.append(ahead)
+                        or predict(p, dev, ahead))  # fmt: skip
+    d.predictions(bundle / "m-b1-legacy")
+    assert seen == [PREFETCH_BYTES] * 3
 
 
 def _bundle(tmp_path: Path) -> Path:

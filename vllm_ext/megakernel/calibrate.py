@@ -223,6 +223,8 @@ def fit_case(name: str, timing: dict, device: Device, bandwidth: float | None,
         program = plan(spec, int(m["batch"]), device, with_lm_head=True,
                        qkv_parts=options.get("qkv_parts", 1),
                        combine_parts=options.get("combine_parts", 1))  # fmt: skip
+    if "context" in timing:  # the attention's bytes at the run's history
+        program = dataclasses.replace(program, context=int(timing["context"]))
     lengths = [len(q) for q in program.queues]
     ran = (timing.get("program") or {}).get("queue_lengths")
     if ran is None and not planned:
@@ -230,6 +232,12 @@ def fit_case(name: str, timing: dict, device: Device, bandwidth: float | None,
             f"{name}: no queue lengths, in the report or in REPORT.queues.json"
         )
     ran = lengths if ran is None else ran
+    digest = (timing.get("program") or {}).get("digest")  # since 2026-12-02
+    if digest is not None and digest != program.digest():
+        raise ValueError(
+            f"{name}: the program planned here is not the one that ran (its "
+            "digest differs): run calibrate at the report's commit"
+        )
     overhead = rows["NOP"]["ms"] * 1e-3 / max(ran)
     fitted = dataclasses.replace(device, instruction_overhead_s=overhead)
     if bandwidth:

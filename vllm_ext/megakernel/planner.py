@@ -37,6 +37,7 @@ per (head, v part) in place of QKV, ATTN and COMBINE (``mla_split``).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import Counter
 from collections.abc import Iterator
@@ -61,8 +62,9 @@ COL_MULTIPLE = 16
 # Upper bound on KV chunks per kv head: enough to fill the SMs for models
 # with few kv heads, few enough that the combine stays short.
 MAX_ATTN_CHUNKS = 16
-# Context length the cost model assumes for attention (plans do not depend
-# on it: chunks are sized at run time from each sequence's length).
+# Context length the cost model assumes for attention unless told the run's
+# (``Program.context``; plans do not depend on it: chunks are sized at run
+# time from each sequence's length).
 NOMINAL_CONTEXT = 1024
 
 
@@ -106,6 +108,10 @@ class Program:
     mla_v_parts: int = 1
     # COMBINE's units: q heads split into this many dim parts (isa.py).
     combine_parts: int = 1
+    # Each request's history in the attention's bytes (the cost model's
+    # only; the program is the same at every length): a measured run's
+    # context where its prediction stands beside it.
+    context: int = NOMINAL_CONTEXT
 
     @property
     def num_instructions(self) -> int:
@@ -143,6 +149,15 @@ class Program:
 
     def encode(self) -> tuple[torch.Tensor, torch.Tensor]:
         return encode([list(q) for q in self.queues])
+
+    def digest(self) -> str:
+        """SHA-256 of the encoded queues: what a GPU report records of the
+        program that ran, so that a calibration of it can tell whether the
+        program planned later is the same one (same lengths are not)."""
+        table, lengths = self.encode()
+        h = hashlib.sha256(lengths.numpy().tobytes())
+        h.update(table.numpy().tobytes())
+        return h.hexdigest()
 
     @property
     def occupied_slots(self) -> int:
@@ -228,7 +243,7 @@ class Program:
             return Cost(w, b * h * e + 2 * b * cols * e)
         if instr.op == Op.ATTN:
             group = s.num_q_heads // s.num_kv_heads
-            tokens = math.ceil(NOMINAL_CONTEXT / self.attn_chunks)
+            tokens = math.ceil(self.context / self.attn_chunks)
             kv = b * tokens * 2 * d * e
             late, early = _hinted(kv, s.num_kv_heads * kv, s.num_kv_heads)
             return Cost(0, late + b * group * d * (e + 4) + b * group * 4, early)
@@ -290,9 +305,9 @@ class Program:
         if instr.op == Op.MLA_APPEND:
             return Cost(rank * e, 2 * b * mla.latent_width * e)
         if instr.op == Op.MLA_ATTN:
-            # The chunk's latent rows at NOMINAL_CONTEXT, as ATTN's.
+            # The chunk's latent rows at the context, as ATTN's.
             group = mla.num_heads // self.mla_head_groups
-            tokens = math.ceil(NOMINAL_CONTEXT / self.attn_chunks)
+            tokens = math.ceil(self.context / self.attn_chunks)
             rows = b * tokens * mla.latent_width * e
             queries = b * group * (rank + rope) * e
             late, early = _hinted(rows, rows, self.mla_head_groups)
