@@ -188,6 +188,20 @@ def load_case(case_dir: Path, layers: int | None = None):
     return spec, program
 
 
+def bench_context(spec: ModelSpec) -> int:
+    """Every request's history in a case's timing (an MLA case at the
+    issue's 4k tokens: device_mla.py), and in its prediction."""
+    return BENCH_CONTEXT if spec.mla is None else device_mla.BENCH_CONTEXT
+
+
+def program_record(program) -> dict:
+    """What a timing records of the program that ran: what calibrate
+    re-plans it from, and what tells it the same program (the digest)."""
+    return {"digest": program.digest(), "qkv_parts": program.qkv_parts,
+            "combine_parts": program.combine_parts,
+            "queue_lengths": [len(q) for q in program.queues]}  # fmt: skip
+
+
 # The cost model's step beside each case's measurement (issue 16), at these
 # latencies per dependency, us.
 PREDICT_LATENCIES_US = (1, 2, 5)
@@ -201,7 +215,7 @@ def predictions(case_dir: Path) -> dict:
     bundle is built (``--predict``, on the CPU): the model knows programs,
     not kernel flags, so a wide-attention case predicts as its default."""
     spec, program = load_case(case_dir)
-    context = BENCH_CONTEXT if spec.mla is None else device_mla.BENCH_CONTEXT
+    context = bench_context(spec)
     program = dataclasses.replace(program, context=context)
     lookahead = kernel_lookahead_bytes(torch.load(case_dir / "program.pt")["shape"])
     h200, steps = DEVICES["h200"], {}
@@ -886,8 +900,7 @@ def timing(case_dir: Path) -> dict:
     spec, program = load_case(case_dir)
     b = program.batch
     weights = random_weights(spec, seed=1, device="cuda")
-    # (An MLA case at the issue's 4k tokens: device_mla.py.)
-    context = BENCH_CONTEXT if spec.mla is None else device_mla.BENCH_CONTEXT
+    context = bench_context(spec)
     max_blocks = (context + BLOCK_SIZE - 1) // BLOCK_SIZE
     ex, _ = make_executor(case_dir, program, weights, max_blocks)
     # Every request attends to `context` tokens in shuffled blocks.
@@ -916,10 +929,7 @@ def timing(case_dir: Path) -> dict:
               if predicted.exists() else None,
               # What the calibration re-plans, and the kernel it models
               # (vllm_ext/megakernel/calibrate.py).
-              "program": {"digest": program.digest(),
-                          "qkv_parts": program.qkv_parts,
-                          "combine_parts": program.combine_parts,
-                          "queue_lengths": [len(q) for q in program.queues]},
+              "program": program_record(program),
               "shape": torch.load(case_dir / "program.pt")["shape"]}  # fmt: skip
 
     def mk():
@@ -1312,7 +1322,8 @@ def markdown(report: dict) -> str:
         lines += [
             "",
             "The cost model beside the measurement (the case's program at its "
-            "context, H200 figures; kernel flags are not modelled):",
+            "context, H200 figures; of the kernel, only its lookahead is "
+            "modelled):",
             "",
             "| case | context | megakernel ms | model ms at "
             + " / ".join(map(str, PREDICT_LATENCIES_US))

@@ -267,3 +267,26 @@ def test_a_reordered_program_of_the_same_lengths_is_refused():
     timing["program"]["queue_lengths"] = [len(q) for q in swapped.queues]
     with pytest.raises(ValueError, match="digest differs"):
         fit_case("llama-3.2-1b-b1", timing, device, None)
+
+
+def test_a_case_of_a_program_no_longer_planned_is_skipped():
+    """A report from before 2026-12-02 may hold fused-COMBINE cases (the
+    GPU check's tail and fast): skipped, the other cases still fitted."""
+    device = DEVICES["h200"]
+    spec = load_spec("llama-3.2-1b", torch.bfloat16).with_layers(2)
+    program = plan(spec, 1, device, with_lm_head=True)
+    walk = predict(probe(program, keep=(), waits=False), device).step_s * 1e3
+
+    def timing(**options) -> dict:
+        record = {"qkv_parts": program.qkv_parts,
+                  "combine_parts": program.combine_parts,
+                  "queue_lengths": [len(q) for q in program.queues],
+                  **options}  # fmt: skip
+        return {"timing": {"megakernel_ms": 2 * walk, "layers": 2,
+                           "program": record,
+                           "breakdown": {"NOP": {"ms": walk}}}}  # fmt: skip
+
+    report = {"cases": {"llama-3.2-1b-b1-tail": timing(fuse_combine=True),
+                        "llama-3.2-1b-b1": timing()}}  # fmt: skip
+    fits = calibrate(report)
+    assert [f.case for f in fits] == ["llama-3.2-1b-b1"]

@@ -490,6 +490,36 @@ def builds_of(manifest: dict) -> list[str]:
     return sorted(manifest["builds"])
 
 
+def test_a_timings_program_record_is_what_calibrate_replans(tmp_path):
+    """The program record a GPU timing writes (device_run.program_record of
+    the program load_case ran: the case's first layers, here 2 of 16) is
+    the one calibrate re-plans from the report's fields: same digest, so
+    the next report is not refused by its own programs."""
+    from vllm_ext.megakernel.calibrate import fit_case
+    from vllm_ext.megakernel.plan import load_spec
+
+    d = _device_run()
+    program = plan(load_spec("llama-3.2-1b", torch.bfloat16), 1, DEVICES["h200"],
+                   with_lm_head=True)  # fmt: skip
+    case = tmp_path / "llama-3.2-1b-b1"
+    case.mkdir()
+    save_program(case / "program.pt", program,
+                 KernelShape.from_program(program, BLOCK_SIZE))  # fmt: skip
+    layers = {"layers": {case.name: 2}}
+    (tmp_path / "manifest.json").write_text(json.dumps(layers))
+    _, ran = d.load_case(case)
+    assert ran.spec.num_layers == 2 and ran.digest() != program.digest()
+    walk = predict(probe(ran, keep=(), waits=False)).step_s * 1e3
+    timing = {"megakernel_ms": 2 * walk, "layers": 2, "context": d.BENCH_CONTEXT,
+              "program": d.program_record(ran),
+              "breakdown": {"NOP": {"ms": walk}}}  # fmt: skip
+    assert fit_case(case.name, timing, DEVICES["h200"], None) is not None
+    # (And a record of the whole model's program is refused at 2 layers.)
+    timing["program"]["digest"] = program.digest()
+    with pytest.raises(ValueError, match="digest differs"):
+        fit_case(case.name, timing, DEVICES["h200"], None)
+
+
 def test_predictions_are_the_cases_programs_at_the_timed_context(tmp_path, monkeypatch):
     """--predict writes, beside each case, the model's step for the program
     the GPU side times: at the timing's context (not the model's nominal

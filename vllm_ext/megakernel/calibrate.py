@@ -30,9 +30,13 @@ its breakdown ran, re-planned here:
 The all-NOP time is divided by the longest queue of the program that ran:
 reports record its queue lengths (older ones have them in a side file,
 ``REPORT.queues.json``, planned at the report's commit). The rest is
-modelled on the program this checkout plans: the waits probe is solved only
-when that is the program that ran (run it at the report's commit
-otherwise), and the predicted step is this checkout's program's.
+modelled on the program this checkout plans, at the context the case ran
+(its attention's bytes): the waits probe is solved only when that is the
+program that ran (run it at the report's commit otherwise), the predicted
+step is this checkout's program's, and a report that records its
+programs' digests (since 2026-12-02) is refused case by case where the
+program planned here is another. A case of a program no longer planned
+(the fused COMBINE's) is skipped.
 """
 
 from __future__ import annotations
@@ -203,7 +207,8 @@ class Fit:
 
 def fit_case(name: str, timing: dict, device: Device, bandwidth: float | None,
              program: Program | None = None) -> Fit | None:  # fmt: skip
-    """The figures of one case (None: not timed, or no all-NOP row)."""
+    """The figures of one case (None: not timed, no all-NOP row, or a
+    program no longer planned)."""
     rows = timing.get("breakdown") or {}
     if "NOP" not in rows or "megakernel_ms" not in timing:
         return None
@@ -218,12 +223,12 @@ def fit_case(name: str, timing: dict, device: Device, bandwidth: float | None,
         if "layers" in timing:  # a case run with its first layers only
             spec = spec.with_layers(timing["layers"])
         options = timing.get("program", {})  # absent before 2026-11-30's 4th run
-        if options.get("fuse_combine"):
-            raise ValueError(f"{name}: a fused-COMBINE program, no longer planned")
+        if options.get("fuse_combine"):  # deleted 2026-12-02 (isa.py)
+            return None
         program = plan(spec, int(m["batch"]), device, with_lm_head=True,
                        qkv_parts=options.get("qkv_parts", 1),
                        combine_parts=options.get("combine_parts", 1))  # fmt: skip
-    if "context" in timing:  # the attention's bytes at the run's history
+    if "context" in timing:  # the attention's bytes at the run's tokens
         program = dataclasses.replace(program, context=int(timing["context"]))
     lengths = [len(q) for q in program.queues]
     ran = (timing.get("program") or {}).get("queue_lengths")
@@ -235,8 +240,10 @@ def fit_case(name: str, timing: dict, device: Device, bandwidth: float | None,
     digest = (timing.get("program") or {}).get("digest")  # since 2026-12-02
     if digest is not None and digest != program.digest():
         raise ValueError(
-            f"{name}: the program planned here is not the one that ran (its "
-            "digest differs): run calibrate at the report's commit"
+            f"{name}: the program planned here for {device.name} "
+            f"({device.num_sms} SMs) is not the one that ran (its digest "
+            "differs): run calibrate at the report's commit, for the GPU the "
+            "bundle was planned for"
         )
     overhead = rows["NOP"]["ms"] * 1e-3 / max(ran)
     fitted = dataclasses.replace(device, instruction_overhead_s=overhead)

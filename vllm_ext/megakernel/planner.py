@@ -108,9 +108,9 @@ class Program:
     mla_v_parts: int = 1
     # COMBINE's units: q heads split into this many dim parts (isa.py).
     combine_parts: int = 1
-    # Each request's history in the attention's bytes (the cost model's
-    # only; the program is the same at every length): a measured run's
-    # context where its prediction stands beside it.
+    # Each request's history in tokens, for the attention's bytes (the cost
+    # model's only; the program is the same at every length): a measured
+    # run's context where its prediction stands beside it.
     context: int = NOMINAL_CONTEXT
 
     @property
