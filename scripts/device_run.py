@@ -64,7 +64,11 @@ from flashinfer_baseline import flashinfer_attend  # noqa: E402
 from flashinfer_mla import FlashInferMla, flashinfer_attention  # noqa: E402
 from per_op import per_op_step  # noqa: E402
 
-from vllm_ext.megakernel.calibrate import kernel_lookahead_bytes, probe  # noqa: E402
+from vllm_ext.megakernel.calibrate import (  # noqa: E402
+    LATENCIES_US,
+    kernel_lookahead_bytes,
+    probe,
+)
 from vllm_ext.megakernel.cost import DEVICES, predict  # noqa: E402
 from vllm_ext.megakernel.interpret import ProgramInterpreter, pad_inputs  # noqa: E402
 from vllm_ext.megakernel.isa import NO_COUNTER, Op  # noqa: E402
@@ -202,9 +206,9 @@ def program_record(program) -> dict:
             "queue_lengths": [len(q) for q in program.queues]}  # fmt: skip
 
 
-# The cost model's step beside each case's measurement (issue 16), at these
-# latencies per dependency, us.
-PREDICT_LATENCIES_US = (1, 2, 5)
+# The cost model's step beside each case's measurement (issue 16), at
+# calibrate's latencies per dependency.
+PREDICT_LATENCIES_US = LATENCIES_US
 PREDICTED = "predicted.json"
 
 

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The cost model's device figures from a GPU check's report.
 
-    python -m vllm_ext.megakernel.calibrate docs/gpu-runs/REPORT.json [--json]
+    python -m vllm_ext.megakernel.calibrate docs/gpu-runs/REPORT.json \
+        [--carry KINDS] [--json]
 
 For each timed case (``scripts/device_run.py``'s report), from the programs
 its breakdown ran, re-planned here:
@@ -25,7 +26,13 @@ its breakdown ran, re-planned here:
   (``kernel_lookahead_bytes``; the device's, which the weight pipeline was
   designed against, for reports that do not record the kernel), beside the
   measured ones. The step without waits is the rows put back together: how
-  well the model composes what it was fitted on.
+  well the model composes what it was fitted on;
+* what those figures predict for the kernel this checkout builds for the
+  case's model and batch (``this_kernel``: the default program, that
+  kernel's lookahead), at 1, 2 and 5 us per dependency, keeping the
+  execution figures of the kinds ``--carry`` names: those whose code has not
+  changed since the report's commit (a figure belongs to the kernel that
+  ran).
 
 The all-NOP time is divided by the longest queue of the program that ran:
 reports record its queue lengths (older ones have them in a side file,
@@ -47,6 +54,7 @@ import json
 import math
 import re
 import sys
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -60,6 +68,8 @@ CASE = re.compile(r"^(?P<config>.+)-b(?P<batch>\d+)(?:-(?P<variant>[a-z]+))?$")
 MAX_LATENCY_S = 50e-6
 # A breakdown row this close to the all-NOP row is the walk alone.
 NOISE = 0.02
+# The latencies per dependency every prediction is stated at (issue 16), us.
+LATENCIES_US = (1, 2, 5)
 
 
 def probe(program: Program, keep=None, waits: bool = True) -> Program:
@@ -198,11 +208,28 @@ class Fit:
     predicted_ms: float  # the model with the fitted figures
     no_waits_ms: float | None  # measured, the step without waits
     predicted_no_waits_ms: float | None  # the model's, fitted figures
+    # ``this_kernel``: the kernel this checkout builds for the case, ms at
+    # LATENCIES_US, with the execution figures of the kinds in ``carried``.
+    this_kernel_ms: tuple[float, ...] | None = None
+    carried: tuple[str, ...] = ()
 
     def exec_bytes_per_s(self, num_sms: int) -> dict[str, float | None]:
         """Per kind, the rate all SMs execute its bytes at beyond the stream
         (None: the stream alone explains its row)."""
         return {n: num_sms / c if c else None for n, c in self.exec_s_per_byte}
+
+
+def case_spec(name: str, timing: dict):
+    """The model (at the depth the case ran) and batch of a case."""
+    m = CASE.match(name)
+    if m is None:
+        raise ValueError(f"{name}: not a MODEL-bBATCH[-VARIANT] case")
+    from vllm_ext.megakernel.plan import load_spec
+
+    spec = load_spec(m["config"], torch.bfloat16)
+    if "layers" in timing:  # a case run with its first layers only
+        spec = spec.with_layers(timing["layers"])
+    return spec, int(m["batch"])
 
 
 def fit_case(name: str, timing: dict, device: Device, bandwidth: float | None,
@@ -214,18 +241,11 @@ def fit_case(name: str, timing: dict, device: Device, bandwidth: float | None,
         return None
     planned = program is not None  # by the caller: its queues are the run's
     if program is None:
-        m = CASE.match(name)
-        if m is None:
-            raise ValueError(f"{name}: not a MODEL-bBATCH[-VARIANT] case")
-        from vllm_ext.megakernel.plan import load_spec
-
-        spec = load_spec(m["config"], torch.bfloat16)
-        if "layers" in timing:  # a case run with its first layers only
-            spec = spec.with_layers(timing["layers"])
         options = timing.get("program", {})  # absent before 2026-11-30's 4th run
         if options.get("fuse_combine"):  # deleted 2026-12-02 (isa.py)
             return None
-        program = plan(spec, int(m["batch"]), device, with_lm_head=True,
+        spec, batch = case_spec(name, timing)
+        program = plan(spec, batch, device, with_lm_head=True,
                        qkv_parts=options.get("qkv_parts", 1),
                        combine_parts=options.get("combine_parts", 1))  # fmt: skip
     if "context" in timing:  # the attention's bytes at the run's tokens
@@ -286,6 +306,43 @@ def fit_case(name: str, timing: dict, device: Device, bandwidth: float | None,
                no_waits, predicted_no_waits)  # fmt: skip
 
 
+def this_kernel(fit: Fit, timing: dict, device: Device, bandwidth: float | None,
+                carry: Collection[str] | None = None) -> Fit:  # fmt: skip
+    """``fit`` with the step it predicts for the kernel this checkout builds
+    for the case's model and batch: the default program at the case's
+    context, that kernel's lookahead, the fitted instruction overhead, the
+    report's bandwidth, and the execution figures of the kinds ``carry``
+    names (None: every fitted kind), at each of LATENCIES_US. A figure
+    belongs to the kernel that ran: carry the kinds whose code is unchanged
+    since the report's commit."""
+    from vllm_ext.megakernel.kernel.shape import KernelShape
+
+    spec, batch = case_spec(fit.case, timing)
+    program = plan(spec, batch, device, with_lm_head=True)
+    if "context" in timing:
+        program = dataclasses.replace(program, context=int(timing["context"]))
+    block_size = (timing.get("shape") or {}).get("block_size", 16)
+    shape = KernelShape.from_program(program, block_size)
+    lookahead = kernel_lookahead_bytes(shape.as_dict())
+    figures = tuple(
+        (n, c) for n, c in fit.exec_s_per_byte if carry is None or n in carry
+    )
+    fitted = dataclasses.replace(
+        device,
+        instruction_overhead_s=fit.instruction_overhead_s,
+        exec_s_per_byte=figures,
+        hbm_bytes_per_s=bandwidth or device.hbm_bytes_per_s,
+    )
+    steps = tuple(
+        predict(program, dataclasses.replace(fitted, dependency_latency_s=us * 1e-6),
+                lookahead).step_s * 1e3
+        for us in LATENCIES_US
+    )  # fmt: skip
+    return dataclasses.replace(
+        fit, this_kernel_ms=steps, carried=tuple(n for n, c in figures if c)
+    )
+
+
 def load_report(path: Path) -> dict:
     """A GPU check's report, with the queue lengths of ``path``'s side file
     (``REPORT.queues.json``) for the cases that do not record their own."""
@@ -302,7 +359,10 @@ def load_report(path: Path) -> dict:
     return report
 
 
-def calibrate(report: dict, device: Device | None = None) -> list[Fit]:
+def calibrate(report: dict, device: Device | None = None,
+              carry: Collection[str] | None = None) -> list[Fit]:  # fmt: skip
+    """Every timed case's ``Fit``, with ``this_kernel``'s step (``carry``:
+    the kinds whose execution figures it keeps; None: all)."""
     # The GPU check's bundle is planned for the H200's 132 SMs, whatever GPU
     # runs it (scripts/device_run.py, load_case).
     device = device or DEVICES["h200"]
@@ -313,7 +373,7 @@ def calibrate(report: dict, device: Device | None = None) -> list[Fit]:
         if isinstance(timing, dict):
             fit = fit_case(name, timing, device, bandwidth)
             if fit is not None:
-                fits.append(fit)
+                fits.append(this_kernel(fit, timing, device, bandwidth, carry))
     return fits
 
 
@@ -336,6 +396,15 @@ def markdown(fits: list[Fit], num_sms: int) -> str:
             f"| {us(f.instruction_overhead_s)} | {us(f.dependency_latency_s)} "
             f"| {us(f.wait_per_phase_s)} |"
         )
+    # What the fit predicts for the kernel this checkout builds.
+    ours = [f for f in fits if f.this_kernel_ms is not None]
+    if ours:
+        at = " / ".join(map(str, LATENCIES_US))
+        lines += ["", f"| case | this checkout's kernel ms, {at} us "
+                  "| execution figures kept |", "| --- | --- | --- |"]  # fmt: skip
+        for f in ours:
+            steps = " / ".join(f"{x:.3f}" for x in f.this_kernel_ms)
+            lines.append(f"| {f.case} | {steps} | {', '.join(f.carried) or '-'} |")
     # Per kind, TB/s all SMs execute its bytes at beyond the stream ("-":
     # the stream or the walk alone explains its row).
     rates = [f.exec_bytes_per_s(num_sms) for f in fits]
@@ -357,14 +426,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("report", type=Path, help="device_check.json")
     parser.add_argument("--device", choices=sorted(DEVICES), default="h200")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--carry", metavar="KINDS", default=None,
+        help="comma-separated opcode names whose execution figures the "
+        "prediction for this checkout's kernel keeps (default: every fitted "
+        "kind; '' for none): those whose code is unchanged since the "
+        "report's commit",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    carry = None
+    if args.carry is not None:
+        carry = {k for k in args.carry.split(",") if k}
+        unknown = carry - {op.name for op in Op}
+        if unknown:
+            parser.error(f"--carry: no opcode {', '.join(sorted(unknown))}")
     try:
         report = load_report(args.report)
     except (OSError, ValueError, KeyError) as e:
         print(f"calibrate: cannot read {args.report}: {e}", file=sys.stderr)
         return 2
     device = DEVICES[args.device]
-    fits = calibrate(report, device)
+    fits = calibrate(report, device, carry)
     if args.json:
         print(json.dumps([dataclasses.asdict(f) for f in fits]))
     else:
