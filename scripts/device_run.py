@@ -207,15 +207,14 @@ def program_record(program) -> dict:
 
 
 # The cost model's step beside each case's measurement (issue 16), at
-# calibrate's latencies per dependency.
-PREDICT_LATENCIES_US = LATENCIES_US
+# calibrate's LATENCIES_US per dependency.
 PREDICTED = "predicted.json"
 
 
 def predictions(case_dir: Path) -> dict:
     """The cost model's step for the case as the GPU side runs and times it:
     its program (its layers), the timing's context, its kernel's lookahead,
-    the H200's figures, at each of PREDICT_LATENCIES_US. Computed where the
+    the H200's figures, at each of LATENCIES_US. Computed where the
     bundle is built (``--predict``, on the CPU): the model knows programs,
     not kernel flags, so a wide-attention case predicts as its default."""
     spec, program = load_case(case_dir)
@@ -223,7 +222,7 @@ def predictions(case_dir: Path) -> dict:
     program = dataclasses.replace(program, context=context)
     lookahead = kernel_lookahead_bytes(torch.load(case_dir / "program.pt")["shape"])
     h200, steps = DEVICES["h200"], {}
-    for us in PREDICT_LATENCIES_US:
+    for us in LATENCIES_US:
         device = dataclasses.replace(h200, dependency_latency_s=us * 1e-6)
         steps[str(us)] = predict(program, device, lookahead).step_s * 1e3
     floor_ms = program.weight_bytes() / h200.hbm_bytes_per_s * 1e3
@@ -1330,14 +1329,14 @@ def markdown(report: dict) -> str:
             "modelled):",
             "",
             "| case | context | megakernel ms | model ms at "
-            + " / ".join(map(str, PREDICT_LATENCIES_US))
+            + " / ".join(map(str, LATENCIES_US))
             + " us per wait | megakernel / model at "
-            + f"{PREDICT_LATENCIES_US[0]} us |",
+            + f"{LATENCIES_US[0]} us |",
             "|---|---|---|---|---|",
         ]
         for name, t in modelled.items():
             p, mk = t["predicted"], t.get("megakernel_ms")
-            steps = [p["step_ms"].get(str(us)) for us in PREDICT_LATENCIES_US]
+            steps = [p["step_ms"].get(str(us)) for us in LATENCIES_US]
             lines.append(
                 f"| {name} | {p['context']} | {f(mk)} | "
                 + " / ".join(f(x) for x in steps)

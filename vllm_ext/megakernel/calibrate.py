@@ -28,11 +28,11 @@ its breakdown ran, re-planned here:
   measured ones. The step without waits is the rows put back together: how
   well the model composes what it was fitted on;
 * what those figures predict for the kernel this checkout builds for the
-  case's model and batch (``this_kernel``: the default program, that
-  kernel's lookahead), at 1, 2 and 5 us per dependency, keeping the
-  execution figures of the kinds ``--carry`` names: those whose code has not
-  changed since the report's commit (a figure belongs to the kernel that
-  ran).
+  case's model and batch (``predict_this_kernel``, default cases only: the
+  default program, that kernel's lookahead), at 1, 2 and 5 us per
+  dependency, keeping the execution figures of the kinds ``--carry``
+  names: those whose code has not changed since the report's commit (a
+  figure belongs to the kernel that ran).
 
 The all-NOP time is divided by the longest queue of the program that ran:
 reports record its queue lengths (older ones have them in a side file,
@@ -62,6 +62,7 @@ import torch
 from vllm_ext.megakernel.cost import DEVICES, Device, predict
 from vllm_ext.megakernel.isa import NO_COUNTER, Op
 from vllm_ext.megakernel.planner import Program, plan
+from vllm_ext.model_spec import ModelSpec
 
 CASE = re.compile(r"^(?P<config>.+)-b(?P<batch>\d+)(?:-(?P<variant>[a-z]+))?$")
 # Latencies the solver searches (seconds).
@@ -208,8 +209,9 @@ class Fit:
     predicted_ms: float  # the model with the fitted figures
     no_waits_ms: float | None  # measured, the step without waits
     predicted_no_waits_ms: float | None  # the model's, fitted figures
-    # ``this_kernel``: the kernel this checkout builds for the case, ms at
-    # LATENCIES_US, with the execution figures of the kinds in ``carried``.
+    # ``predict_this_kernel``: the kernel this checkout builds for the case
+    # (default cases only), ms at LATENCIES_US, with the execution figures
+    # of the kinds in ``carried``.
     this_kernel_ms: tuple[float, ...] | None = None
     carried: tuple[str, ...] = ()
 
@@ -219,7 +221,7 @@ class Fit:
         return {n: num_sms / c if c else None for n, c in self.exec_s_per_byte}
 
 
-def case_spec(name: str, timing: dict):
+def case_spec(name: str, timing: dict) -> tuple[ModelSpec, int]:
     """The model (at the depth the case ran) and batch of a case."""
     m = CASE.match(name)
     if m is None:
@@ -306,22 +308,29 @@ def fit_case(name: str, timing: dict, device: Device, bandwidth: float | None,
                no_waits, predicted_no_waits)  # fmt: skip
 
 
-def this_kernel(fit: Fit, timing: dict, device: Device, bandwidth: float | None,
-                carry: Collection[str] | None = None) -> Fit:  # fmt: skip
+def predict_this_kernel(fit: Fit, timing: dict, device: Device,
+                        bandwidth: float | None,
+                        carry: Collection[str] | None = None) -> Fit:  # fmt: skip
     """``fit`` with the step it predicts for the kernel this checkout builds
     for the case's model and batch: the default program at the case's
     context, that kernel's lookahead, the fitted instruction overhead, the
     report's bandwidth, and the execution figures of the kinds ``carry``
     names (None: every fitted kind), at each of LATENCIES_US. A figure
     belongs to the kernel that ran: carry the kinds whose code is unchanged
-    since the report's commit."""
+    since the report's commit. A variant case (``-wide``, ``-heads``,
+    ``-legacy``) is returned as it is: its figures are another kernel's or
+    program's than the default's."""
     from vllm_ext.megakernel.kernel.shape import KernelShape
+    from vllm_ext.testing import BLOCK_SIZE
 
+    m = CASE.match(fit.case)
+    if m is None or m["variant"]:
+        return fit
     spec, batch = case_spec(fit.case, timing)
     program = plan(spec, batch, device, with_lm_head=True)
     if "context" in timing:
         program = dataclasses.replace(program, context=int(timing["context"]))
-    block_size = (timing.get("shape") or {}).get("block_size", 16)
+    block_size = (timing.get("shape") or {}).get("block_size", BLOCK_SIZE)
     shape = KernelShape.from_program(program, block_size)
     lookahead = kernel_lookahead_bytes(shape.as_dict())
     figures = tuple(
@@ -361,8 +370,8 @@ def load_report(path: Path) -> dict:
 
 def calibrate(report: dict, device: Device | None = None,
               carry: Collection[str] | None = None) -> list[Fit]:  # fmt: skip
-    """Every timed case's ``Fit``, with ``this_kernel``'s step (``carry``:
-    the kinds whose execution figures it keeps; None: all)."""
+    """Every timed case's ``Fit``, with ``predict_this_kernel``'s step
+    (``carry``: the kinds whose execution figures it keeps; None: all)."""
     # The GPU check's bundle is planned for the H200's 132 SMs, whatever GPU
     # runs it (scripts/device_run.py, load_case).
     device = device or DEVICES["h200"]
@@ -372,8 +381,14 @@ def calibrate(report: dict, device: Device | None = None,
         timing = case.get("timing")
         if isinstance(timing, dict):
             fit = fit_case(name, timing, device, bandwidth)
-            if fit is not None:
-                fits.append(this_kernel(fit, timing, device, bandwidth, carry))
+            if fit is None:
+                continue
+            try:
+                fit = predict_this_kernel(fit, timing, device, bandwidth, carry)
+            except ValueError as e:  # no kernel this checkout builds for it
+                print(f"calibrate: {name}: this checkout's kernel: {e}",
+                      file=sys.stderr)  # fmt: skip
+            fits.append(fit)
     return fits
 
 
@@ -436,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     carry = None
     if args.carry is not None:
-        carry = {k for k in args.carry.split(",") if k}
+        carry = {k.strip() for k in args.carry.split(",") if k.strip()}
         unknown = carry - {op.name for op in Op}
         if unknown:
             parser.error(f"--carry: no opcode {', '.join(sorted(unknown))}")
