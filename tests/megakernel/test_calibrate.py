@@ -257,6 +257,28 @@ def test_cli(capsys, tmp_path):
     assert main([str(tmp_path / "missing.json")]) == 2
 
 
+def test_a_case_with_no_kernel_here_keeps_its_fit(capsys, tmp_path, monkeypatch):
+    """Where this checkout builds no kernel for a case, its fit stays and
+    the reason is named; the other tables do not depend on it."""
+    from vllm_ext.megakernel.kernel.shape import KernelShape
+
+    def refuse(*args, **kwargs):
+        raise ValueError("head_dim 96: 64 or 128")
+
+    monkeypatch.setattr(KernelShape, "from_program", refuse)
+    case = "llama-3.2-1b-b1"
+    report = json.loads(REPORT.read_text())
+    report["cases"] = {case: report["cases"][case]}
+    (tmp_path / "one.json").write_text(json.dumps(report))
+    side = REPORT.with_suffix(".queues.json")
+    (tmp_path / "one.queues.json").write_text(side.read_text())
+    (fit,) = calibrate(load_report(tmp_path / "one.json"))
+    assert fit.case == case and fit.this_kernel_ms is None
+    assert f"calibrate: {case}: this checkout's kernel: head_dim 96" in (
+        capsys.readouterr().err
+    )
+
+
 def test_the_overhead_is_over_the_queues_that_ran(recorded):
     """The all-NOP time over the longest queue of the program the report
     ran (its side file's lengths), not of the program planned here; a

@@ -330,6 +330,7 @@ def predict_this_kernel(fit: Fit, timing: dict, device: Device,
     program = plan(spec, batch, device, with_lm_head=True)
     if "context" in timing:
         program = dataclasses.replace(program, context=int(timing["context"]))
+    # The GPU check's block size, where the report does not record one.
     block_size = (timing.get("shape") or {}).get("block_size", BLOCK_SIZE)
     shape = KernelShape.from_program(program, block_size)
     lookahead = kernel_lookahead_bytes(shape.as_dict())
