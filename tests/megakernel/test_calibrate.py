@@ -233,14 +233,19 @@ def test_the_fit_predicts_this_checkouts_kernel():
     assert predict_this_kernel(wide, timing, device, bandwidth) == wide
 
 
-def test_cli(capsys, tmp_path):
-    # One case of the recorded report, with its side file.
-    case = "llama-3.2-1b-b1"
+def one_case_report(tmp_path: Path, case: str) -> Path:
+    """One case of the recorded report, with its side file."""
     report = json.loads(REPORT.read_text())
     report["cases"] = {case: report["cases"][case]}
     (tmp_path / "one.json").write_text(json.dumps(report))
     side = REPORT.with_suffix(".queues.json")
     (tmp_path / "one.queues.json").write_text(side.read_text())
+    return tmp_path / "one.json"
+
+
+def test_cli(capsys, tmp_path):
+    case = "llama-3.2-1b-b1"
+    one_case_report(tmp_path, case)
     assert main([str(tmp_path / "one.json")]) == 0
     out = capsys.readouterr().out
     assert f"| {case} | 1.457 |" in out
@@ -267,12 +272,7 @@ def test_a_case_with_no_kernel_here_keeps_its_fit(capsys, tmp_path, monkeypatch)
 
     monkeypatch.setattr(KernelShape, "from_program", refuse)
     case = "llama-3.2-1b-b1"
-    report = json.loads(REPORT.read_text())
-    report["cases"] = {case: report["cases"][case]}
-    (tmp_path / "one.json").write_text(json.dumps(report))
-    side = REPORT.with_suffix(".queues.json")
-    (tmp_path / "one.queues.json").write_text(side.read_text())
-    (fit,) = calibrate(load_report(tmp_path / "one.json"))
+    (fit,) = calibrate(load_report(one_case_report(tmp_path, case)))
     assert fit.case == case and fit.this_kernel_ms is None
     assert f"calibrate: {case}: this checkout's kernel: head_dim 96" in (
         capsys.readouterr().err
