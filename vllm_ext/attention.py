@@ -44,8 +44,8 @@ class MegakernelAttentionBackend(AttentionBackend):
     @staticmethod
     def get_name() -> str:
         # vLLM looks a layer's backend up by this name in AttentionBackendEnum,
-        # where the plugin registers this class as CUSTOM (vllm_ext.plugin).
-        return "CUSTOM"
+        # where the plugin registers this class (vllm_ext.plugin).
+        return "MEGAKERNEL"
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:

@@ -18,13 +18,18 @@ from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.attention.backends.utils import record_kv_cache_layout
-from vllm.v1.worker.decode_backend import DecodeBackend, DecodeBatch
+from vllm.v1.worker.decode_backend import (
+    DecodeBackend,
+    DecodeBackendCapabilities,
+    DecodeBatch,
+)
 
 from vllm_ext import envs
 from vllm_ext.attention import KV_CACHE_LAYOUT
 from vllm_ext.megakernel.kernel.launcher import ARCH_OF_CAPABILITY
 from vllm_ext.megakernel.planner import batch_buckets
 from vllm_ext.model_spec import ModelSpec, sliding_window_refusal
+from vllm_ext.plugin import ATTENTION_BACKEND
 from vllm_ext.runner import DecodeExecutor, decode_inputs
 from vllm_ext.weights import DecodeWeights
 
@@ -62,6 +67,12 @@ def model_spec(vllm_config: VllmConfig) -> ModelSpec:
 
 
 class MegakernelDecodeBackend(DecodeBackend):
+    @classmethod
+    def capabilities(cls, vllm_config: VllmConfig) -> DecodeBackendCapabilities:
+        # One token per request of a decoder on one GPU (data parallel ranks
+        # each run their own): vLLM refuses every other feature at start-up.
+        return DecodeBackendCapabilities()
+
     @classmethod
     def verify_and_update_config(cls, vllm_config: VllmConfig) -> None:
         spec = model_spec(vllm_config)  # raises UnsupportedModelError
@@ -138,6 +149,7 @@ class MegakernelDecodeBackend(DecodeBackend):
                     f"({attn.layer_name})."
                 )
         self.attentions = attentions
+        self.layer_names = tuple(attn.layer_name for attn in attentions)
         # The blocks the executor is built for (vLLM sets the config's again
         # after loading the model: to this value, _check_mla_attention), and
         # the first step checks a latent cache's against.
@@ -145,18 +157,15 @@ class MegakernelDecodeBackend(DecodeBackend):
         self._caches_checked = False
         max_batch, why = decode_batches(self.spec, device)
         if max_batch:
-            logger.info(
-                "The megakernel takes decode batches of up to %d requests (%s); "
-                "larger ones run through vLLM's default decode.",
-                max_batch,
-                why,
+            self.description = (
+                f"decode batches of up to {max_batch} requests ({why}); larger "
+                "ones run through vLLM's default decode"
             )
         else:
-            logger.warning(
-                "The megakernel takes no decode batch: %s. Decode runs through "
-                "vLLM's default path; VLLM_MEGAKERNEL_MAX_BATCH=N sends batches "
-                "of up to N requests through the kernel regardless.",
-                why,
+            self.description = (
+                f"no decode batch: {why}. Decode runs through vLLM's default "
+                "path; VLLM_MEGAKERNEL_MAX_BATCH=N sends batches of up to N "
+                "requests through the kernel regardless"
             )
         self.buckets = batch_buckets(max_batch) if max_batch else ()
         self.executor = self._make_executor(model) if self.buckets else None
@@ -193,6 +202,9 @@ class MegakernelDecodeBackend(DecodeBackend):
             variants=envs.VLLM_MEGAKERNEL_VARIANTS,
         )
 
+    def describe(self) -> str:
+        return self.description
+
     def accepts(self, num_reqs: int, num_tokens: int, max_query_len: int) -> bool:
         if max_query_len != 1 or num_tokens != num_reqs or num_reqs < 1:
             return False
@@ -208,13 +220,14 @@ class MegakernelDecodeBackend(DecodeBackend):
         return True
 
     def forward(self, batch: DecodeBatch) -> torch.Tensor:
-        # The caches vLLM bound to the layers (read per step: they are
-        # allocated after the backend is made).
-        kv_caches = tuple(attn.kv_cache for attn in self.attentions)
+        # The caches vLLM bound to the layers come with the step: they are
+        # allocated after the backend is made.
+        inputs = decode_inputs(batch, self.layer_names)
         if not self._caches_checked and self.spec.mla is not None:
-            _check_latent_caches(self.attentions, kv_caches, self.spec, self.block_size)
+            _check_latent_caches(
+                self.attentions, inputs.kv_caches, self.spec, self.block_size
+            )
             self._caches_checked = True
-        inputs = decode_inputs(batch, kv_caches)
         hidden = self.executor.step(inputs)
         if self.stats.steps == 0:
             logger.info(
@@ -260,9 +273,9 @@ def _attention_backend_for_platform(interpret: bool) -> AttentionBackendEnum:
                 f"--decode-backend megakernel needs {SUPPORTED_GPUS}, and this "
                 "machine has none (vLLM platform: cpu). " + INTERPRET_HINT
             )
-        # MegakernelAttentionBackend: the plugin registers it as CUSTOM in
-        # every process (vllm_ext.plugin).
-        return AttentionBackendEnum.CUSTOM
+        # MegakernelAttentionBackend, which the plugin registers under its
+        # own name in every process.
+        return AttentionBackendEnum[ATTENTION_BACKEND]
     raise ValueError(
         f"--decode-backend megakernel does not support the "
         f"{current_platform.device_name!r} platform; it needs {SUPPORTED_GPUS}, "
@@ -495,32 +508,15 @@ def _check_deployment(vllm_config: VllmConfig, spec: ModelSpec) -> None:
         "data parallelism with mixture-of-experts layers": (
             moe and parallel.data_parallel_size > 1
         ),
-        "expert parallelism": moe and parallel.enable_expert_parallel,
         # The kernel reads the experts in the layout the Triton backend
         # keeps (weights.moe_layout_refusal checks the layers as built).
         f"--moe-backend {moe_backend} (use auto or triton)": (
             moe and moe_backend not in ("auto", "triton")
         ),
-        "tensor parallelism": parallel.tensor_parallel_size > 1,
-        "pipeline parallelism": parallel.pipeline_parallel_size > 1,
-        "decode context parallelism": parallel.decode_context_parallel_size > 1,
-        "prefill context parallelism": parallel.prefill_context_parallel_size > 1,
-        "LoRA adapters": vllm_config.lora_config is not None,
-        "speculative decoding": vllm_config.speculative_config is not None,
-        # Their per-layer save and load hooks live in the attention layers,
-        # which decode steps through the kernel do not call.
-        "KV connectors (--kv-transfer-config)": (
-            vllm_config.kv_transfer_config is not None
-        ),
-        "prompt embeddings (--enable-prompt-embeds)": model.enable_prompt_embeds,
-        f"the {model.runner_type!r} runner": model.runner_type != "generate",
         # Level 2 would drop the kernel's program and address table.
         "sleep mode (--enable-sleep-mode)": model.enable_sleep_mode,
         f"VLLM_KV_CACHE_LAYOUT={layout} (the kernel reads {KV_CACHE_LAYOUT.name})": (
             layout is not None and layout not in KV_CACHE_LAYOUT_NAMES
-        ),
-        f"KV cache dtype {vllm_config.cache_config.cache_dtype!r}": (
-            vllm_config.cache_config.cache_dtype != "auto"
         ),
         f"quantization {model.quantization!r}": model.quantization is not None,
     }

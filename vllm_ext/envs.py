@@ -89,6 +89,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
 SCRIPT_VARIABLES = (
     "VLLM_MEGAKERNEL_VENV",  # scripts/setup.sh: the virtual environment
     "VLLM_MEGAKERNEL_VLLM",  # scripts/setup.sh: auto, cpu or cuda vLLM
+    "VLLM_MEGAKERNEL_STOCK_VENV",  # scripts/stock_vllm.sh: the unpatched venv
     "VLLM_MEGAKERNEL_SRC",  # scripts/build_vllm.sh: the vLLM source tree
     "VLLM_MEGAKERNEL_MODEL_CACHE",  # tests: where demo models are built
 )

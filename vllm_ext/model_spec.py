@@ -210,9 +210,11 @@ class ModelSpec:
         )
 
 
-def _moe_spec(arch: str, hf_config: Any, need) -> MoeSpec:
+def _moe_spec(arch: str, hf_config: Any, need) -> MoeSpec | None:
     """The sparse layers and routing of a MoE architecture, read as vLLM's
-    model classes read them (``qwen3_moe.py``, ``mixtral.py``)."""
+    model classes read them (``qwen3_moe.py``, ``mixtral.py``). The mixture's
+    fields are judged only where some layer runs it: without one, None (a
+    dense model; vLLM's Qwen3-MoE class itself then refuses to load)."""
     layers = hf_config.num_hidden_layers
     if arch == "MixtralForCausalLM":
         return MoeSpec(
@@ -221,21 +223,23 @@ def _moe_spec(arch: str, hf_config: Any, need) -> MoeSpec:
             expert_intermediate=hf_config.intermediate_size,
             sparse_layers=(True,) * layers,
         )
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
+    step = hf_config.decoder_sparse_step
+    experts = hf_config.num_experts
+    sparse_layers = tuple(
+        i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(layers)
+    )
+    if not any(sparse_layers):
+        return None
     need(
         not getattr(hf_config, "shared_expert_intermediate_size", 0),
         "a gated shared expert",
     )
-    dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
-    step = hf_config.decoder_sparse_step
-    experts = hf_config.num_experts
     return MoeSpec(
         num_experts=experts,
         top_k=hf_config.num_experts_per_tok,
         expert_intermediate=hf_config.moe_intermediate_size,
-        sparse_layers=tuple(
-            i not in dense and experts > 0 and (i + 1) % step == 0
-            for i in range(layers)
-        ),
+        sparse_layers=sparse_layers,
         renormalize=bool(hf_config.norm_topk_prob),
     )
 
@@ -303,9 +307,20 @@ def _deepseek_moe(c: Any, need) -> MoeSpec | None:
     """vLLM's ``DeepseekV2MoE``: always grouped top-k (``n_group`` and
     ``topk_group``; one group is plain top-k), the correction bias only
     for ``topk_method == "noaux_tc"``, shared experts one MLP of
-    ``n_shared_experts * moe_intermediate_size``."""
+    ``n_shared_experts * moe_intermediate_size``.
+
+    vLLM's ``DeepseekV2DecoderLayer`` makes layer i a mixture where
+    ``n_routed_experts`` is set, ``i >= first_k_dense_replace`` and
+    ``i % moe_layer_freq == 0``; the mixture's fields are judged only where
+    some layer is one. Without one, None: every layer's MLP dense."""
     experts = getattr(c, "n_routed_experts", None)
-    if experts is None:
+    first_dense = getattr(c, "first_k_dense_replace", 0) or 0
+    freq = getattr(c, "moe_layer_freq", 1)
+    sparse_layers = tuple(
+        experts is not None and i >= first_dense and i % freq == 0
+        for i in range(c.num_hidden_layers)
+    )
+    if not any(sparse_layers):
         return None
     groups, topk_groups = getattr(c, "n_group", 1), getattr(c, "topk_group", 1)
     # (vLLM itself fails on them unset: its grouped router needs both.)
@@ -315,15 +330,11 @@ def _deepseek_moe(c: Any, need) -> MoeSpec | None:
     need(scoring in ("softmax", "sigmoid"), f"MoE scoring {scoring!r}")
     # (An fp32 router GEMM: the reference rounds router logits to the dtype.)
     need(getattr(c, "moe_router_dtype", None) != "float32", "an fp32 MoE router")
-    first_dense = getattr(c, "first_k_dense_replace", 0) or 0
-    freq = getattr(c, "moe_layer_freq", 1)
     return MoeSpec(
         num_experts=experts,
         top_k=c.num_experts_per_tok,
         expert_intermediate=c.moe_intermediate_size,
-        sparse_layers=tuple(
-            i >= first_dense and i % freq == 0 for i in range(c.num_hidden_layers)
-        ),
+        sparse_layers=sparse_layers,
         renormalize=bool(c.norm_topk_prob),
         scoring=scoring,
         grouped=True,

@@ -42,17 +42,18 @@ class DecodeExecutor(Protocol):
         ...
 
 
-def decode_inputs(
-    batch: DecodeBatch, kv_caches: tuple[torch.Tensor, ...]
-) -> DecodeInputs:
+def decode_inputs(batch: DecodeBatch, layer_names: tuple[str, ...]) -> DecodeInputs:
     """The executor's inputs for the batch's real requests (padding rows
-    dropped), from what the model runner passed and the layers' caches."""
+    dropped), from what the model runner passed: KV cache group 0 (a
+    decoder-only model's every attention layer) and the caches vLLM bound to
+    ``layer_names``, in the program's layer order."""
     n = batch.num_reqs
+    (group,) = batch.kv_cache_groups  # refused otherwise at start-up
     return DecodeInputs(
         input_ids=batch.input_ids[:n],
         positions=batch.positions[:n],
-        block_table=batch.block_table[:n],
+        block_table=group.block_table[:n],
         seq_lens=batch.seq_lens[:n],
-        slot_mapping=batch.slot_mapping[:n],
-        kv_caches=kv_caches,
+        slot_mapping=group.slot_mapping[:n],
+        kv_caches=tuple(group.kv_caches[name] for name in layer_names),
     )

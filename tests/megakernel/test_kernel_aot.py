@@ -80,11 +80,13 @@ def check_roles(built: BuildResult) -> None:
 
 
 # The dense demo architectures; the mixtures of experts compile on real
-# shapes in test_moe_kernel_aot.py (CI time: one build set each).
+# shapes in test_moe_kernel_aot.py, the latent attention (deepseek_v3's
+# dense MLPs too) in test_mla_kernel_aot.py (CI time: one build set each).
 DENSE = [
     a
     for a in sorted(DEMO_ARCHS)
-    if ModelSpec.from_hf_config(hf_config(a), torch.bfloat16).moe is None
+    if (s := ModelSpec.from_hf_config(hf_config(a), torch.bfloat16)).moe is None
+    and s.mla is None
 ]
 
 

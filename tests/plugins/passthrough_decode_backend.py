@@ -8,6 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
+from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.worker.decode_backend import (
     DecodeBackend,
     DecodeBatch,
@@ -15,11 +16,16 @@ from vllm.v1.worker.decode_backend import (
 )
 
 NAME = "passthrough"
+CPU_ATTENTION = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point (written by the test)."""
+    """The ``vllm.general_plugins`` entry point (written by the test). It
+    also takes vLLM's CUSTOM attention slot (vLLM's own CPU attention), as a
+    plugin of an older style would, to show the megakernel's does not need
+    it."""
     register_decode_backend(NAME, f"{__name__}.PassthroughDecodeBackend")
+    register_backend(AttentionBackendEnum.CUSTOM, CPU_ATTENTION)
 
 
 class PassthroughDecodeBackend(DecodeBackend):
