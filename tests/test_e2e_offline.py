@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.utils import DEFAULT_RUNS, check_logprobs_close
+from tests.utils import DEFAULT_RUNS, check_logprobs_close, decode_backend_steps
 from vllm_ext.plugin import ATTENTION_BACKEND
 
 pytestmark = pytest.mark.e2e
@@ -40,12 +40,24 @@ NUM_LOGPROBS = 5
 ODD_MAX_LEN = 300
 
 
-def _generate(model: str, dtype: str, **engine_kwargs):
+def _generate(model: str, dtype: str, reload_weights_from: str | None = None,
+              **engine_kwargs):  # fmt: skip
+    """Greedy tokens and logprobs of PROMPTS, and for a decode backend
+    (vllm:decode_backend_steps ran, declined by reason, the programs
+    reference mode ran). ``reload_weights_from``: a checkpoint of the same
+    shapes whose weights vLLM loads in place before generating."""
     from vllm import LLM, SamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
 
     engine_kwargs.setdefault("max_model_len", 512)
-    llm = LLM(model, dtype=dtype, enforce_eager=True, seed=0, **engine_kwargs)
+    llm = LLM(
+        model,
+        dtype=dtype,
+        enforce_eager=True,
+        seed=0,
+        disable_log_stats=False,  # for vllm:decode_backend_steps
+        **engine_kwargs,
+    )
     params = [
         SamplingParams(
             max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=NUM_LOGPROBS
@@ -53,6 +65,10 @@ def _generate(model: str, dtype: str, **engine_kwargs):
         for n in MAX_TOKENS
     ]
     try:
+        if reload_weights_from is not None:
+            llm.collective_rpc(
+                "reload_weights", kwargs={"weights_path": reload_weights_from}
+            )
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
         backend = runner.decode_backend
@@ -62,7 +78,8 @@ def _generate(model: str, dtype: str, **engine_kwargs):
             executor = getattr(backend, "executor", None)
             interps = getattr(executor, "interpreters", {}).values()
             kinds = {(i.program.qkv_parts, i.program.combine_parts) for i in interps}
-            stats = (backend.stats.steps, backend.stats.tokens, kinds)
+            ran, declined = decode_backend_steps(llm)
+            stats = (ran, declined, kinds)
         results = [
             (
                 list(o.outputs[0].token_ids),
@@ -133,11 +150,8 @@ def test_megakernel_matches_default(demo_model, monkeypatch, arch, dtype):
 
     assert [len(ids) for ids, _ in mega] == MAX_TOKENS
     # All prompts are scheduled in the first step, so every later token is
-    # produced by a decode-only step, each through the megakernel runner.
-    steps, tokens, kinds = stats
-    assert tokens == sum(n - 1 for n in MAX_TOKENS)
-    assert steps == max(MAX_TOKENS) - 1
-    assert kinds == {PARTS[arch]}
+    # produced by a decode-only step, each through the megakernel.
+    assert stats == (max(MAX_TOKENS) - 1, {}, {PARTS[arch]})
 
     if dtype == "float32":
         assert [ids for ids, _ in mega] == [ids for ids, _ in default]
@@ -176,11 +190,29 @@ def test_all_dense_deepseek_with_unused_moe_fields(demo_model, monkeypatch, tmp_
         str(model), "float32", decode_backend="megakernel", **pinned
     )
     # Every token after the first from a decode-only step through the backend.
-    steps, tokens, kinds = stats
-    assert tokens == sum(n - 1 for n in MAX_TOKENS)
-    assert steps == max(MAX_TOKENS) - 1
-    assert kinds == {PARTS["deepseek_v3"]}
+    assert stats == (max(MAX_TOKENS) - 1, {}, {PARTS["deepseek_v3"]})
     assert [ids for ids, _ in mega] == [ids for ids, _ in default]
+
+
+def test_reload_weights_reaches_the_megakernel(demo_model, monkeypatch, tmp_path):
+    """vLLM's reload_weights loads other weights in place (on a CPU it
+    prepacks them again) and tells the backend, which builds its executor
+    again from the model: every decode step then runs with the new weights,
+    and the tokens are the new checkpoint's default path's, not a mix."""
+    from vllm_ext.demo_models import build_model
+
+    monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
+    other = str(build_model("llama", tmp_path / "llama_seed1", seed=1))
+    expected = [ids for ids, _ in _default(other, "float32")]
+    assert expected != [ids for ids, _ in _default(demo_model("llama"), "float32")]
+    mega, (ran, declined, _) = _generate(
+        demo_model("llama"),
+        "float32",
+        reload_weights_from=other,
+        decode_backend="megakernel",
+    )
+    assert (ran, declined) == (max(MAX_TOKENS) - 1, {})
+    assert [ids for ids, _ in mega] == expected
 
 
 def test_cli_flag_parses_into_kernel_config():
@@ -414,7 +446,7 @@ def test_decode_backend_runs_only_decode_steps(demo_model, monkeypatch):
         monkeypatch.setattr(backend, "forward", recording_forward)
         params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
         llm.generate(["The path"], params, use_tqdm=False)
-        assert (backend.stats.steps, backend.stats.tokens) == (19, 19)
+        assert len(steps) == 19 and all(b.num_reqs == 1 for b, _ in steps)
         # Reference mode ran the program planned for batch bucket 1 only.
         assert set(backend.executor.interpreters) == {1}
 
@@ -443,14 +475,14 @@ def test_batches_above_the_largest_bucket_share_the_cache(demo_model, monkeypatc
     default = _default(model, "float32")
     # A max_model_len whose blocks vLLM pads its block table past (to 128
     # tokens): the longest sequence here is under 100 tokens.
-    mega, (steps, tokens, _) = _generate(
+    mega, (ran, declined, _) = _generate(
         model, "float32", decode_backend="megakernel", max_model_len=ODD_MAX_LEN
     )
     assert [ids for ids, _ in mega] == [ids for ids, _ in default]
     # Decode step s runs every request asking for more than s tokens.
     live = [sum(1 for n in MAX_TOKENS if n > s) for s in range(1, max(MAX_TOKENS))]
-    assert tokens == sum(n for n in live if n <= 4) > 0
-    assert steps == sum(1 for n in live if n <= 4) < len(live)
+    assert ran == sum(1 for n in live if n <= 4) < len(live)
+    assert declined == {"declined_by_backend": sum(1 for n in live if n > 4)}
 
 
 # deepseek_v3_moe: multi-head latent attention over the latent cache of
@@ -473,6 +505,7 @@ def test_gpu_route_through_vllm_with_a_stand_in_kernel(
     decode, test_megakernel_matches_default.)"""
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "megakernel"))
     from kernel_standin import KernelStandIn, register_executor
+    from vllm.plugins import load_general_plugins
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     import vllm_ext.backend as backend
@@ -483,6 +516,8 @@ def test_gpu_route_through_vllm_with_a_stand_in_kernel(
     monkeypatch.delenv("VLLM_MEGAKERNEL_INTERPRET", raising=False)
     monkeypatch.setenv("VLLM_MEGAKERNEL_MAX_BATCH", "4")  # buckets 1, 2, 4
     # The layout every platform shares (paged_kv.py): the CPU backend writes it.
+    # (The plugin registers it: loaded here when no engine did yet.)
+    load_general_plugins()
     megakernel_layout = AttentionBackendEnum[ATTENTION_BACKEND]
     monkeypatch.setattr(backend, "_attention_backend_for_platform",
                         lambda interpret: megakernel_layout)  # fmt: skip
@@ -521,7 +556,7 @@ def test_gpu_route_through_vllm_with_a_stand_in_kernel(
         model, "bfloat16", decode_backend="megakernel", max_model_len=ODD_MAX_LEN
     )
     monkeypatch.delenv("VLLM_MEGAKERNEL_INTERPRET")
-    mega, (steps, tokens, _) = _generate(
+    mega, (ran, declined, _) = _generate(
         model, "bfloat16", decode_backend="megakernel", max_model_len=ODD_MAX_LEN
     )
     assert mega == interpreted
@@ -532,8 +567,8 @@ def test_gpu_route_through_vllm_with_a_stand_in_kernel(
     # launch of the smallest bucket that fits.
     live = [sum(1 for n in MAX_TOKENS if n > s) for s in range(1, max(MAX_TOKENS))]
     launches = sum(e.launch.launches for e in executors)
-    assert steps == sum(1 for n in live if n <= 4) == launches
-    assert tokens == sum(n for n in live if n <= 4)
+    assert ran == sum(1 for n in live if n <= 4) == launches
+    assert declined == {"declined_by_backend": sum(1 for n in live if n > 4)}
     assert [e.launch.launches > 0 for e in executors] == [True, True, True]
     if arch == "llama":
         default = _default(model, "bfloat16")

@@ -7,6 +7,7 @@ greedy tokens."""
 import contextlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -133,11 +134,23 @@ def test_serve_matches_default_path(server, demo_model, monkeypatch):
     assert single == expected[0][0]
     assert served_ids == [ids for ids, _ in expected]
 
+    # vLLM's count on /metrics: every decode-only step of each engine ran
+    # through the backend (mixed steps are not decode-only: not counted).
+    steps: dict[tuple[str, str, str], float] = {}
+    for line in urllib.request.urlopen(base + "/metrics").read().decode().splitlines():
+        if line.startswith("vllm:decode_backend_steps_total{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            key = (labels["engine"], labels["outcome"], labels["reason"])
+            steps[key] = float(line.rsplit(" ", 1)[1])
+    engines = 2 if setup.endswith("-dp2") else 1
+    assert {e for e, _, _ in steps} == {str(i) for i in range(engines)}, steps
+    for (engine, outcome, reason), count in steps.items():
+        assert count > 0 if outcome == "ran" else count == 0, (engine, reason)
+
     text = log.read_text()
     assert "reference executor (VLLM_MEGAKERNEL_INTERPRET=1)" in text
     assert "ProgramExecutor" in text
     # One backend per engine core, each of which decoded.
-    engines = 2 if setup.endswith("-dp2") else 1
     assert text.count("First decode step through the megakernel backend") == engines
     # The plugin made VLLM_MEGAKERNEL_* known to vLLM (serve.sh sets one).
     assert "VLLM_MEGAKERNEL_INTERPRET=1" in text

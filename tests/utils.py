@@ -94,3 +94,19 @@ def load_script(path: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def decode_backend_steps(llm) -> tuple[float, dict[str, float]]:
+    """vLLM's count of decode-only steps (vllm:decode_backend_steps, through
+    LLM.get_metrics; the engine needs disable_log_stats=False): those that
+    ran through the decode backend, and the reasons of those that did not
+    (only reasons that occurred)."""
+    ran, declined = 0.0, {}
+    for metric in llm.get_metrics():
+        if metric.name != "vllm:decode_backend_steps":
+            continue
+        if metric.labels["outcome"] == "ran":
+            ran += metric.value
+        elif metric.value:
+            declined[metric.labels["reason"]] = metric.value
+    return ran, declined

@@ -50,15 +50,6 @@ INTERPRET_HINT = (
 )
 
 
-@dataclass
-class DecodeStats:
-    """What went through the backend, so tests and logs can tell a real run
-    from a silent fallback."""
-
-    steps: int = 0
-    tokens: int = 0
-
-
 def model_spec(vllm_config: VllmConfig) -> ModelSpec:
     model_config = vllm_config.model_config
     return ModelSpec.from_hf_config(
@@ -168,8 +159,9 @@ class MegakernelDecodeBackend(DecodeBackend):
                 "requests through the kernel regardless"
             )
         self.buckets = batch_buckets(max_batch) if max_batch else ()
+        self.model = model
         self.executor = self._make_executor(model) if self.buckets else None
-        self.stats = DecodeStats()
+        self._ran_a_step = False
 
     def _make_executor(self, model: torch.nn.Module) -> DecodeExecutor:
         weights = DecodeWeights.from_vllm_model(model, self.spec)
@@ -205,6 +197,13 @@ class MegakernelDecodeBackend(DecodeBackend):
     def describe(self) -> str:
         return self.description
 
+    def weights_updated(self) -> None:
+        # The executor holds its own copy of the weights (read back from
+        # vLLM's prepacked layers on a CPU, packed for the kernel on a
+        # GPU): build it again from the reloaded model.
+        if self.buckets:
+            self.executor = self._make_executor(self.model)
+
     def accepts(self, num_reqs: int, num_tokens: int, max_query_len: int) -> bool:
         if max_query_len != 1 or num_tokens != num_reqs or num_reqs < 1:
             return False
@@ -229,16 +228,16 @@ class MegakernelDecodeBackend(DecodeBackend):
             )
             self._caches_checked = True
         hidden = self.executor.step(inputs)
-        if self.stats.steps == 0:
+        if not self._ran_a_step:
+            # vLLM counts the steps (vllm:decode_backend_steps).
             logger.info(
                 "First decode step through the megakernel backend "
                 "(%s executor, batch %d).",
                 type(self.executor).__name__,
                 batch.num_reqs,
             )
-        self.stats.steps += 1
-        self.stats.tokens += batch.num_reqs
-        num_tokens = batch.input_ids.shape[0]
+            self._ran_a_step = True
+        num_tokens = batch.positions.shape[-1]
         if hidden.shape[0] == num_tokens:
             return hidden
         out = hidden.new_zeros(num_tokens, hidden.shape[1])

@@ -1,11 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """A second decode backend, registered the way any plugin registers one, to
 show that the registry in vLLM is not the megakernel's alone: it runs each
-decode-only step through the model's own forward pass and counts them."""
+decode-only step through the model's own forward pass."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import torch
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
@@ -37,7 +35,6 @@ class PassthroughDecodeBackend(DecodeBackend):
 
     def __init__(self, vllm_config, model: torch.nn.Module, device) -> None:
         self.model = model
-        self.stats = SimpleNamespace(steps=0, tokens=0)
 
     def accepts(self, num_reqs: int, num_tokens: int, max_query_len: int) -> bool:
         return max_query_len == 1 and num_tokens == num_reqs
@@ -45,6 +42,4 @@ class PassthroughDecodeBackend(DecodeBackend):
     def forward(self, batch: DecodeBatch) -> torch.Tensor:
         # The model's attention reads the step's metadata from the forward
         # context, which the runner sets around this call too.
-        self.stats.steps += 1
-        self.stats.tokens += batch.num_reqs
         return self.model(input_ids=batch.input_ids, positions=batch.positions)
