@@ -348,6 +348,9 @@ def test_mla_startup_errors_are_clear(demo_model, monkeypatch, env, kwargs, amx,
                       max_model_len=512, dtype="float32", **kwargs)  # fmt: skip
     with pytest.raises(ValueError, match=message):
         args.create_engine_config()
+    # vLLM's default path takes each of these setups at start-up.
+    EngineArgs(demo_model("deepseek_v3"), max_model_len=512, dtype="float32",
+               **kwargs).create_engine_config()  # fmt: skip
 
 
 @pytest.mark.parametrize("amx", [False, True])
@@ -405,6 +408,9 @@ def test_mixtures_of_experts_refuse_sharded_experts(demo_model, monkeypatch,
                       max_model_len=512, dtype="float32", **changes)  # fmt: skip
     with pytest.raises(ValueError, match=f"does not support: .*{named}"):
         args.create_engine_config()
+    # vLLM's default path takes each of these setups at start-up.
+    EngineArgs(demo_model("mixtral"), max_model_len=512, dtype="float32",
+               **changes).create_engine_config()  # fmt: skip
 
 
 def test_decode_backend_runs_only_decode_steps(demo_model, monkeypatch):
