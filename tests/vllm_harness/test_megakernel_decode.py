@@ -11,8 +11,8 @@ supported architecture. On CPU the backend runs its PyTorch reference
 executor (`VLLM_MEGAKERNEL_INTERPRET=1`).
 
 Every test also checks that the decode steps really went through the backend
-(its step and token counters), so a silent fallback to `model.forward`
-cannot pass.
+(vLLM's `vllm:decode_backend_steps`: every decode-only step ran, none was
+declined), so a silent fallback to `model.forward` cannot pass.
 """
 
 import pytest
@@ -53,8 +53,8 @@ def _demo_model(root, arch: str) -> str:
 
 @pytest.fixture
 def megakernel_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Keep the engine in this process, so that the test can read the decode
-    # backend's counters from the model runner.
+    # Keep the engine in this process, so that the test can find the decode
+    # backend on the model runner.
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if current_platform.is_cpu():
         monkeypatch.setenv(INTERPRET_ENV, "1")
