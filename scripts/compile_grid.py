@@ -5,7 +5,11 @@
 ahead of time here (no GPU) and judged from its SASS as CI judges its fixed
 subset (tests/megakernel/test_kernel_aot.py): zero spills, no local load
 outside a failing wait's printf, one CTA-wide barrier (start-up), the
-register split (two ``setmaxnreg``), the release signal. Prints a Markdown
+register split (two ``setmaxnreg``), the release signal; and each model's
+own instructions as CI judges them on demo shapes
+(tests/megakernel/test_{moe,mla}_kernel_aot.py): a mixture's TOPK ballot
+and population counts and the controller's routed prefetches, a latent
+attention's tensor-core MMAs, exp2 and quad reductions. Prints a Markdown
 table for docs/perf.md (with the bulk-copy and ``HMMA`` sites: the weight
 ring and the tensor-core GEMV); exits 1 if any build fails or breaks a rule.
 
@@ -34,8 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "vllm_ext" / "configs"
 
 
-def rules(r: dict) -> list[str]:
-    """What a default warp-role build must show in its SASS (empty: all)."""
+def rules(r: dict, moe: bool = False, mla: bool = False) -> list[str]:
+    """What a default warp-role build must show in its SASS (empty: all),
+    with a mixture's (``moe``) and a latent attention's (``mla``) ops."""
     broken = []
     if r["spill_bytes"]:
         broken.append(f"{r['spill_bytes']} B spilled")
@@ -47,7 +52,25 @@ def rules(r: dict) -> list[str]:
         broken.append(f"{r['setmaxnreg']} setmaxnreg")
     if r["release_atomics"] < 1:
         broken.append("no release signal")
+    if moe and not (r["ballots"] and r["popcounts"]):
+        broken.append("TOPK without its ballot and population counts")
+    if moe and not r["controller_prefetches"]:
+        broken.append("no routed prefetch in the controller")
+    if mla and r["mma_ops"] < 68:
+        broken.append(f"{r['mma_ops']} HMMA: MLA_ATTN off the tensor cores")
+    if mla and not (r["exp2"] and r["butterflies"]):
+        broken.append("MLA_ATTN without its exp2 or quad reductions")
     return broken
+
+
+def model_ops(config: str) -> dict[str, bool]:
+    """Which op families a config's kernel has: ``rules``' keywords."""
+    import torch
+
+    from vllm_ext.megakernel.plan import load_spec
+
+    spec = load_spec(config, torch.bfloat16)
+    return {"moe": spec.moe is not None, "mla": spec.mla is not None}
 
 
 def build(config: str, batch: int, arch: str, out: Path, *flags: str) -> dict:
@@ -93,7 +116,7 @@ def main() -> int:
                 print(f"| {c} | {b} | {a} | | | | | | | | | build failed: "
                       f"{r['error']} |")  # fmt: skip
                 continue
-            broken = rules(r)
+            broken = rules(r, **model_ops(c))
             failed += bool(broken)
             print(f"| {c} | {b} | {a} | {r['max_register']} | {r['spill_bytes']} "
                   f"| {r['hot_local_loads']} | {r['cta_barriers']} "

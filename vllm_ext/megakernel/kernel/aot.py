@@ -62,6 +62,21 @@ def _max_register(sass: str) -> int:
     return max((int(r) for r in re.findall(r"\bR(\d+)\b", sass)), default=-1) + 1
 
 
+def _controller_prefetches(sass: str) -> int:
+    """Bulk L2 prefetches between the controller's acquire (the first
+    ``CCTL.IVALL``: the controller's code comes first in the kernel) and its
+    ``queue_ready`` arrive: control.py's ``prefetch_routed``."""
+    lines = sass.splitlines()
+    acquire = next((n for n, line in enumerate(lines) if "CCTL.IVALL" in line), None)
+    if acquire is None:
+        return 0
+    publish = next(
+        (n for n in range(acquire, len(lines)) if "SYNCS.ARRIVE" in lines[n]),
+        len(lines),
+    )
+    return sum("UBLKPF.L2" in line for line in lines[acquire:publish])
+
+
 @dataclass(frozen=True)
 class BuildResult:
     library: str
@@ -86,6 +101,12 @@ class BuildResult:
     consumer_barriers: int  # BAR.SYNC of CONSUMERS_BARRIER: consumers only
     setmaxnreg: int  # USETMAXREG: the warpgroups' register split
     max_register: int  # the highest register the SASS names, plus one
+    # The mixture's and the latent attention's own instructions:
+    ballots: int  # VOTE.ANY: TOPK's distinct-expert prefix count
+    popcounts: int  # POPC: the same count's population counts
+    exp2: int  # MUFU.EX2: an online softmax's exponentials on the SFU
+    butterflies: int  # SHFL.BFLY: quad and warp reductions
+    controller_prefetches: int  # UBLKPF.L2 in the controller's window
     compile_s: float
 
 
@@ -288,5 +309,10 @@ def build(arch: str, out: str | Path, shape: KernelShape) -> BuildResult:
         ),
         setmaxnreg=sass.count("USETMAXREG"),
         max_register=_max_register(sass),
+        ballots=len(re.findall(r"\bVOTE\.ANY\b", sass)),
+        popcounts=len(re.findall(r"\bPOPC\b", sass)),
+        exp2=len(re.findall(r"\bMUFU\.EX2\b", sass)),
+        butterflies=len(re.findall(r"\bSHFL\.BFLY\b", sass)),
+        controller_prefetches=_controller_prefetches(sass),
         compile_s=round(compile_s, 3),
     )
