@@ -77,7 +77,7 @@ from vllm_ext.megakernel.kernel.launcher import (  # noqa: E402
     KernelLibrary,
     decode_route,
 )
-from vllm_ext.megakernel.measured import FAIR_BASELINE  # noqa: E402
+from vllm_ext.megakernel.measured import FAIR_BASELINE, verdict  # noqa: E402
 from vllm_ext.megakernel.ops import (  # noqa: E402
     attn,
     combine,
@@ -866,6 +866,14 @@ def _to(inputs: DecodeInputs, dev, clone_kv: bool = False) -> DecodeInputs:
 
 
 def time_ms(fn, iters: int = 20, repeats: int = 5) -> float:
+    runs = time_runs(fn, iters, repeats)
+    return sorted(runs)[len(runs) // 2]
+
+
+def time_runs(fn, iters: int = 20, repeats: int = 5) -> list[float]:
+    """``repeats`` timings (CUDA events) of ``iters`` calls each, in ms per
+    call: their median is the figure, their spread the run's noise
+    (vllm_ext.megakernel.measured weighs a win against it)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -879,7 +887,15 @@ def time_ms(fn, iters: int = 20, repeats: int = 5) -> float:
         end.record()
         torch.cuda.synchronize()
         runs.append(start.elapsed_time(end) / iters)
-    return sorted(runs)[len(runs) // 2]
+    return runs
+
+
+def timed(result: dict, key: str, fn) -> None:
+    """``result[key]``: the median of ``fn``'s timings (None without a
+    function), and ``result[key without _ms + _runs_ms]``: the timings."""
+    runs = time_runs(fn) if fn is not None else None
+    result[key] = sorted(runs)[len(runs) // 2] if runs else None
+    result[key.removesuffix("_ms") + "_runs_ms"] = runs
 
 
 def graphed(fn):
@@ -940,7 +956,7 @@ def timing(case_dir: Path) -> dict:
 
     replay = graphed(mk)
     result["megakernel_graph"] = replay is not None
-    result["megakernel_ms"] = time_ms(replay or mk)
+    timed(result, "megakernel_ms", replay or mk)
     result["megakernel_eager_ms"] = time_ms(mk)
     result["weight_bytes"] = program.weight_bytes()
     if spec.mla is not None:
@@ -984,7 +1000,7 @@ def timing(case_dir: Path) -> dict:
                            mixture=mixture)  # fmt: skip
         replay = graphed(base)
         result["per_op_compile_s"] = round(time.time() - start, 1)
-        result["per_op_graph_ms"] = time_ms(replay) if replay else None
+        timed(result, "per_op_graph_ms", replay)
         # The same function as the kernel's step, on the same inputs: its
         # logits beside the kernel's (drift over the layers, as reported
         # for the interpreter in the correctness pass).
@@ -1054,7 +1070,7 @@ def mla_timing(case_dir: Path, spec: ModelSpec, weights, inputs: DecodeInputs, e
                                               mixture=mixture)  # fmt: skip
             replay = graphed(base)
             out["per_op_compile_s"] = round(time.time() - start, 1)
-            out["per_op_graph_ms"] = time_ms(replay) if replay else None
+            timed(out, "per_op_graph_ms", replay)
             out["per_op_vs_megakernel"] = rel_err(base(), ex.logits[:b])
             alone = graphed(mla_per_op.attention_only(spec, inputs, attend))
             out["per_op_attention_ms"] = time_ms(alone) if alone else None
@@ -1445,33 +1461,6 @@ def sanitizer_status(result: dict, limit: int) -> dict:
         return {"status": "not run", "why": "no sanitizer summary in the output",
                 "tail": tail[-600:]}  # fmt: skip
     return {"status": "failed", "rc": result.get("rc"), "tail": tail[-1500:]}
-
-
-def verdict(report: dict) -> tuple[str, list[str]]:
-    """failed (something wrong was seen), incomplete (a required check did
-    not run) or passed, with the reasons."""
-    failed, missing = [], []
-    for name, c in report["cases"].items():
-        if not c["correctness"].get("ok"):
-            failed.append(f"{name} incorrect")
-    if not report.get("trap", {}).get("ok"):
-        failed.append("the trap check")
-    planted = report.get("planted", {})
-    for name, p in planted.items():
-        if p.get("rejected") is None:
-            missing.append(f"planted {name} not run")
-        elif not p["rejected"]:
-            failed.append(f"planted bug {name} passed the check")
-    if not planted:
-        missing.append("no planted bug in the bundle")
-    for tool, r in report["sanitizer"].items():
-        if r["status"] == "failed":
-            failed.append(f"{tool} found errors")
-        elif r["status"] != "passed":
-            missing.append(f"{tool} not run ({r.get('why')})")
-    if failed:
-        return "failed", failed + missing
-    return ("incomplete", missing) if missing else ("passed", [])
 
 
 def main() -> int:

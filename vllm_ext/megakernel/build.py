@@ -30,7 +30,6 @@ from pathlib import Path
 
 import torch
 
-from vllm_ext.megakernel import isa
 from vllm_ext.megakernel.cost import DEFAULT_DEVICE, DEVICES
 from vllm_ext.megakernel.kernel import aot
 from vllm_ext.megakernel.kernel.shape import PLANTED_BUGS, KernelShape
@@ -45,13 +44,49 @@ KERNEL_DIR = Path(aot.__file__).resolve().parent
 logger = logging.getLogger(f"vllm.{__name__}")
 
 
-def source_hash() -> str:
-    """Hash of the kernel's sources: a change rebuilds every cached library."""
+# Everything that decides what the kernel runs, relative to vllm_ext/: the
+# kernel (its sources, shape, build flags in aot.py), the instruction
+# encoding, the planner and the cost model it plans by, the variants, the
+# model's spec, and this module's choices (head parts, block size).
+DECIDES = (
+    "megakernel/kernel",
+    "megakernel/isa.py",
+    "megakernel/planner.py",
+    "megakernel/cost.py",
+    "megakernel/variants.py",
+    "megakernel/plan.py",
+    "megakernel/build.py",
+    "model_spec.py",
+)
+PACKAGE_DIR = KERNEL_DIR.parent.parent
+
+
+def source_files(root: Path = PACKAGE_DIR) -> list[Path]:
+    files: list[Path] = []
+    for name in DECIDES:
+        path = root / name
+        files += (
+            sorted([*path.rglob("*.py"), *path.glob("*.c")])
+            if path.is_dir()
+            else [path]
+        )
+    return files
+
+
+def source_hash(root: Path = PACKAGE_DIR) -> str:
+    """Hash of everything that decides what the kernel runs (``DECIDES``)
+    and of the compiler's version: a change rebuilds every cached library
+    and finds no measured bucket."""
+    import importlib.metadata
+
     h = hashlib.sha256()
-    sources = sorted(KERNEL_DIR.rglob("*.py")) + sorted(KERNEL_DIR.glob("*.c"))
-    for path in sources + [Path(isa.__file__)]:
-        h.update(str(path.relative_to(KERNEL_DIR.parent)).encode())
+    for path in source_files(root):
+        h.update(str(path.relative_to(root)).encode())
         h.update(path.read_bytes())
+    try:
+        h.update(importlib.metadata.version("nvidia-cutlass-dsl").encode())
+    except importlib.metadata.PackageNotFoundError:
+        h.update(b"no nvidia-cutlass-dsl")
     return h.hexdigest()[:16]
 
 
