@@ -10,8 +10,9 @@ own instructions as CI judges them on demo shapes
 (tests/megakernel/test_{moe,mla}_kernel_aot.py): a mixture's TOPK ballot
 and population counts and the controller's routed prefetches, a latent
 attention's tensor-core MMAs, exp2 and quad reductions. Prints a Markdown
-table for docs/perf.md (with the bulk-copy and ``HMMA`` sites: the weight
-ring and the tensor-core GEMV); exits 1 if any build fails or breaks a rule.
+table, with the bulk-copy and ``HMMA`` sites (the weight ring and the
+tensor-core GEMV; docs/perf.md keeps each grid's summary); exits 1 if any
+build fails or breaks a rule.
 
     .venv/bin/python scripts/compile_grid.py [--batches 1,4,16,64]
         [--archs sm_90a,sm_100a] [--configs llama-3.2-1b,...] [--jobs 2]

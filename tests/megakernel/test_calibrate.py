@@ -250,9 +250,9 @@ def test_cli(capsys, tmp_path):
     out = capsys.readouterr().out
     assert f"| {case} | 1.457 |" in out
     assert "| case | QKV | ATTN |" in out  # each kind's execution rate
-    # The model's steps for this checkout's kernel (docs/perf.md, "The same
-    # targets if the ops run as they ran on 2026-11-30": update both when
-    # the planner or the model changes them).
+    # The model's steps for this checkout's kernel (docs/predictions.md,
+    # "This checkout's kernel at the report's rates": update both when the
+    # planner or the model changes them).
     assert "| case | this checkout's kernel ms, 1 / 2 / 5 us |" in out
     assert f"| {case} | 0.935 / 1.015 / 1.269 | QKV, ATTN, O_PROJ," in out
     assert main([str(tmp_path / "one.json"), "--carry", "ATTN"]) == 0

@@ -121,7 +121,7 @@ def test_hinted_rows_shorten_the_step_but_are_not_free(monkeypatch):
     (At batch 4 until the merges moved after every group's attention,
     2026-12-02; since then the model has the 1B's hints cost 1% at batch 1
     and 3% at 4, where a chunk's rows are few and the weights many, and
-    gain elsewhere: docs/perf.md.)"""
+    gain elsewhere: docs/predictions.md.)"""
     from vllm_ext.megakernel.plan import spec_or_exit
 
     spec = spec_or_exit("t", "llama-3.2-1b", "bfloat16", 16)

@@ -267,10 +267,11 @@ def test_weights_are_balanced_over_sms(device):
     assert hi / lo < 1.1
 
 
-def test_llama_1b_batch1_within_15_percent_of_floor_on_h200():
-    """The design target, by the model, for the default program (QKV in head
-    parts, COMBINE in dim parts; docs/design.md says why the larger and the
-    deeper-narrower shapes do not reach it yet)."""
+def test_llama_1b_batch1_prediction_stays_within_15_percent_of_floor():
+    """A regression guard on the model's prediction for the default program
+    (QKV in head parts, COMBINE in dim parts), not a speed claim: the model
+    missed its one GPU check by 2.1x (docs/predictions.md); the speed
+    target is a GPU measurement's."""
     program = plan(spec_of("llama-3.2-1b"), 1, DEVICES["h200"], with_lm_head=True)
     pred = predict(program)
     # Floor: bf16 weights incl. the tied 128256 x 2048 LM head at 4.3 TB/s.

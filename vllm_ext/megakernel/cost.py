@@ -59,8 +59,8 @@ A design tool, not a claim. Its assumptions, all here:
   The controller's own time to walk the block table is not modelled.
 * The weight-read floor is all weight bytes at the full copy bandwidth.
 
-GPU measurements update ``DEVICES``; docs/perf.md keeps predicted and
-measured figures side by side.
+GPU measurements update ``DEVICES``. Its figures are predictions
+(docs/predictions.md, with the model's measured error), never results.
 """
 
 from __future__ import annotations

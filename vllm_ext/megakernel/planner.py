@@ -20,13 +20,14 @@ Every group's ATTN precedes every COMBINE in the global order: a queue
 runs in order, and a merge between two groups' chunks held the later one
 until the earlier group had ended. (A fused COMBINE, the last chunk of a
 head merging its partials, was planned until 2026-12-02: the cost model
-put it at or above this program everywhere, docs/perf.md.)
+put it at or above this program everywhere: a choice on the model's word,
+docs/predictions.md.)
 
 QKV's tiles are parts of heads (isa.py), as many parts per head as keep
 one tile per SM (``qkv_parts_to_fill``): whole heads would give 48 tiles on
 the Llama shapes, where the other phases use all 132 SMs. With QK-norm,
 ATTN then finishes q and the new K (``Program.qk_in_attn``). The cost model
-chose parts (docs/perf.md, 2026-12-02); the GPU check times whole heads
+chose parts (docs/predictions.md: not measured); the GPU check times whole heads
 beside them (``qkv_parts=1``, build.py's ``--whole-heads``).
 
 A multi-head latent attention layer (``spec.mla``) runs MLA_QKV_A (the fused
@@ -588,8 +589,8 @@ def plan(
         # Every group's ATTN before any COMBINE in the global order, so in
         # every queue: a queue runs in order, and a merge dealt between two
         # groups' chunks held the later chunk until the earlier group's
-        # attention had ended (Llama-3.2-1B at batch 16: 1081 -> 770 us in
-        # the model; docs/perf.md, 2026-12-02).
+        # attention had ended (Llama-3.2-1B at batch 16: predicted 1081 ->
+        # 770 us; docs/predictions.md).
         merges = []
         for g in range(spec.num_kv_heads):
             attn_tiles = [(g, c) for c in range(chunks)]

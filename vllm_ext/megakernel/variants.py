@@ -9,8 +9,8 @@ docs/design.md, "wide attention").
 Variants are ``KernelShape`` flags: they change how instructions run, not
 the program, so reference mode runs the same program with or without them.
 The program variants the cost model decided are gone: QKV's head parts
-became the default and the fused COMBINE was deleted (2026-12-02,
-docs/perf.md). The legacy control and whole QKV heads are the GPU check's
+became the default and the fused COMBINE was deleted, on the model's word
+(docs/predictions.md). The legacy control and whole QKV heads are the GPU check's
 comparison cases, set by build flags only.
 """
 
