@@ -5,7 +5,8 @@
 ahead of time here (no GPU) and judged from its SASS as CI judges its fixed
 subset (tests/megakernel/test_kernel_aot.py): zero spills, no local load
 outside a failing wait's printf, one CTA-wide barrier (start-up), the
-register split (two ``setmaxnreg``), the release signal; and each model's
+register split (two ``setmaxnreg``), the release signal, no trap (an expired
+wait records the abort instead); and each model's
 own instructions as CI judges them on demo shapes
 (tests/megakernel/test_{moe,mla}_kernel_aot.py): a mixture's TOPK ballot
 and population counts and the controller's routed prefetches, a latent
@@ -53,6 +54,8 @@ def rules(r: dict, moe: bool = False, mla: bool = False) -> list[str]:
         broken.append(f"{r['setmaxnreg']} setmaxnreg")
     if r["release_atomics"] < 1:
         broken.append("no release signal")
+    if r["traps"] or not r["abort_records"]:
+        broken.append(f"{r['traps']} traps, {r['abort_records']} abort records")
     if moe and not (r["ballots"] and r["popcounts"]):
         broken.append("TOPK without its ballot and population counts")
     if moe and not r["controller_prefetches"]:

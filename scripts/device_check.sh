@@ -15,8 +15,9 @@
 # replays), rejects the planted bugs, runs memcheck and racecheck, times each
 # correct case against vLLM's default decode stood in for by a CUDA-graph
 # per-op step (split-KV FlashInfer decode) and the weight-read floor, checks
-# the trap, and writes $OUT/device_check.{json,md} with a verdict. Record
-# its figures in docs/perf.md and the report in docs/gpu-runs/.
+# that a hung wait aborts its step (the step ends, the context lives on), and
+# writes $OUT/device_check.{json,md} with a verdict. Record its figures in
+# docs/perf.md and the report in docs/gpu-runs/.
 #
 #   scripts/device_check.sh [--dry-run]   # --dry-run: build and report size only
 set -euo pipefail
@@ -194,7 +195,7 @@ if [[ ${DEVICE_CHECK_FLASHINFER:-1} == 1 ]]; then
 fi
 wait_builds
 # shellcheck disable=SC2086  # the cases are words
-# "first": the case the GPU side runs first, with the trap and sanitizers on
+# "first": the case the GPU side runs first, with the abort and sanitizers on
 # its kernel: the planted bugs' correct twin.
 PLANTED_CASES=$planted CASE_LAYERS=$layers FIRST=$PLANTED_MODEL-b1 \
     "$VENV/bin/python" - "$BUNDLE" \

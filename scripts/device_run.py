@@ -10,8 +10,10 @@ process of its own, so a fault in one cannot take the others down. First
 what every later figure rests on, then the rest smallest shape first, each
 default before its variants, within DEVICE_CHECK_BUDGET_S (330 s: two calls
 fit in the lent time):
-  1. the first case checked and timed (below), then the trap: a broken
-     program must trap with its message, not hang;
+  1. the first case checked and timed (below), then the abort: a program
+     with a wait that is never met must end its step with the abort record
+     naming that wait, the process and its CUDA context alive, and a
+     correct step after it in the same process must be correct;
   2. the planted bugs (a KV append to a wrong slot, a store past a buffer's
      end): the check must reject each, or the run fails;
   3. compute-sanitizer memcheck and racecheck on two steps of a two-layer
@@ -77,6 +79,7 @@ from vllm_ext.megakernel.kernel.launcher import (  # noqa: E402
     KernelLibrary,
     decode_route,
 )
+from vllm_ext.megakernel.kernel.shape import AbortWhat, AbortWord  # noqa: E402
 from vllm_ext.megakernel.measured import FAIR_BASELINE, verdict  # noqa: E402
 from vllm_ext.megakernel.ops import (  # noqa: E402
     attn,
@@ -142,6 +145,10 @@ GUARD_BYTE = 0x7F
 # FlashInfer against the kernel's (and the interpreter's) attention: fp32
 # softmax on both sides, bf16 output.
 ATTN_TOLERANCE = 2**-6
+# The abort check's step after the aborted one, against the interpreter: a
+# liveness check (a dead context raises, a garbage step is ~100% off), not
+# the correctness check, so wider than the drift of a correct step.
+ALIVE_TOL = 0.1
 # The whole step against the interpreter run on its own is reported, not
 # judged: each layer feeds the last one's rounding differences forward, so
 # that drift grows with depth (a few percent after 32 random layers) even
@@ -1176,11 +1183,14 @@ def read_bandwidth() -> float:
     return 2 * src.numel() / (ms / 1e3)
 
 
-def trap_check(case_dir: Path) -> dict:
-    """A program with one wait that can never be met must trap with its
-    message, not hang the GPU."""
+def abort_check(case_dir: Path) -> dict:
+    """A program with one wait that can never be met: the step ends (every
+    CTA leaves: no hang, no trap), its abort record names that wait (SM,
+    instruction, counter), and the CUDA context survives: a fresh executor
+    of the correct program, in this process, runs a step whose logits match
+    the program interpreter's (what the server does next: vLLM's decode)."""
     spec, program = load_case(case_dir)
-    weights = random_weights(spec, seed=1, device="cuda")
+    weights = random_weights(spec, seed=1, device=DEVICE)
     ex, _ = make_executor(case_dir, program, weights, 8)
     queue = ex.queue.clone()
     sm, idx = next(
@@ -1189,13 +1199,33 @@ def trap_check(case_dir: Path) -> dict:
         for i in range(int(ex.lengths[sm]))
         if queue[sm, i, 4].item() != NO_COUNTER
     )
+    counter = int(queue[sm, idx, 4])
     queue[sm, idx, 5] += 1  # one signal more than the program ever sends
     ex.queue = queue
     ex.max_spins = 1 << 16
-    inputs = _to(random_decode_inputs(spec, 1, seed=3, max_len=40), "cuda")
+    inputs = _to(random_decode_inputs(spec, program.batch, seed=3, max_len=40), DEVICE)
+    start = time.time()
     ex.step(inputs)
-    torch.cuda.synchronize()  # must raise: the kernel trapped
-    return {"ok": False, "why": "the broken program did not trap"}
+    sync()
+    seconds = round(time.time() - start, 3)
+    record = ex.abort.cpu().tolist()
+    expected = {
+        AbortWord.FLAG: 1, AbortWord.SM: sm, AbortWord.INDEX: idx,
+        AbortWord.COUNTER: counter, AbortWord.WHAT: AbortWhat.INPUTS,
+    }  # fmt: skip
+    named = all(record[w] == v for w, v in expected.items())
+    # The context is alive: the correct program, from a fresh executor.
+    fresh, _ = make_executor(case_dir, program, weights, 8)
+    inputs = _to(random_decode_inputs(spec, program.batch, seed=4, max_len=40), DEVICE)
+    interp = ProgramInterpreter(program, weights, seed=0)
+    interp.step(_to(inputs, DEVICE, clone_kv=True))
+    fresh.step(inputs)
+    sync()
+    after = rel_err(fresh.logits[: program.batch], interp.logits)
+    clean = fresh.abort.cpu().tolist()[AbortWord.FLAG] == 0
+    return {"ok": named and clean and after < ALIVE_TOL, "seconds": seconds,
+            "record": record, "expected": {int(k): int(v) for k, v in expected.items()},
+            "logits_rel_err_after": after, "fresh_record_clear": clean}  # fmt: skip
 
 
 # Layers of the program run under compute-sanitizer: every instruction kind
@@ -1271,8 +1301,8 @@ def child(what: str, case: Path) -> None:
     torch.cuda.init()
     if what in ("case", "correctness"):
         check_case(case, timed=what == "case")
-    elif what == "trap":
-        print(json.dumps(trap_check(case)))
+    elif what == "abort":
+        print(json.dumps(abort_check(case)))
     elif what == "sanitize":
         print(json.dumps(sanitize_step(case)))
     elif what == "bandwidth":
@@ -1406,7 +1436,7 @@ def markdown(report: dict) -> str:
     ]
     lines += [
         "",
-        f"trap: {report.get('trap', {}).get('ok')}",
+        f"abort: {report.get('abort', {}).get('ok')}",
         f"planted bugs: {planted or 'none in the bundle'}",
         f"sanitizer: {sanitizer}",
         f"CUDA-graph replays checked: {', '.join(graphs) or 'none'}",
@@ -1490,12 +1520,12 @@ def main() -> int:
                    key=lambda case: _case_order(case, order))  # fmt: skip
     # A second call can take the cases the first one's deadline cut, e.g.
     # DEVICE_CHECK_ONLY="llama-3.1-8b-*" (shell patterns, space-separated);
-    # its first case again carries the trap, planted bugs and sanitizers.
+    # its first case again carries the abort, planted bugs and sanitizers.
     only = os.environ.get("DEVICE_CHECK_ONLY", "").split()
     if only:
         cases = [c for c in cases if any(fnmatch.fnmatch(c.name, p) for p in only)]
     # The planted bugs' correct twin goes first (device_check.sh names it):
-    # the trap and the sanitizers then run on the kernel the bugs were
+    # the abort and the sanitizers then run on the kernel the bugs were
     # planted in.
     cases.sort(key=lambda case: case.name != manifest.get("first"))
 
@@ -1542,14 +1572,15 @@ def main() -> int:
         report["planted"][case.name] = {"bug": planted_bug(case), "rejected": None}
 
     # First what every later figure rests on: the first case checked and
-    # timed, the trap, the planted bugs rejected, the sanitizers on the
+    # timed, the abort, the planted bugs rejected, the sanitizers on the
     # first case's kernel. Then the other cases, smallest first.
     if not quick:
         report["bandwidth"] = run("bandwidth", cases[0], 60)
     check(cases[0])
-    trap = run("trap", cases[0], 90)
-    trap["ok"] = "wait timeout" in trap.get("tail", "")
-    report["trap"] = trap
+    abort = run("abort", cases[0], 90)
+    # (A hang or a dead context: the child's time limit or its crash.)
+    abort["ok"] = bool(abort.get("ok")) and "wait timeout" in abort.get("tail", "")
+    report["abort"] = abort
     save()
     for case in planted:
         result = run("correctness", case, 90)

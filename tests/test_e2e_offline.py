@@ -491,24 +491,16 @@ def test_batches_above_the_largest_bucket_share_the_cache(demo_model, monkeypatc
     assert declined == {"declined_by_backend": sum(1 for n in live if n > 4)}
 
 
-# deepseek_v3_moe: multi-head latent attention over the latent cache of
-# vLLM's CPU_MLA backend (on a GPU, FLASH_ATTN_MLA's or FLASHINFER_MLA's:
-# the same rows; backend.GPU_LATENT), and DeepSeek's mixture.
-@pytest.mark.parametrize("arch", ["llama", "deepseek_v3_moe"])
-def test_gpu_route_through_vllm_with_a_stand_in_kernel(
-    demo_model, monkeypatch, tmp_path, arch
-):
-    """The GPU route through vLLM, on CPU: the backend makes a GpuExecutor
-    (a program, kernel shape and library per bucket; each KernelExecutor's
+@pytest.fixture
+def stand_in_route(monkeypatch, tmp_path):
+    """The GPU route on CPU: the backend makes a GpuExecutor (a program,
+    kernel shape and library per bucket, 1, 2 and 4; each KernelExecutor's
     address table bound to vLLM's own KV cache tensors), and each launch
     goes to the CPU stand-in of the compiled kernel, which reads and writes
     only through that table. Only the GPU queries, the compiler and the
-    library load are replaced. The tokens and logprobs must be reference
-    mode's, bit for bit (the same programs, interpreted); Llama's also
-    logprobs-close to vLLM's default decode. (DeepSeek's bf16 reference
-    mode at these settings leaves that rule at a near tie of its random
-    weights, prompt 0 step 21; its fp32 runs are identical to the default
-    decode, test_megakernel_matches_default.)"""
+    library load are replaced. ``route.hang`` (a count): the next launches
+    get a queue with a wait no signal meets, as the GPU check plants a
+    hang (the stand-in aborts as the kernel does)."""
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "megakernel"))
     from kernel_standin import KernelStandIn, register_executor
     from vllm.plugins import load_general_plugins
@@ -517,6 +509,7 @@ def test_gpu_route_through_vllm_with_a_stand_in_kernel(
     import vllm_ext.backend as backend
     from vllm_ext.megakernel import build
     from vllm_ext.megakernel.cost import DEVICES
+    from vllm_ext.megakernel.isa import NO_COUNTER
     from vllm_ext.megakernel.kernel import executor as gpu
 
     monkeypatch.delenv("VLLM_MEGAKERNEL_INTERPRET", raising=False)
@@ -531,31 +524,57 @@ def test_gpu_route_through_vllm_with_a_stand_in_kernel(
                         lambda interpret: backend.CPU_LATENT)  # fmt: skip
     monkeypatch.setattr(gpu, "arch_for_device", lambda device: "sm_90a")
     monkeypatch.setattr(gpu, "device_for", lambda device, arch: DEVICES["h200"])
-    built = []
+    route = types.SimpleNamespace(built=[], executors=[], hang=0)
 
     def library_for(shape, arch, cache_dir, log=None):
-        built.append((shape.batch, arch))
+        route.built.append((shape.batch, arch))
         return tmp_path / f"b{shape.batch}.so"
 
     monkeypatch.setattr(build, "library_for", library_for)
     no_library = types.SimpleNamespace(launch=None)
     monkeypatch.setattr(gpu, "KernelLibrary", lambda path, device: no_library)
-    executors = []
 
     class StandInExecutor(gpu.KernelExecutor):
         def __init__(self, program, weights, launch, **kwargs):
             standin = KernelStandIn(program, weights)
             super().__init__(program, weights, standin, **kwargs)
             register_executor(self.launch, self)
-            executors.append(self)
+            route.executors.append(self)
 
         def step(self, inputs):
             # What the table may address besides the executor's own buffers.
             self.launch.register(*inputs.kv_caches)
-            return super().step(inputs)
+            if not route.hang:
+                return super().step(inputs)
+            route.hang -= 1
+            queue = self.queue
+            self.queue = queue.clone()
+            waits = (self.queue[..., 4] != NO_COUNTER).nonzero()
+            sm, pc = waits[0].tolist()
+            self.queue[sm, pc, 5] += 1  # one signal more than any step sends
+            try:
+                return super().step(inputs)
+            finally:
+                self.queue = queue
 
     monkeypatch.setattr(gpu, "KernelExecutor", StandInExecutor)
+    return route
 
+
+# deepseek_v3_moe: multi-head latent attention over the latent cache of
+# vLLM's CPU_MLA backend (on a GPU, FLASH_ATTN_MLA's or FLASHINFER_MLA's:
+# the same rows; backend.GPU_LATENT), and DeepSeek's mixture.
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3_moe"])
+def test_gpu_route_through_vllm_with_a_stand_in_kernel(
+    demo_model, stand_in_route, monkeypatch, arch
+):
+    """The GPU route through vLLM, on CPU (``stand_in_route``). The tokens
+    and logprobs must be reference mode's, bit for bit (the same programs,
+    interpreted); Llama's also logprobs-close to vLLM's default decode.
+    (DeepSeek's bf16 reference mode at these settings leaves that rule at a
+    near tie of its random weights, prompt 0 step 21; its fp32 runs are
+    identical to the default decode, test_megakernel_matches_default.)"""
+    built, executors = stand_in_route.built, stand_in_route.executors
     model = demo_model(arch)
     monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
     interpreted, _ = _generate(
@@ -579,3 +598,81 @@ def test_gpu_route_through_vllm_with_a_stand_in_kernel(
     if arch == "llama":
         default = _default(model, "bfloat16")
         check_logprobs_close(default, mega, "default", "megakernel (stand-in kernel)")
+
+
+def test_a_kernel_step_that_aborts_fails_its_requests_and_vllm_serves_on(
+    demo_model, stand_in_route, monkeypatch
+):
+    """A hung wait in the kernel (planted as the GPU check plants it; the
+    stand-in aborts as the kernel does: the abort record set, garbage left)
+    at the first step the kernel takes. vLLM reads the record with that
+    step's sampled tokens: no token of the step reaches a request, its four
+    requests finish with an error after exactly the default path's tokens
+    before it, the other five complete as on the default path, vLLM logs
+    the backend's reason naming the wait, and the next requests are served
+    by vLLM's default decode, token for token."""
+    from vllm import LLM, SamplingParams
+    from vllm.distributed import cleanup_dist_env_and_memory
+    from vllm.v1.worker import decode_backend as core
+
+    from tests.utils import decode_backend_outcomes
+    from vllm_ext.megakernel.isa import NO_COUNTER
+
+    errors: list[str] = []  # what vLLM logs as errors about the backend
+    monkeypatch.setattr(core.logger, "error",
+                        lambda msg, *args: errors.append(msg % args))  # fmt: skip
+    llm = LLM(demo_model("llama"), dtype="bfloat16", enforce_eager=True, seed=0,
+              disable_log_stats=False, decode_backend="megakernel",
+              max_model_len=ODD_MAX_LEN)  # fmt: skip
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+              for n in MAX_TOKENS]  # fmt: skip
+
+    def generate(llm):
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        return [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason)
+                for o in outputs]  # fmt: skip
+
+    try:
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        backend = runner.decode_backend
+        backend.failure = "off: the default path's tokens"
+        default = [ids for ids, _ in generate(llm)]
+        backend.failure = None
+        before = decode_backend_outcomes(llm)
+        stand_in_route.hang = 1
+        aborted = generate(llm)
+        # The kernel's first step: the first decode step of 4 requests or
+        # fewer (decode step s runs the requests asking for more than s).
+        first = next(s for s in range(1, max(MAX_TOKENS))
+                     if sum(n > s for n in MAX_TOKENS) <= 4)  # fmt: skip
+        for (ids, why), want, n in zip(aborted, default, MAX_TOKENS, strict=True):
+            if n > first:  # in the step that aborted
+                assert (ids, why) == (want[:first], "error")
+            else:
+                assert (ids, why) == (want, "length")
+        (error,) = errors
+        # The wait the queue planted: the first instruction with a wait.
+        queue = stand_in_route.executors[-1].queue
+        sm, pc = (queue[..., 4] != NO_COUNTER).nonzero()[0].tolist()
+        counter = int(queue[sm, pc, 4])
+        assert (f"bounded wait expired in a step of batch bucket 4: SM {sm}, "
+                f"instruction {pc} (") in error  # fmt: skip
+        assert f"waited for counter {counter} to reach" in error
+        assert backend.failure in error
+        # The engine serves on, through vLLM's default decode.
+        assert [ids for ids, _ in generate(llm)] == default
+        after = decode_backend_outcomes(llm)
+        new = {k: v - before.get(k, 0) for k, v in after.items()
+               if v != before.get(k, 0)}  # fmt: skip
+        # The aborted run: its steps of more than 4 requests on vLLM's path,
+        # the kernel's one failed step, and no step after it (its requests
+        # had failed); the last run: every decode step on vLLM's path.
+        assert new == {
+            ("declined", "declined_by_backend"): first - 1,
+            ("failed", "none"): 1,
+            ("declined", "disabled"): max(MAX_TOKENS) - 1,
+        }
+    finally:
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()

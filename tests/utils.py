@@ -102,11 +102,20 @@ def decode_backend_steps(llm) -> tuple[float, dict[str, float]]:
     ran through the decode backend, and the reasons of those that did not
     (only reasons that occurred)."""
     ran, declined = 0.0, {}
-    for metric in llm.get_metrics():
-        if metric.name != "vllm:decode_backend_steps":
-            continue
-        if metric.labels["outcome"] == "ran":
-            ran += metric.value
-        elif metric.value:
-            declined[metric.labels["reason"]] = metric.value
+    for (outcome, reason), value in decode_backend_outcomes(llm).items():
+        if outcome == "ran":
+            ran += value
+        elif outcome == "declined" and value:
+            declined[reason] = value
     return ran, declined
+
+
+def decode_backend_outcomes(llm) -> dict[tuple[str, str], float]:
+    """vllm:decode_backend_steps by (outcome, reason): ``ran``, ``failed``
+    (a step the backend could not complete) or ``declined`` with the
+    reason."""
+    return {
+        (m.labels["outcome"], m.labels["reason"]): m.value
+        for m in llm.get_metrics()
+        if m.name == "vllm:decode_backend_steps"
+    }

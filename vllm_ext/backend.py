@@ -204,6 +204,21 @@ class MegakernelDecodeBackend(DecodeBackend):
         if self.buckets:
             self.executor = self._make_executor(self.model)
 
+    def step_status(self) -> torch.Tensor | None:
+        # The kernel's abort record (kernel/shape.py, AbortWord), shared by
+        # every bucket; reference mode's interpreter has no waits to expire.
+        return getattr(self.executor, "abort", None)
+
+    def step_failed(self, status: torch.Tensor) -> str | None:
+        why = self.executor.failure(status)
+        if why is not None:
+            # vLLM logs it as an error and fails the step's requests.
+            why += (
+                ". The megakernel is off for this process (a restart turns it "
+                "back on); vLLM's default decode runs every later step"
+            )
+        return why
+
     def accepts(self, num_reqs: int, num_tokens: int, max_query_len: int) -> bool:
         if max_query_len != 1 or num_tokens != num_reqs or num_reqs < 1:
             return False

@@ -1,59 +1,141 @@
 # SPDX-License-Identifier: Apache-2.0
 """A CPU stand-in for the compiled kernel, behind the same launch call.
 
-It knows nothing of the executor's Python objects: like the kernel, it reads
-every address from the table (resolved back to tensors through a registry
-of what the test allocated) and the step number from the last counter, then
-runs the program interpreter on what those addresses hold and writes the
+It knows nothing of the executor's Python objects (of the weights it is
+made with it keeps only the softmax scale, which the launch must pass):
+like the kernel, it reads every address from the table, resolves each back
+to a tensor through a registry of what the test allocated
+(``register_executor``: by address, as the kernel has nothing else), runs
+the program interpreter on what those addresses hold, and writes the
 results where the table says. So a wrong table entry, a wrong padding or a
-missing step bump in the launcher shows up as a wrong result.
+missing step bump in the launcher shows up as a wrong result or a failed
+check.
 
-A sparse layer's mixture reads its weights through the table too (router,
-w13, w2, correction bias, shared expert), and its buffers (router logits,
-the routing in the kernel's word layout, each slot's activations) are
-written where the table says, so an MoE table round-trips: a wrong or
-swapped entry gives a wrong result or a wrong buffer.
+Read through the table (the interpreter runs on these tensors only):
 
-So does a latent attention layer's: its weights (q_a, kv_a, their norms,
-q_b, and kv_b_proj rebuilt from the W_UK and W_UV views, each from its own
-column) are read through the table, its buffers (the down projection's
-output, the latent queries, the rotated q_pe, the partials, o_proj's
-input) written where the table says."""
+- every weight: a layer's INPUT_NORM, QKV, QKV_BIAS, Q_NORM, K_NORM,
+  O_PROJ, POST_NORM, GATE_UP, DOWN; a sparse layer's ROUTER, W13, W2,
+  CORRECTION_BIAS, SHARED_GATE_UP, SHARED_DOWN; a latent attention layer's
+  MLA_Q_A, MLA_KV_A, MLA_Q_A_NORM, MLA_Q_B, MLA_KV_A_NORM, and kv_b_proj
+  rebuilt from the MLA_W_UK and MLA_W_UV views, each from its own column;
+  the model's EMBED, FINAL_NORM, LM_HEAD and COS_SIN (the launcher's fp32
+  ``[positions, rotary dim]``, cos half then sin half: the interpreter's
+  rotary table);
+- the step's inputs (INPUT_IDS, POSITIONS, BLOCK_TABLE, SEQ_LENS,
+  SLOT_MAPPING), each layer's KV_CACHE (the interpreter appends to it in
+  place), the step number (the last counter) and the launch's scalars.
+
+A weight is read where the compiled kernel reads one for this model (its
+QKV bias, QK norm, sparse layers, latent attention, q LoRA, correction
+bias, shared expert, LM head): the entry must then be a registered tensor
+of the dtype and shape the kernel reads (EMBED and LM_HEAD: at least the
+vocabulary's rows; COS_SIN: any rows). Where the kernel reads none (no
+bias, no QK norm, no q LoRA, ...; an MLA layer's QKV, a sparse layer's
+GATE_UP) the entry must be 0, which means absent. Anything else fails
+loudly. (Not read, so not checked: a dense layer's mixture columns.)
+
+Written where the table says, as the kernel writes them: H0 (EMBED's
+output), each layer's HMID, Q (or an MLA layer's QKV_A, Q_LAT, Q_PE), ATTN,
+ACT, PART_O, PART_LSE and H_OUT, a sparse layer's ROUTER_LOGITS, ROUTE (the
+routing in the kernel's word layout) and XACT, then OUT and LOGITS. The
+residual stream crosses columns, so after the writes each layer's H_IN and
+the model's H_LAST must hold what EMBED or the layer before wrote there (a
+wrong H0, H_IN, H_OUT or H_LAST fails).
+
+Aborts as the kernel does (kernel/sync.py): the table's ABORT entry is the
+record. A queue with a wait no instruction of the step can meet (more
+signals awaited than the queue sends: how the GPU check plants a hang)
+expires: the first such wait in queue order is recorded (SM, instruction,
+counter, the count awaited and the count the counter reaches), and the step
+leaves its results garbage (NaN in OUT and LOGITS). Once the record is set,
+every later step does the same, as the kernel's waits stop waiting."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 
 from vllm_ext.megakernel.interpret import ProgramInterpreter
+from vllm_ext.megakernel.isa import NO_COUNTER
 from vllm_ext.megakernel.kernel.launcher import (  # noqa: F401 (tests)
     decode_route,
     w_uv_base,
 )
 from vllm_ext.megakernel.kernel.shape import (
+    ABORT_WORDS,
+    AbortWhat,
+    AbortWord,
     GlobalSlot,
     KernelShape,
     LayerSlot,
     route_layout,
 )
 from vllm_ext.runner import DecodeInputs
+from vllm_ext.weights import DecodeWeights, LayerWeights, MlaWeights, MoeWeights
+
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (NaN included)."""
+    return a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    )
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return t.dtype, tuple(t.shape), t.stride()
 
 
 class KernelStandIn:
+    # False: a kernel whose hung wait goes unrecorded (it runs the program's
+    # own queue whatever the launch passes): what the abort check must fail.
+    aborts = True
+
     def __init__(self, program, weights) -> None:
+        # (``weights`` only for the interpreter's device until the first
+        # launch, and the softmax scale the launch must pass.)
         self.interp = ProgramInterpreter(program, weights, seed=5)
-        self.program, self.weights = program, weights
+        self.program, self.attn_scale = program, weights.attn_scale
         self.tensors: dict[int, torch.Tensor] = {}
+        # Addresses of two tensors of different layouts: the table cannot
+        # say which it means.
+        self.ambiguous: set[int] = set()
         self.launches = 0
 
     def register(self, *tensors: torch.Tensor) -> None:
         for t in tensors:
-            self.tensors.setdefault(t.data_ptr(), t)
+            prior = self.tensors.setdefault(t.data_ptr(), t)
+            if _layout(prior) != _layout(t):
+                self.ambiguous.add(t.data_ptr())
 
     def _at(self, address: int) -> torch.Tensor:
         assert address in self.tensors, f"table address {address:#x} is unknown"
+        assert address not in self.ambiguous, (
+            f"table address {address:#x} holds two registered tensors of "
+            "different layouts"
+        )
         return self.tensors[address]
+
+    def _weight(self, address, what, shape, present=True, dtype=BF16,
+                at_least=False):  # fmt: skip
+        """The tensor at ``address`` where the kernel reads one, of ``dtype``
+        and ``shape`` (``at_least``: that many rows or more), else None and
+        the entry 0."""
+        if not present:
+            assert address == 0, f"{what}: the kernel reads none, the table has one"
+            return None
+        assert address, f"{what}: the kernel reads one, the table's entry is 0"
+        t = self._at(address)
+        got = tuple(t.shape)
+        fits = got == shape or (
+            at_least and len(got) == len(shape) and got[0] >= shape[0]
+            and got[1:] == shape[1:]
+        )  # fmt: skip
+        assert t.dtype == dtype and fits, (
+            f"{what}: the kernel reads {dtype} {shape}, the table points at "
+            f"{t.dtype} {got}"
+        )
+        return t
 
     def __call__(self, queue, lengths, counters, ptrs, bt_stride, kv_stride,
                  scale, max_spins, stream) -> None:  # fmt: skip
@@ -63,7 +145,25 @@ class KernelStandIn:
         glob = table[layers]
         assert counters.shape[0] == p.num_counters + 1
         assert int(counters[-1]) == interp.epoch + 1, "step number not bumped"
-        assert torch.equal(queue, p.encode()[0]) and scale == interp.weights.attn_scale
+        assert scale == self.attn_scale
+        record = self._weight(glob[GlobalSlot.ABORT], "ABORT", (ABORT_WORDS,),
+                              dtype=torch.int32)  # fmt: skip
+        unmet = _unmet_wait(queue, lengths) if self.aborts else None
+        if unmet is not None and not record[AbortWord.FLAG]:
+            sm, pc, counter, count, sent = unmet
+            epoch = interp.epoch + 1
+            record.copy_(torch.tensor([1, sm, pc, counter, epoch * count, epoch * sent,
+                                       AbortWhat.INPUTS, p.batch],
+                                      dtype=torch.int32))  # fmt: skip
+        if record[AbortWord.FLAG]:
+            # Every CTA ran through its queue without waiting: garbage.
+            interp.epoch += 1
+            self._at(glob[GlobalSlot.OUT]).fill_(float("nan"))
+            if p.with_lm_head:
+                self._at(glob[GlobalSlot.LOGITS]).fill_(float("nan"))
+            self.launches += 1
+            return
+        assert torch.equal(queue, p.encode()[0]) or not self.aborts
         block_table = self._at(glob[GlobalSlot.BLOCK_TABLE])
         assert block_table.stride(0) == bt_stride
         kv = tuple(self._at(table[i][LayerSlot.KV_CACHE]) for i in range(layers))
@@ -76,23 +176,130 @@ class KernelStandIn:
             slot_mapping=self._at(glob[GlobalSlot.SLOT_MAPPING]).long(),
             kv_caches=kv,
         )
-        interp.weights = self._mla_weights(table, self._moe_weights(table))
+        interp.weights = self._weights(table)
         interp.step(inputs)
-        buf = interp.buf
+        self._write(table)
+        self.launches += 1
+
+    # ------------------------------------------------------------ weights
+
+    def _weights(self, table) -> DecodeWeights:
+        """Every weight the kernel reads, from the table."""
+        s, p = self.program.spec, self.program
+        layers = s.num_layers
+        glob = table[layers]
+        h, vocab = s.hidden_size, s.vocab_size
+        rotary = s.mla.qk_rope_head_dim if s.mla else s.head_dim
+
+        def at(slot, shape, present=True, dtype=BF16, at_least=False):
+            return self._weight(glob[slot], slot.name, shape, present, dtype,
+                                at_least)  # fmt: skip
+
+        # (vLLM may pad the vocabulary; cos/sin has a row per position.)
+        return DecodeWeights(
+            embed=at(GlobalSlot.EMBED, (vocab, h), at_least=True),
+            layers=tuple(self._layer(i, table[i]) for i in range(layers)),
+            final_norm=at(GlobalSlot.FINAL_NORM, (h,)),
+            lm_head=at(GlobalSlot.LM_HEAD, (vocab, h), p.with_lm_head, at_least=True),
+            cos_sin=at(GlobalSlot.COS_SIN, (1, rotary), dtype=FP32, at_least=True),
+            attn_scale=self.attn_scale,
+        )
+
+    def _layer(self, i: int, row) -> LayerWeights:
+        s = self.program.spec
+        h, inter = s.hidden_size, s.intermediate_size
+        gqa, sparse = s.mla is None, s.moe is not None and s.moe.sparse_layers[i]
+        qkv_rows = s.q_size + 2 * s.kv_size
+        o_cols = s.mla.num_heads * s.mla.v_head_dim if s.mla else s.q_size
+
+        def at(slot, shape, present=True):
+            return self._weight(row[slot], f"layer {i} {slot.name}", shape, present)
+
+        return LayerWeights(
+            input_norm=at(LayerSlot.INPUT_NORM, (h,)),
+            qkv=at(LayerSlot.QKV, (qkv_rows, h), gqa),
+            qkv_bias=at(LayerSlot.QKV_BIAS, (qkv_rows,), gqa and s.qkv_bias),
+            q_norm=at(LayerSlot.Q_NORM, (s.head_dim,), gqa and s.qk_norm),
+            k_norm=at(LayerSlot.K_NORM, (s.head_dim,), gqa and s.qk_norm),
+            o_proj=at(LayerSlot.O_PROJ, (h, o_cols)),
+            post_norm=at(LayerSlot.POST_NORM, (h,)),
+            gate_up=at(LayerSlot.GATE_UP, (2 * inter, h), not sparse),
+            down=at(LayerSlot.DOWN, (h, inter), not sparse),
+            moe=self._moe(i, row) if sparse else None,
+            mla=None if gqa else self._mla(i, row),
+        )
+
+    def _moe(self, i: int, row) -> MoeWeights:
+        """A sparse layer's mixture (the correction bias: the launcher's
+        fp32 copy, as TOPK reads it)."""
+        moe, h = self.program.spec.moe, self.program.spec.hidden_size
+        e, inter = moe.num_experts, moe.expert_intermediate
+        shared = moe.shared_intermediate
+
+        def at(slot, shape, present=True, dtype=BF16):
+            return self._weight(row[slot], f"layer {i} {slot.name}", shape,
+                                present, dtype)  # fmt: skip
+
+        return MoeWeights(
+            router=at(LayerSlot.ROUTER, (e, h)),
+            correction_bias=at(
+                LayerSlot.CORRECTION_BIAS, (e,), moe.correction_bias, FP32
+            ),
+            w13=at(LayerSlot.W13, (e, 2 * inter, h)),
+            w2=at(LayerSlot.W2, (e, h, inter)),
+            shared_gate_up=at(LayerSlot.SHARED_GATE_UP, (2 * shared, h), shared > 0),
+            shared_down=at(LayerSlot.SHARED_DOWN, (h, shared), shared > 0),
+        )
+
+    def _mla(self, i: int, row) -> MlaWeights:
+        """A latent attention layer's weights, kv_b_proj rebuilt from its
+        W_UK and W_UV columns (each head's rows at head stride
+        ``(nope + v) * rank``, as the kernel reads them)."""
+        s = self.program.spec
+        mla, h = s.mla, s.hidden_size
+        lora, rank = mla.q_lora_rank, mla.kv_lora_rank
+        heads, nope, v = mla.num_heads, mla.qk_nope_head_dim, mla.v_head_dim
+
+        def at(slot, shape, present=True):
+            return self._weight(row[slot], f"layer {i} {slot.name}", shape, present)
+
+        kv_b_rows = heads * (nope + v)
+        stride = ((nope + v) * rank, rank, 1)
+        w_uk = at(LayerSlot.MLA_W_UK, (kv_b_rows, rank))
+        w_uv = at(LayerSlot.MLA_W_UV, (kv_b_rows * rank - nope * rank,))
+        kv_b = torch.cat([w_uk.as_strided((heads, nope, rank), stride),
+                          w_uv.as_strided((heads, v, rank), stride)],
+                         dim=1).reshape(-1, rank)  # fmt: skip
+        return MlaWeights(
+            q_a=at(LayerSlot.MLA_Q_A, (lora or 0, h), lora is not None),
+            q_a_norm=at(LayerSlot.MLA_Q_A_NORM, (lora or 0,), lora is not None),
+            q_b=at(LayerSlot.MLA_Q_B, (heads * mla.qk_head_dim, lora or h)),
+            kv_a=at(LayerSlot.MLA_KV_A, (mla.latent_width, h)),
+            kv_a_norm=at(LayerSlot.MLA_KV_A_NORM, (rank,)),
+            kv_b=kv_b,
+        )
+
+    # ------------------------------------------------------------ buffers
+
+    def _write(self, table) -> None:
+        p, interp, buf = self.program, self.interp, self.interp.buf
+        layers = p.spec.num_layers
+        glob = table[layers]
+        self._at(glob[GlobalSlot.H0]).copy_(buf["h"][0])
         for i in range(layers):
             row = table[i]
             # An MLA layer has no q; its own buffers instead.
-            q = (LayerSlot.Q, "q") if "q" in buf else (LayerSlot.QKV_A, "qkv_a")
-            mla = []
-            if "q_lat" in buf:
-                mla = [(LayerSlot.Q_LAT, buf["q_lat"][i]),
-                       (LayerSlot.Q_PE, buf["q_pe"][i])]  # fmt: skip
+            own = [(LayerSlot.Q, buf["q"][i])] if "q" in buf else [
+                (LayerSlot.QKV_A, buf["qkv_a"][i]),
+                (LayerSlot.Q_LAT, buf["q_lat"][i]),
+                (LayerSlot.Q_PE, buf["q_pe"][i]),
+            ]  # fmt: skip
             for slot, src in (
-                (LayerSlot.H_IN, buf["h"][i]), (LayerSlot.HMID, buf["hmid"][i]),
-                (q[0], buf[q[1]][i]), (LayerSlot.ATTN, buf["attn"][i]),
-                (LayerSlot.ACT, buf["act"][i]), (LayerSlot.PART_O, buf["part_o"][i]),
+                (LayerSlot.HMID, buf["hmid"][i]), *own,
+                (LayerSlot.ATTN, buf["attn"][i]), (LayerSlot.ACT, buf["act"][i]),
+                (LayerSlot.PART_O, buf["part_o"][i]),
                 (LayerSlot.PART_LSE, buf["part_lse"][i]),
-                (LayerSlot.H_OUT, buf["h"][i + 1]), *mla,
+                (LayerSlot.H_OUT, buf["h"][i + 1]),
             ):  # fmt: skip
                 self._at(row[slot]).copy_(src)
             if interp.routing[i] is not None:
@@ -101,53 +308,15 @@ class KernelStandIn:
         self._at(glob[GlobalSlot.OUT]).copy_(buf["out"])
         if p.with_lm_head:
             self._at(glob[GlobalSlot.LOGITS]).copy_(interp.logits)
-        self.launches += 1
-
-    def _moe_weights(self, table):
-        """The weights, each sparse layer's mixture read from the table."""
-        layers = []
-        for i, lw in enumerate(self.weights.layers):
-            if lw.moe is not None:
-                row = table[i]
-
-                def at(slot, row=row):
-                    return self._at(row[slot]) if row[slot] else None
-
-                lw = dataclasses.replace(lw, moe=dataclasses.replace(
-                    lw.moe, router=at(LayerSlot.ROUTER), w13=at(LayerSlot.W13),
-                    w2=at(LayerSlot.W2),
-                    correction_bias=at(LayerSlot.CORRECTION_BIAS),
-                    shared_gate_up=at(LayerSlot.SHARED_GATE_UP),
-                    shared_down=at(LayerSlot.SHARED_DOWN),
-                ))  # fmt: skip
-            layers.append(lw)
-        return dataclasses.replace(self.weights, layers=tuple(layers))
-
-    def _mla_weights(self, table, weights):
-        """The weights, each latent attention layer's read from the table
-        (kv_b_proj rebuilt from its W_UK and W_UV columns)."""
-        mla = self.program.spec.mla
-        layers = []
-        for i, lw in enumerate(weights.layers):
-            if lw.mla is not None:
-                row = table[i]
-
-                def at(slot, row=row):
-                    return self._at(row[slot]) if row[slot] else None
-
-                heads, rank = mla.num_heads, mla.kv_lora_rank
-                nope, v = mla.qk_nope_head_dim, mla.v_head_dim
-                stride = ((nope + v) * rank, rank, 1)
-                w_uk = at(LayerSlot.MLA_W_UK).as_strided((heads, nope, rank), stride)
-                w_uv = at(LayerSlot.MLA_W_UV).as_strided((heads, v, rank), stride)
-                kv_b = torch.cat([w_uk, w_uv], dim=1).reshape(-1, rank)
-                lw = dataclasses.replace(lw, mla=dataclasses.replace(
-                    lw.mla, q_a=at(LayerSlot.MLA_Q_A), kv_a=at(LayerSlot.MLA_KV_A),
-                    q_a_norm=at(LayerSlot.MLA_Q_A_NORM), q_b=at(LayerSlot.MLA_Q_B),
-                    kv_a_norm=at(LayerSlot.MLA_KV_A_NORM), kv_b=kv_b,
-                ))  # fmt: skip
-            layers.append(lw)
-        return dataclasses.replace(weights, layers=tuple(layers))
+        # The residual stream crosses columns: what each reader finds there.
+        for i in range(layers):
+            assert bits_equal(self._at(table[i][LayerSlot.H_IN]), buf["h"][i]), (
+                f"layer {i} H_IN does not hold what "
+                f"{'EMBED (H0)' if i == 0 else f'layer {i - 1} (H_OUT)'} wrote"
+            )
+        assert bits_equal(self._at(glob[GlobalSlot.H_LAST]), buf["h"][layers]), (
+            "H_LAST does not hold what the last layer (H_OUT) wrote"
+        )
 
     def _write_moe(self, row, router, routing, xact) -> None:
         """A sparse layer's buffers where the table says, the routing in
@@ -164,11 +333,31 @@ class KernelStandIn:
         self._at(row[LayerSlot.XACT]).copy_(xact)
 
 
+def _unmet_wait(queue: torch.Tensor, lengths: torch.Tensor) -> tuple | None:
+    """(sm, pc, counter, count awaited, signals sent) of the first wait in
+    queue order that the step's signals cannot meet, or None."""
+    live = [queue[sm, : int(n)] for sm, n in enumerate(lengths.tolist())]
+    sent: dict[int, int] = {}
+    for words in live:
+        for counter in words[:, 6].tolist():
+            if counter != NO_COUNTER:
+                sent[counter] = sent.get(counter, 0) + 1
+    for sm, words in enumerate(live):
+        for pc, (counter, count) in enumerate(words[:, 4:6].tolist()):
+            if counter != NO_COUNTER and count > sent.get(counter, 0):
+                return sm, pc, counter, count, sent.get(counter, 0)
+    return None
+
+
 def register_executor(standin: KernelStandIn, ex, kv_caches=()) -> None:
-    """Everything the executor allocated (what the kernel may address)."""
+    """Every tensor the executor put in its table (``KernelExecutor._table``),
+    so what the kernel may address: the step's inputs, the workspace, the
+    weights (with the launcher's fp32 copies of cos/sin and the correction
+    biases, and kv_b_proj's W_UV view) and the KV caches. A tied LM head is
+    the embedding's tensor: one address, one tensor, read by both slots."""
     standin.register(
         ex.input_ids, ex.positions, ex.seq_lens, ex.slot_mapping, ex.block_table,
-        *kv_caches,
+        ex.abort, *kv_caches,
     )  # fmt: skip
     for name, t in ex.ws.items():
         # Per-layer buffers by layer (layer 0 shares the whole buffer's
@@ -177,16 +366,19 @@ def register_executor(standin: KernelStandIn, ex, kv_caches=()) -> None:
                              "router", "route", "xact", "qkv_a", "q_lat",
                              "q_pe")  # fmt: skip
         standin.register(*(t.unbind(0) if per_layer else (t,)))
-    # The mixtures' weights (the table is their only way in).
-    for lw, bias in zip(ex.weights.layers, ex.correction_bias, strict=True):
+    w = ex.weights
+    lm_head = (w.lm_head,) if ex.program.with_lm_head else ()
+    standin.register(w.embed, w.final_norm, *lm_head, ex.cos_sin)
+    nope = ex.shape.qk_nope
+    for lw, bias in zip(w.layers, ex.correction_bias, strict=True):
+        dense = (lw.input_norm, lw.qkv, lw.qkv_bias, lw.q_norm, lw.k_norm,
+                 lw.o_proj, lw.post_norm, lw.gate_up, lw.down)  # fmt: skip
+        standin.register(*(t for t in dense if t is not None))
         if lw.moe is not None:
             m = lw.moe
             standin.register(*(t for t in (m.router, m.w13, m.w2, bias,
                                            m.shared_gate_up, m.shared_down)
                                if t is not None))  # fmt: skip
-    # The latent attentions' weights, and kv_b_proj's W_UV view.
-    nope = ex.shape.qk_nope
-    for lw in ex.weights.layers:
         if lw.mla is not None:
             m = lw.mla
             standin.register(*(t for t in (m.q_a, m.q_a_norm, m.q_b, m.kv_a,

@@ -227,6 +227,27 @@ def test_harness_passes_a_correct_kernel(harness):
     assert result["graph"]["ok"] and len(result["graph"]["replays"]) == d.GRAPH_REPLAYS
 
 
+def test_the_abort_check_passes_a_kernel_that_aborts(harness):
+    """The GPU check's planted hang, on the stand-in (which aborts as the
+    kernel does): the record names the wait, and the next executor's step
+    is the interpreter's. Only the GPU judges the kernel's own side."""
+    d, case, _ = harness
+    result = d.abort_check(case)
+    assert result["ok"], result
+    assert result["fresh_record_clear"] and result["logits_rel_err_after"] < 1e-6
+
+
+def test_the_abort_check_fails_a_kernel_that_does_not_say(harness, monkeypatch):
+    """A kernel whose hung wait leaves no record (a silent early exit, as
+    the host sees it) fails the check."""
+    import kernel_standin
+
+    monkeypatch.setattr(kernel_standin.KernelStandIn, "aborts", False)
+    d, case, _ = harness
+    result = d.abort_check(case)
+    assert not result["ok"] and result["record"][0] == 0
+
+
 @pytest.mark.parametrize("harness", [{}, HEADS], ids=["plain", "heads"],
                          indirect=True)  # fmt: skip
 @pytest.mark.parametrize(
@@ -452,7 +473,7 @@ def test_report_table():
                        "breakdown": {"QKV": {"ms": 0.1, "weight_bytes": 3e8},
                                      "NOP": {"ms": 0.01, "weight_bytes": None}}},
         }},
-        "trap": {"ok": True}, "verdict": "incomplete",
+        "abort": {"ok": True}, "verdict": "incomplete",
         "why": ["racecheck not run (compute-sanitizer not installed)"],
         "planted": {"m-plant-kv-slot": {"bug": "kv-slot", "rejected": True,
                                         "failing": ["KV_APPEND", "KV_STRAY"]}},
@@ -602,9 +623,10 @@ def _driver(d, tmp_path, monkeypatch, outcomes: dict):
     def run_child(what, case, timeout, prefix=None):
         tool = prefix[prefix.index("--tool") + 1] if prefix else None
         calls.append((what, case.name, tool))
-        if what == "trap":
-            tail = outcomes.get("trap", "megakernel: wait timeout")
-            return {"ok": False, "rc": 1, "seconds": 0.0, "tail": tail}
+        if what == "abort":
+            # The step ended, its record named the wait, the next step ran.
+            tail = outcomes.get("abort", "megakernel: wait timeout")
+            return {"ok": True, "rc": 0, "seconds": 0.0, "tail": tail}
         if what == "sanitize":
             default = {"ok": True, "tail": "========= ERROR SUMMARY: 0 errors"}
             return {"seconds": 0.0, **outcomes.get(tool, default)}
@@ -628,7 +650,7 @@ def _driver(d, tmp_path, monkeypatch, outcomes: dict):
 
 def test_driver_order_and_verdict(tmp_path, monkeypatch):
     """main() on CPU with its child runs replaced: first what every figure
-    rests on (the planted bug's correct twin, the trap, the planted bug,
+    rests on (the planted bug's correct twin, the abort, the planted bug,
     memcheck and racecheck on the twin's kernel), then the other cases
     smallest first, the default before its variants and those as device_check.sh
     listed them (not as they were made). A passed verdict needs all of it."""
@@ -636,7 +658,7 @@ def test_driver_order_and_verdict(tmp_path, monkeypatch):
     monkeypatch.setattr(d.shutil, "which", lambda name: "/bin/compute-sanitizer")
     rc, report, calls = _driver(d, tmp_path, monkeypatch, {})
     assert calls == [
-        ("bandwidth", "m-b1", None), ("case", "m-b1", None), ("trap", "m-b1", None),
+        ("bandwidth", "m-b1", None), ("case", "m-b1", None), ("abort", "m-b1", None),
         ("correctness", "m-b1-plant-kv-slot", None),
         ("sanitize", "m-b1", "memcheck"), ("sanitize", "m-b1", "racecheck"),
         ("case", "s-b1", None), ("case", "m-b1-legacy", None),
@@ -655,8 +677,9 @@ def test_driver_order_and_verdict(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "outcomes, verdict, why",
     [
-        # The trap run without the kernel's message.
-        ({"trap": ""}, "failed", "the trap check"),
+        # The abort run without the kernel's message (a hang the child's time
+        # limit ended, or a dead context).
+        ({"abort": ""}, "failed", "the abort check"),
         # A planted bug that the check passes: the check itself is broken.
         ({"planted": {"ok": True, "steps": []}}, "failed",
          "planted bug m-b1-plant-kv-slot passed the check"),
@@ -670,7 +693,7 @@ def test_driver_order_and_verdict(tmp_path, monkeypatch):
         ({"memcheck": {"ok": False, "why": "timeout after 120 s"}},
          "incomplete", "memcheck not run (timeout after 120 s)"),
     ],
-    ids=["trap", "planted-passes", "memcheck-error", "unsupported", "timeout"],
+    ids=["abort", "planted-passes", "memcheck-error", "unsupported", "timeout"],
 )  # fmt: skip
 def test_verdict_fails_or_is_incomplete(tmp_path, monkeypatch, outcomes, verdict,
                                         why):  # fmt: skip

@@ -58,6 +58,9 @@ def check_sass(built: BuildResult, legacy: bool = False) -> None:
     assert built.acquire_loads >= 1
     assert built.release_fences >= 1 and built.release_atomics >= 1
     assert built.l2_prefetches >= 1, "weight tiles are no longer prefetched"
+    # No trap: an expired wait records the abort (a CAS claims the record)
+    # and the step ends, the CUDA context alive (sync.py).
+    assert built.traps == 0 and built.abort_records >= 1
     if legacy:
         # No roles: barriers of all 256 threads (the consumers' barrier is
         # then the CTA's) around each instruction, no register split.

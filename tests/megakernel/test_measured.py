@@ -41,7 +41,7 @@ def _case(batch: int, kernel_ms: float, baseline_ms: float, **timing) -> dict:
 
 
 PASSED_PARTS = {
-    "trap": {"ok": True},
+    "abort": {"ok": True},
     "planted": {"llama-3.2-1b-b1-kv": {"rejected": True}},
     "sanitizer": {"memcheck": {"status": "passed"},
                   "racecheck": {"status": "passed"}},
@@ -120,20 +120,20 @@ def test_a_newer_report_replaces_the_older_figures(tmp_path, table):
     "part, value",
     [
         # Failed: a wrong case, a planted bug passed, a sanitizer's errors,
-        # a hang not ended.
+        # a hang not ended by the abort.
         ("cases", {"llama-3.1-8b-b1": {**_case(1, 0.1, 9.0),
                                        "correctness": {"ok": False}}}),
         ("planted", {"llama-3.2-1b-b1-kv": {"rejected": False}}),
         ("sanitizer", {"memcheck": {"status": "failed"},
                        "racecheck": {"status": "passed"}}),
-        ("trap", {"ok": False}),
+        ("abort", {"ok": False}),
         # Incomplete: a required part did not run.
         ("planted", {"llama-3.2-1b-b1-kv": {"rejected": None}}),
         ("planted", {}),
         ("sanitizer", {"memcheck": {"status": "not run", "why": "out of time"},
                        "racecheck": {"status": "passed"}}),
         ("sanitizer", {}),
-        ("trap", {}),
+        ("abort", {}),
     ],
 )  # fmt: skip
 def test_only_a_passed_check_vouches(tmp_path, part, value):
@@ -192,12 +192,12 @@ def _call(cases: list[str], **parts) -> dict:
 
 
 def test_a_check_may_take_several_calls(tmp_path):
-    """The first call ran the first cases, the trap and the planted bug but
+    """The first call ran the first cases, the abort and the planted bug but
     its deadline cut the sanitizers and the larger batches; a second call
     at the same sources ran those. Alone each is incomplete; together,
     passed, and the second call's figures count too."""
     first = _call(["llama-3.2-1b-b1", "llama-3.2-1b-b2"],
-                  trap=PASSED_PARTS["trap"], planted=PASSED_PARTS["planted"],
+                  abort=PASSED_PARTS["abort"], planted=PASSED_PARTS["planted"],
                   sanitizer={"memcheck": {"status": "not run"},
                              "racecheck": {"status": "not run"}})  # fmt: skip
     second = _call(["llama-3.2-1b-b4", "llama-3.2-1b-b8"],

@@ -26,13 +26,20 @@ DEVICE = dataclasses.replace(DEVICES["h200"], num_sms=16)
 # qwen3_moe: a dense layer, then 8 experts top 2; mixtral: 4 experts top 2.
 ARCHS = ["qwen3_moe", "mixtral"]
 # fp32: split-KV attention sums in another order than the plain forward.
-# bf16: equal (on these models each fp32 difference stays under a rounding
-# step; docs/design.md states it).
-TOL = {torch.float32: 1e-5, torch.bfloat16: 0.0}
-# DeepSeek's scaled weights and shared expert make the mixture's output
-# larger (|y| up to 8): there the fp32 order differences do flip bf16
-# roundings, one step of that output at most.
-DEEPSEEK_BF16_TOL = 2**-5
+FP32_TOL = 1e-5
+# bf16: the program and the plain forward sum in fp32 in different orders
+# (and the CPU's matmul kernels pick their own order: AVX-512 bf16 machines
+# differ from others), so a bf16 rounding of a layer's output may go the
+# other way: at most one rounding step of the output's largest magnitude
+# per layer (two layers here). Equal on some machines, never required.
+BF16_ROUNDINGS = 2
+
+
+def bf16_tolerance(expected: torch.Tensor) -> float:
+    """BF16_ROUNDINGS rounding steps (bf16: 8 significant bits) at the
+    largest magnitude of ``expected``."""
+    top = expected.abs().max().float()
+    return BF16_ROUNDINGS * 2.0 ** (torch.floor(torch.log2(top)).item() - 7)
 
 
 def spec_of(arch: str, dtype) -> ModelSpec:
@@ -71,9 +78,7 @@ def test_interleavings_agree_bitwise_and_match_reference(arch, dtype, batch):
         random_decode_inputs(spec, batch, seed=7)
     )
     assert not outs[0].isnan().any()
-    tol = TOL[dtype]
-    if arch == "deepseek_routing" and dtype == torch.bfloat16:
-        tol = DEEPSEEK_BF16_TOL
+    tol = FP32_TOL if dtype == torch.float32 else bf16_tolerance(expected)
     torch.testing.assert_close(outs[0], expected, rtol=0, atol=tol)
 
 
@@ -90,7 +95,7 @@ def test_slots_are_filled_at_run_time(arch):
     expected = ReferenceExecutor(spec, weights).step(
         random_decode_inputs(spec, 3, seed=11)
     )
-    torch.testing.assert_close(got, expected, rtol=0, atol=TOL[torch.float32])
+    torch.testing.assert_close(got, expected, rtol=0, atol=FP32_TOL)
     interp = executor.interpreters[4]
     moe = spec.moe
     for layer, routing in enumerate(interp.routing):

@@ -7,7 +7,7 @@ package, possibly empty) holds one entry per GPU, model shape, kernel-source
 hash and batch bucket, each taken from a GPU check report
 (``scripts/device_run.py``) with the kernel's and the per-op baseline's step
 times. A bucket opens only from a report whose verdict is "passed" (every
-case correct, the trap check, every planted bug rejected, both sanitizers
+case correct, the abort check, every planted bug rejected, both sanitizers
 clean), where the kernel was faster by ``margin`` over the run's measured
 noise; the backend takes every batch up to the largest bucket below which
 every bucket is open (a prefix, as ``DecodeBackend.accepts`` requires). A
@@ -103,11 +103,11 @@ def verdict(report: dict) -> tuple[str, list[str]]:
     for name, c in report["cases"].items():
         if not c["correctness"].get("ok"):
             failed.append(f"{name} incorrect")
-    trap = report.get("trap", {}).get("ok")
-    if trap is False:
-        failed.append("the trap check")
-    elif trap is None:
-        missing.append("the trap check not run")
+    abort = report.get("abort", {}).get("ok")
+    if abort is False:
+        failed.append("the abort check")
+    elif abort is None:
+        missing.append("the abort check not run")
     planted = report.get("planted", {})
     for name, p in planted.items():
         if p.get("rejected") is None:
@@ -153,9 +153,9 @@ def combine(reports: list[dict]) -> dict:
             old = merged["cases"].get(name)
             if old is None or old["correctness"].get("ok"):
                 merged["cases"][name] = case
-        trap = r.get("trap", {}).get("ok")
-        if trap is not None and merged.get("trap", {}).get("ok") is not False:
-            merged["trap"] = r["trap"]
+        abort = r.get("abort", {}).get("ok")
+        if abort is not None and merged.get("abort", {}).get("ok") is not False:
+            merged["abort"] = r["abort"]
         for name, p in r.get("planted", {}).items():
             old = merged["planted"].get(name, {}).get("rejected")
             if old is None or (old and p.get("rejected") is False):

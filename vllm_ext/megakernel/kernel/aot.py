@@ -107,6 +107,10 @@ class BuildResult:
     exp2: int  # MUFU.EX2: an online softmax's exponentials on the SFU
     butterflies: int  # SHFL.BFLY: quad and warp reductions
     controller_prefetches: int  # UBLKPF.L2 in the controller's window
+    # A wait past its bound records an abort and lets the step end: no trap
+    # (it would kill the CUDA context, and the server with it).
+    traps: int  # BPT.TRAP
+    abort_records: int  # ATOMG.E.CAS: record_abort's claim of the record
     compile_s: float
 
 
@@ -314,5 +318,7 @@ def build(arch: str, out: str | Path, shape: KernelShape) -> BuildResult:
         exp2=len(re.findall(r"\bMUFU\.EX2\b", sass)),
         butterflies=len(re.findall(r"\bSHFL\.BFLY\b", sass)),
         controller_prefetches=_controller_prefetches(sass),
+        traps=len(re.findall(r"\bBPT\.TRAP\b", sass)),
+        abort_records=len(re.findall(r"\bATOMG\.E\.CAS\b", sass)),
         compile_s=round(compile_s, 3),
     )

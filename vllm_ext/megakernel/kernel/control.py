@@ -33,9 +33,12 @@ consumers' loads without a further fence.
 
 * ``wait_inputs`` (one thread): poll the wait counter with a bounded spin
   until it reaches ``epoch * count``; past ``max_spins`` polls print the
-  opcode, SM, pc, counter, expected and seen value, then trap (a broken
-  program ends the kernel, never hangs the GPU). Relaxed polls, then one
-  acquire load once the count is met.
+  opcode, SM, pc, counter, expected and seen value, record the abort
+  (``sync.record_abort``) and stop waiting; every ``ABORT_POLL`` polls,
+  stop waiting too if another wait recorded one. So a broken schedule ends
+  the step, every CTA leaving (the host fails the step), never hangs the
+  GPU nor kills its context. Relaxed polls, then one acquire load once the
+  count is met.
 * ``signal_done`` (thread 0, after the consumers' barrier: every
   consumer's stores are issued): add 1 to the signal counter with a release
   atomic at GPU scope.
@@ -62,9 +65,18 @@ from vllm_ext.megakernel.kernel.ops.kv_hint import hint_kv
 from vllm_ext.megakernel.kernel.ops.prefetch import prefetch_weights
 from vllm_ext.megakernel.kernel.ops.weight_pipe import instr_pages
 from vllm_ext.megakernel.kernel.queue import downs_end, fetch
-from vllm_ext.megakernel.kernel.sync import nanosleep, trap, wait_mbarrier
+from vllm_ext.megakernel.kernel.sync import (
+    abort_set,
+    nanosleep,
+    record_abort,
+    wait_mbarrier,
+)
 
 POLL_NS = 32
+# Polls of a counter between two reads of the abort record: a wait that
+# lasts this long (about 2 us) is rare; a read on every poll would put
+# every waiting CTA on one L2 line.
+ABORT_POLL = 64
 # Instructions the controller may run ahead of the consumers (one being
 # executed, the next ones fetched and awaited).
 QUEUE_SLOTS = 4
@@ -120,8 +132,8 @@ def controller(s: cutlass.Constexpr, r: cutlass.Constexpr, q: cutlass.Constexpr,
         slot = pc % QUEUE_SLOTS
         if pc >= QUEUE_SLOTS:
             wait_mbarrier(r.empty.iterator + slot, (pc // QUEUE_SLOTS + 1) % 2,
-                          max_spins, True, "instruction slot", q.sm,
-                          pc)  # fmt: skip
+                          max_spins, True, "INSTRUCTION_SLOT", q.sm, pc,
+                          ptrs, glob, s.batch)  # fmt: skip
         fetch(q, pc, ins)
         for w in cutlass.range_constexpr(WORDS):
             r.words[slot, w] = ins[w]
@@ -140,7 +152,7 @@ def controller(s: cutlass.Constexpr, r: cutlass.Constexpr, q: cutlass.Constexpr,
         elif ins[0] == Op.ATTN:
             hint_kv(s, ptrs, ins[1], glob, ins[2], s.kv_heads, ins[3],
                     kv_block_stride, block_table_stride)  # fmt: skip
-        wait_inputs(s, counters, ins, epoch, q.sm, pc, max_spins)
+        wait_inputs(s, counters, ins, epoch, q.sm, pc, max_spins, ptrs, glob)
         hinted = prefetch_routed(s, q, ptrs, ins, pc, length, hinted)
         # Release at CTA scope: the words above and (through the acquire in
         # wait_inputs) the producers' stores, to the consumers' wait.
@@ -172,13 +184,15 @@ def prefetch_routed(s: cutlass.Constexpr, q: cutlass.Constexpr, ptrs: cute.Tenso
 
 
 @cute.jit
-def wait_instruction(r: cutlass.Constexpr, pc, ins: cute.Tensor, max_spins, sm):
+def wait_instruction(s: cutlass.Constexpr, r: cutlass.Constexpr, pc, ins: cute.Tensor,
+                     max_spins, sm, ptrs: cute.Tensor, glob):  # fmt: skip
     """Every consumer thread: wait until instruction ``pc`` is published,
     then its words into ``ins``."""
     tidx, _, _ = cute.arch.thread_idx()
     slot = pc % QUEUE_SLOTS
     wait_mbarrier(r.ready.iterator + slot, (pc // QUEUE_SLOTS) % 2, max_spins,
-                  tidx == 0, "instruction", sm, pc)  # fmt: skip
+                  tidx == 0, "INSTRUCTION", sm, pc, ptrs, glob,
+                  s.batch)  # fmt: skip
     cute.autovec_copy(r.words[slot, None], ins)
 
 
@@ -191,9 +205,9 @@ def release_instruction(r: cutlass.Constexpr, pc):
 
 @cute.jit
 def wait_inputs(s: cutlass.Constexpr, counters: cute.Tensor, ins: cute.Tensor, epoch,
-                sm, pc, max_spins):  # fmt: skip
+                sm, pc, max_spins, ptrs: cute.Tensor, glob):  # fmt: skip
     """One thread: return once instruction ``ins``'s wait is met (at once
-    without one)."""
+    without one), or expired (recorded), or another wait's abort is seen."""
     if ins[4] >= 0:
         target = epoch * ins[5]
         ptr = counters.iterator + ins[4]
@@ -201,7 +215,8 @@ def wait_inputs(s: cutlass.Constexpr, counters: cute.Tensor, ins: cute.Tensor, e
         spins = Int32(0)
         # Compared by difference: counters and targets wrap mod 2^32
         # together, so a server never overflows them.
-        while seen - target < 0:
+        waiting = seen - target < 0
+        while waiting:
             spins = spins + 1
             if spins > max_spins:
                 cute.printf(
@@ -209,14 +224,23 @@ def wait_inputs(s: cutlass.Constexpr, counters: cute.Tensor, ins: cute.Tensor, e
                     "counter %d expected %d seen %d\n",
                     ins[0], sm, pc, ins[4], target, seen,
                 )  # fmt: skip
-                trap()
-            nanosleep(Int32(POLL_NS))
-            seen = cute.arch.load(ptr, Int32, sem="relaxed", scope="gpu")
-        # Acquire: the producers' stores are visible from here on. (An
-        # acquire load whose value is unused is dropped by the compiler.)
-        seen = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
-        if seen - target < 0:
-            trap()
+                record_abort(ptrs, glob, "INPUTS", sm, pc, ins[4], target,
+                             seen, s.batch)  # fmt: skip
+                waiting = cutlass.Boolean(False)
+            else:
+                nanosleep(Int32(POLL_NS))
+                seen = cute.arch.load(ptr, Int32, sem="relaxed", scope="gpu")
+                waiting = seen - target < 0
+                if waiting & (spins % ABORT_POLL == 0):
+                    waiting = not abort_set(ptrs, glob)
+        if seen - target >= 0:
+            # Acquire: the producers' stores are visible from here on. (An
+            # acquire load whose value is unused is dropped by the
+            # compiler; a counter never goes back, so this one is met too.)
+            seen = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
+            if seen - target < 0:
+                record_abort(ptrs, glob, "INPUTS", sm, pc, ins[4], target,
+                             seen, s.batch)  # fmt: skip
 
 
 @cute.jit

@@ -25,6 +25,8 @@ from vllm_ext.megakernel.kernel.launcher import (
     KernelLibrary,
     MegakernelError,
     arch_for_device,
+    describe_abort,
+    new_abort_record,
 )
 from vllm_ext.megakernel.kernel.shape import KernelShape
 from vllm_ext.megakernel.planner import plan
@@ -99,13 +101,22 @@ class GpuExecutor:
             max_workers=min(len(shapes), os.cpu_count() or 1)
         ) as pool:
             paths = dict(zip(shapes, pool.map(build, shapes.values()), strict=True))
+        self.programs = programs
+        # One abort record for every bucket: a step of any bucket that
+        # aborts leaves it set (shape.AbortWord), and the backend reads it
+        # with each step's sampled tokens (step_status).
+        self.abort = new_abort_record(device)
         self.executors: dict[int, KernelExecutor] = {}
         for bucket, program in programs.items():
             library = KernelLibrary(paths[bucket], device.index or 0)
             self.executors[bucket] = KernelExecutor(
                 program, weights, library.launch,
-                block_size=block_size, max_blocks=max_blocks,
+                block_size=block_size, max_blocks=max_blocks, abort=self.abort,
             )  # fmt: skip
+
+    def failure(self, record: torch.Tensor) -> str | None:
+        """The host copy of ``self.abort``, in words (None: no step aborted)."""
+        return describe_abort(record, self.programs)
 
     def step(self, inputs: DecodeInputs) -> torch.Tensor:
         n = inputs.batch_size

@@ -16,7 +16,11 @@ from pathlib import Path
 
 import torch
 
+from vllm_ext.megakernel.isa import Op
 from vllm_ext.megakernel.kernel.shape import (
+    ABORT_WORDS,
+    AbortWhat,
+    AbortWord,
     GlobalSlot,
     KernelShape,
     LayerSlot,
@@ -30,10 +34,56 @@ from vllm_ext.weights import DecodeWeights
 
 # Kernel architecture of each compute capability the kernel is built for.
 ARCH_OF_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
-# Polls of a counter before a wait traps (x a 32 ns nanosleep, which PTX
-# only bounds by twice that: up to ~1 s, far past any real step, far short
-# of a hung server).
+# Polls of a counter before a wait gives up and the step aborts (x a 32 ns
+# nanosleep, which PTX only bounds by twice that: up to ~1 s, far past any
+# real step, far short of a hung server).
 DEFAULT_MAX_SPINS = 1 << 24
+
+
+def new_abort_record(device: torch.device) -> torch.Tensor:
+    """The abort record (``shape.AbortWord``), clear: shared by every batch
+    bucket's executor of a backend, so one read tells whether any step
+    aborted."""
+    return torch.zeros(ABORT_WORDS, dtype=torch.int32, device=device)
+
+
+def describe_abort(record: torch.Tensor, programs: dict[int, Program]) -> str | None:
+    """The host copy of an abort record, in words (None: clear). ``programs``
+    by batch bucket, to name the instruction a wait stopped at."""
+    words = [int(w) for w in record.tolist()]
+    if not words[AbortWord.FLAG]:
+        return None
+    sm, index = words[AbortWord.SM], words[AbortWord.INDEX]
+    batch = words[AbortWord.BATCH]
+    try:
+        what = AbortWhat(words[AbortWord.WHAT])
+    except ValueError:
+        what = None
+    where = f"SM {sm}"
+    if what in (AbortWhat.WEIGHT_SLOT, AbortWhat.WEIGHT_PAGE):
+        where += f", weight page {index}"
+    else:
+        where += f", instruction {index}"
+        program = programs.get(batch)
+        if program is not None and what != AbortWhat.BAD_OPCODE:
+            queue, lengths = program.encode()
+            if sm < queue.shape[0] and 0 <= index < int(lengths[sm]):
+                op = int(queue[sm, index, 0])
+                where += f" ({Op(op).name}, layer {int(queue[sm, index, 1])})"
+    if what == AbortWhat.INPUTS:
+        waited = (
+            f"for counter {words[AbortWord.COUNTER]} to reach "
+            f"{words[AbortWord.EXPECTED]} (it saw {words[AbortWord.SEEN]})"
+        )
+    elif what == AbortWhat.BAD_OPCODE:
+        waited = f"on opcode {words[AbortWord.EXPECTED]}, which it does not know"
+    else:
+        name = what.name.lower().replace("_", " ") if what else "an unknown wait"
+        waited = f"for the {name}"
+    return (
+        f"the megakernel's bounded wait expired in a step of batch bucket "
+        f"{batch}: {where} waited {waited}; every CTA left the step early"
+    )
 
 
 class MegakernelError(RuntimeError):
@@ -114,6 +164,7 @@ class KernelExecutor:
         block_size: int,
         max_blocks: int,
         max_spins: int = DEFAULT_MAX_SPINS,
+        abort: torch.Tensor | None = None,
     ) -> None:
         self.program, self.weights, self.launch = program, weights, launch
         self.max_spins = max_spins
@@ -128,6 +179,8 @@ class KernelExecutor:
         # One cell per counter, then the step number (epoch).
         self.counters = torch.zeros(program.num_counters + 1, dtype=torch.int32,
                                     device=dev)  # fmt: skip
+        # Where a step records that it aborted (new_abort_record).
+        self.abort = new_abort_record(dev) if abort is None else abort
         layers = program.spec.num_layers
         self.ws: dict[str, torch.Tensor] = {}
         for name, dims in workspace_sizes(shape, layers).items():
@@ -215,6 +268,7 @@ class KernelExecutor:
             GlobalSlot.H_LAST: ws["h"][layers],
             GlobalSlot.OUT: ws["out"],
             GlobalSlot.LOGITS: ws["logits"] if p.with_lm_head else None,
+            GlobalSlot.ABORT: self.abort,
         }
         for slot, t in glob.items():
             table[layers, slot] = _address(t, slot.name.lower())
@@ -321,7 +375,7 @@ class KernelExecutor:
         # The kernel's waits count in steps: bump the step number for this
         # launch, and take it back if the launch was refused (nothing ran),
         # or every later step of this bucket would wait one step too long
-        # and trap.
+        # and abort.
         self.counters[-1:].add_(1)
         try:
             self.launch(

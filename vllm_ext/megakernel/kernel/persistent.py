@@ -93,7 +93,7 @@ from vllm_ext.megakernel.kernel.ops.weight_pipe import (
 )
 from vllm_ext.megakernel.kernel.queue import Queue, fetch
 from vllm_ext.megakernel.kernel.shape import KernelShape, table_width
-from vllm_ext.megakernel.kernel.sync import trap
+from vllm_ext.megakernel.kernel.sync import record_abort
 
 # The producer warpgroup (warps 8-11): the producer's and the controller's
 # lanes; the other two warps idle. setmaxnreg is warpgroup-wide, so the
@@ -432,7 +432,7 @@ def _consumer_loop(s: cutlass.Constexpr, q: cutlass.Constexpr, length,
     ins = cute.make_rmem_tensor((WORDS,), Int32)
     page = Int32(0)
     for pc in cutlass.range(length):
-        wait_instruction(ring, pc, ins, a.max_spins, a.sm)
+        wait_instruction(s, ring, pc, ins, a.max_spins, a.sm, a.ptrs, a.glob)
         op, layer, a0, a1 = ins[0], ins[1], ins[2], ins[3]
         w_stage = pipe
         if cutlass.const_expr(paged):
@@ -467,7 +467,8 @@ def _legacy_loop(s: cutlass.Constexpr, q: cutlass.Constexpr, length,
             if pc + 1 < length:
                 nxt = q.queue[q.sm, pc + 1, None]
                 prefetch_weights(s, a.ptrs, a.glob, nxt[0], nxt[1], nxt[2], nxt[3])
-            wait_inputs(s, a.counters, ins, a.epoch, a.sm, pc, a.max_spins)
+            wait_inputs(s, a.counters, ins, a.epoch, a.sm, pc, a.max_spins, a.ptrs,
+                        a.glob)  # fmt: skip
         consumer_sync()
         _execute(s, op, layer, a0, a1, a, m, w_stage, pc)
         consumer_sync()
@@ -482,7 +483,7 @@ def _execute(s: cutlass.Constexpr, op, layer, a0, a1, a: cutlass.Constexpr,
     ptrs, glob = a.ptrs, a.glob
     if (op == Op.QKV) | (op == Op.ATTN) | (op == Op.COMBINE):
         if cutlass.const_expr(s.mla):
-            _bad_opcode(op, a.sm, pc)
+            _bad_opcode(s, op, a, pc)
         else:
             _grouped_query_op(s, op, layer, a0, a1, a, m, w_stage)
     elif op == Op.O_PROJ:
@@ -558,17 +559,20 @@ def _moe_op(s: cutlass.Constexpr, a: cutlass.Constexpr, op, layer, a0, a1, rstd,
         elif op == Op.EXPERT_DOWN:
             expert_down(s, ptrs, layer, a0, a1, moe_i, moe_f)
         else:
-            _bad_opcode(op, sm, pc)
+            _bad_opcode(s, op, a, pc)
     else:
-        _bad_opcode(op, sm, pc)
+        _bad_opcode(s, op, a, pc)
 
 
 @cute.jit
-def _bad_opcode(op, sm, pc):
+def _bad_opcode(s: cutlass.Constexpr, op, a: cutlass.Constexpr, pc):
+    """An instruction word the kernel does not know: recorded as an abort
+    (the host fails the step), then skipped."""
     tidx, _, _ = cute.arch.thread_idx()
     if tidx == 0:
-        cute.printf("megakernel: bad opcode %d (sm %d pc %d)\n", op, sm, pc)
-        trap()
+        cute.printf("megakernel: bad opcode %d (sm %d pc %d)\n", op, a.sm, pc)
+        record_abort(a.ptrs, a.glob, "BAD_OPCODE", a.sm, pc, Int32(-1), op,
+                     Int32(0), s.batch)  # fmt: skip
 
 
 def fake_args(shape: KernelShape):

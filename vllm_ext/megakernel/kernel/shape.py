@@ -89,6 +89,39 @@ class GlobalSlot(IntEnum):
     H_LAST = 10  # [B, hidden]: the last layer's output
     OUT = 11  # [B, hidden] bf16: final-normed hidden states
     LOGITS = 12  # [B, vocab] fp32
+    ABORT = 13  # [ABORT_WORDS] int32: the abort record (AbortWord)
+
+
+class AbortWord(IntEnum):
+    """The abort record: zero until a bounded wait of a step expires; the
+    first CTA whose wait expires sets ``FLAG`` and writes where it waited.
+    Set, it stays set: the waits of every CTA, in this step and any later
+    one, stop waiting on other CTAs, so every CTA runs through its queue
+    without waiting and leaves (the step's results are garbage; the host
+    fails the step). One record serves every batch bucket."""
+
+    FLAG = 0  # 1 once set
+    SM = 1  # the CTA whose wait expired
+    INDEX = 2  # its instruction (pc), or its weight page
+    COUNTER = 3  # the counter it waited on (-1: an mbarrier of the CTA)
+    EXPECTED = 4  # the count it waited for (the ring's parity for an mbarrier)
+    SEEN = 5  # the count it saw
+    WHAT = 6  # AbortWhat
+    BATCH = 7  # the kernel's batch bucket
+
+
+class AbortWhat(IntEnum):
+    """Which wait expired."""
+
+    INPUTS = 1  # an instruction's inputs (a counter other CTAs signal)
+    INSTRUCTION = 2  # the consumers, for the controller's next instruction
+    INSTRUCTION_SLOT = 3  # the controller, for a free instruction slot
+    WEIGHT_SLOT = 4  # the producer, for a free weight page
+    WEIGHT_PAGE = 5  # the consumers, for a weight page to land
+    BAD_OPCODE = 6  # no wait: an instruction word the kernel does not know
+
+
+ABORT_WORDS = len(AbortWord)
 
 
 NUM_SLOTS = 18

@@ -1,8 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""PTX the DSL has no wrapper for: ``trap`` (end a hung wait loudly),
-``nanosleep`` (back off between polls of a counter) and a bulk L2 prefetch
-(start a weight stream before its instruction may run); and the one bounded
-mbarrier wait every ring of the kernel uses (``wait_mbarrier``)."""
+"""PTX the DSL has no wrapper for: ``nanosleep`` (back off between polls of
+a counter) and a bulk L2 prefetch (start a weight stream before
+its instruction may run); the one bounded mbarrier wait every ring of the
+kernel uses (``wait_mbarrier``); and the abort record a wait writes when
+its bound expires (``record_abort``, ``abort_set``).
+
+A wait past its bound never traps (a trap kills the CUDA context, and vLLM
+with it): it records where it waited, if no wait did before it, and stops
+waiting. The other CTAs' waits on counters see the record and stop waiting
+too (control.wait_inputs), so every CTA runs through its queue without
+waiting on another and leaves; the waits inside a CTA (its rings) complete
+as its roles go on. The host reads the record after the step (the backend's
+``step_status``) and fails the step: its results are garbage."""
 
 import cutlass
 import cutlass.cute as cute
@@ -10,13 +19,12 @@ from cutlass import Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
-
-@dsl_user_op
-def trap(*, loc=None, ip=None) -> None:
-    llvm.inline_asm(
-        None, [], "trap;", "", has_side_effects=True, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
-    )  # fmt: skip
+from vllm_ext.megakernel.kernel.shape import (
+    ABORT_WORDS,
+    AbortWhat,
+    AbortWord,
+    GlobalSlot,
+)
 
 
 @dsl_user_op
@@ -45,21 +53,66 @@ def prefetch_l2(addr: Int64, size: Int32, *, loc=None, ip=None) -> None:
 MBAR_POLL_NS = 32
 
 
+def abort_record(ptrs: cute.Tensor, glob) -> cute.Tensor:
+    """The abort record (``shape.AbortWord``), its address read from the
+    table where it is needed: the waits' cold paths, so no register holds
+    it while the kernel runs."""
+    ptr = cute.make_ptr(Int32, ptrs[glob, GlobalSlot.ABORT], cute.AddressSpace.gmem,
+                        assumed_align=16)  # fmt: skip
+    return cute.make_tensor(ptr, cute.make_layout(ABORT_WORDS))
+
+
+def abort_set(ptrs: cute.Tensor, glob):
+    """Whether a wait of this step (or of an earlier one) expired."""
+    flag = abort_record(ptrs, glob).iterator + AbortWord.FLAG
+    return cute.arch.load(flag, Int32, sem="relaxed", scope="gpu") != 0
+
+
 @cute.jit
-def wait_mbarrier(mbar, parity, max_spins, speak, what: cutlass.Constexpr, sm, idx):
+def record_abort(ptrs: cute.Tensor, glob, what: cutlass.Constexpr, sm, index,
+                 counter, expected, seen, batch: cutlass.Constexpr):  # fmt: skip
+    """One thread whose wait expired: claim the record, unless a wait claimed
+    it before, and say where it waited. The host reads it once the kernel
+    has ended (which orders these plain stores before the read)."""
+    rec = abort_record(ptrs, glob)
+    old = cute.arch.atomic_cas(rec.iterator + AbortWord.FLAG, cmp=Int32(0),
+                               val=Int32(1), sem="relaxed", scope="gpu")  # fmt: skip
+    if old == 0:
+        rec[AbortWord.SM] = sm
+        rec[AbortWord.INDEX] = index
+        rec[AbortWord.COUNTER] = counter
+        rec[AbortWord.EXPECTED] = expected
+        rec[AbortWord.SEEN] = seen
+        rec[AbortWord.WHAT] = Int32(AbortWhat[what].value)
+        rec[AbortWord.BATCH] = Int32(batch)
+
+
+@cute.jit
+def wait_mbarrier(mbar, parity, max_spins, speak, what: cutlass.Constexpr, sm, idx,
+                  ptrs: cute.Tensor, glob, batch: cutlass.Constexpr):  # fmt: skip
     """Return once the phase of parity ``parity`` of the mbarrier at
-    ``mbar`` has completed. Bounded like the counter waits: non-blocking
-    tests ``MBAR_POLL_NS`` apart (``try_wait`` may suspend for a
-    system-dependent time, which would leave the bound unknown; and
-    cutlass.pipeline's waits have no bound at all); past ``max_spins`` the
-    threads with ``speak`` print ``what`` with the SM and index, then all
-    trap: a broken schedule ends the kernel, never hangs the GPU."""
+    ``mbar`` has completed, or the wait expired. Bounded like the counter
+    waits: non-blocking tests ``MBAR_POLL_NS`` apart (``try_wait`` may
+    suspend for a system-dependent time, which would leave the bound
+    unknown; and cutlass.pipeline's waits have no bound at all). Past
+    ``max_spins`` the thread with ``speak`` prints ``what`` (an
+    ``AbortWhat`` name) with the SM and index and records the abort; every
+    thread stops waiting. (These are waits inside one CTA: they complete as
+    its roles go on, after an abort too; one expires only in a broken
+    kernel.)"""
+    message = (
+        "megakernel: " + what.lower().replace("_", " ") + " timeout: sm %d index %d\n"
+    )
     spins = Int32(0)
-    while not cute.arch.mbarrier_test_wait(mbar, parity):
+    done = cute.arch.mbarrier_test_wait(mbar, parity)
+    while not done:
         spins = spins + 1
         if spins > max_spins:
             if speak:
-                cute.printf("megakernel: " + what + " timeout: sm %d index %d\n",
-                            sm, idx)  # fmt: skip
-            trap()
-        nanosleep(Int32(MBAR_POLL_NS))
+                cute.printf(message, sm, idx)
+                record_abort(ptrs, glob, what, sm, idx, Int32(-1), parity,
+                             Int32(0), batch)  # fmt: skip
+            done = cutlass.Boolean(True)
+        else:
+            nanosleep(Int32(MBAR_POLL_NS))
+            done = cute.arch.mbarrier_test_wait(mbar, parity)

@@ -389,7 +389,8 @@ def produce(p: cutlass.Constexpr):
                 if not cute.arch.mbarrier_test_wait(p.empty.iterator + slot, parity):
                     _hint_ahead(p, pc, kp, g, hint_ins)
                     wait_mbarrier(p.empty.iterator + slot, parity, p.max_spins,
-                                  True, "weight slot", p.q.sm, g)  # fmt: skip
+                                  True, "WEIGHT_SLOT", p.q.sm, g, p.ptrs,
+                                  p.glob, p.shape.batch)  # fmt: skip
             # The consumers' generic-proxy reads of the slot (ordered before
             # this thread by the empty barrier) come before the async-proxy
             # writes that refill it.
@@ -441,7 +442,8 @@ def wait_page(p: cutlass.Constexpr, g):
     ``sync.wait_mbarrier``)."""
     tidx, _, _ = cute.arch.thread_idx()
     wait_mbarrier(p.full.iterator + g % p.slots, (g // p.slots) % 2, p.max_spins,
-                  tidx == 0, "weight page", p.q.sm, g)  # fmt: skip
+                  tidx == 0, "WEIGHT_PAGE", p.q.sm, g, p.ptrs, p.glob,
+                  p.shape.batch)  # fmt: skip
 
 
 @cute.jit
