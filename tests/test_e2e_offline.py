@@ -11,7 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.utils import DEFAULT_RUNS, check_logprobs_close, decode_backend_steps
+from tests.utils import (
+    DEFAULT_RUNS,
+    check_bf16_close,
+    check_logprobs_close,
+    decode_backend_steps,
+)
 from vllm_ext.plugin import ATTENTION_BACKEND
 
 pytestmark = pytest.mark.e2e
@@ -141,6 +146,15 @@ E2E_CASES = [
 ]  # fmt: skip
 
 
+# The project's bf16 rule (tests/utils.py) is not met yet: DeepSeek's
+# mixture in bf16 gives a chosen token's logprob up to 0.14 away from vLLM's
+# default decode (prompt 7 step 1), and parts where the picks are 0.078
+# apart (prompt 1 step 2), beyond two rounding steps, though fp32 is
+# identical: its bf16 routing arithmetic (router dtype, where the
+# correction bias is added, sigmoid and top-k order) is not yet vLLM's.
+BF16_ROUTING_OPEN = {"deepseek_v3_moe"}
+
+
 @pytest.mark.parametrize("arch, dtype", E2E_CASES)
 def test_megakernel_matches_default(demo_model, monkeypatch, arch, dtype):
     monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
@@ -155,8 +169,15 @@ def test_megakernel_matches_default(demo_model, monkeypatch, arch, dtype):
 
     if dtype == "float32":
         assert [ids for ids, _ in mega] == [ids for ids, _ in default]
-    else:
-        check_logprobs_close(default, mega, "default", "megakernel")
+        return
+    check_logprobs_close(default, mega, "default", "megakernel")  # vLLM's rule
+    if arch not in BF16_ROUTING_OPEN:
+        stats = check_bf16_close(default, mega, "default", "megakernel")
+        assert stats["compared"] >= len(MAX_TOKENS)
+        return
+    # Strict: fails once the gap below is closed, and the case joins the rest.
+    with pytest.raises(AssertionError, match="both picked|not near a tie"):
+        check_bf16_close(default, mega, "default", "megakernel")
 
 
 def test_all_dense_deepseek_with_unused_moe_fields(demo_model, monkeypatch, tmp_path):
@@ -598,6 +619,7 @@ def test_gpu_route_through_vllm_with_a_stand_in_kernel(
     if arch == "llama":
         default = _default(model, "bfloat16")
         check_logprobs_close(default, mega, "default", "megakernel (stand-in kernel)")
+        check_bf16_close(default, mega, "default", "megakernel (stand-in kernel)")
 
 
 def test_a_kernel_step_that_aborts_fails_its_requests_and_vllm_serves_on(

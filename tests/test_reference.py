@@ -143,9 +143,10 @@ NEAR_TIE = 0.25
 
 def _same_routing(spec: ModelSpec, hf_out, routed: dict, seq: int) -> int:
     """How many leading tokens of sequence ``seq`` both sides routed to the
-    same experts in every sparse layer. After a difference (in bf16: a near
-    tie, checked) the two compute different functions: that token and every
-    later one, whose attention reads its K/V, are not compared."""
+    same experts in every sparse layer. fp32 must route every token as
+    float64 does (no excuse). In bf16 a difference must be a near tie,
+    checked; after it the two compute different functions: that token and
+    every later one, whose attention reads its K/V, are not compared."""
     k = spec.moe.top_k
     tokens = hf_out.last_hidden_state.shape[1]
     for layer, logits in enumerate(hf_out.router_logits):
@@ -153,16 +154,11 @@ def _same_routing(spec: ModelSpec, hf_out, routed: dict, seq: int) -> int:
         _, want = route(logits, spec.moe)
         for t in range(tokens):
             if set(routed[seq, t][layer]) != set(want[t].tolist()):
+                assert spec.dtype != torch.float32, (
+                    f"fp32 routes sequence {seq} token {t} layer {layer} unlike float64"
+                )
                 top = logits[t].topk(k + 1).values
                 assert top[k - 1] - top[k] < NEAR_TIE, (seq, t, layer)
                 tokens = t
                 break
-    return tokens
-    k = spec.moe.top_k
-    for logits in hf_out.router_logits:
-        probs = torch.softmax(logits.reshape(tokens, -1).double(), dim=-1)
-        top = probs.topk(k + 1, dim=-1).values
-        near = (top[:, k - 1] - top[:, k] < NEAR_TIE).nonzero()
-        if len(near):
-            tokens = min(tokens, int(near[0]))
     return tokens
