@@ -22,6 +22,18 @@ MODEL_CACHE = Path(
 )
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on tiny models a second one only spins on a
+    shared runner (a step ran ~50x slower with two on this 2-core machine)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def demo_model():
     """Build (once) and return the directory of a tiny demo model."""

@@ -625,8 +625,7 @@ def _driver(d, tmp_path, monkeypatch, outcomes: dict):
         calls.append((what, case.name, tool))
         if what == "abort":
             # The step ended, its record named the wait, the next step ran.
-            tail = outcomes.get("abort", "megakernel: wait timeout")
-            return {"ok": True, "rc": 0, "seconds": 0.0, "tail": tail}
+            return {"seconds": 0.0, "tail": "", **outcomes.get("abort", {"ok": True})}
         if what == "sanitize":
             default = {"ok": True, "tail": "========= ERROR SUMMARY: 0 errors"}
             return {"seconds": 0.0, **outcomes.get(tool, default)}
@@ -677,9 +676,10 @@ def test_driver_order_and_verdict(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "outcomes, verdict, why",
     [
-        # The abort run without the kernel's message (a hang the child's time
-        # limit ended, or a dead context).
-        ({"abort": ""}, "failed", "the abort check"),
+        # The abort child hung (its time limit ended it), or found the
+        # record wrong or the context dead.
+        ({"abort": {"ok": False, "why": "timeout after 90 s"}}, "failed",
+         "the abort check"),
         # A planted bug that the check passes: the check itself is broken.
         ({"planted": {"ok": True, "steps": []}}, "failed",
          "planted bug m-b1-plant-kv-slot passed the check"),

@@ -35,13 +35,7 @@ DEVICE = dataclasses.replace(DEVICES["h200"], num_sms=16)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 0.0625}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models: a second intra-op thread only spins on a shared runner.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def mla_spec(dtype, q_lora_rank: int | None = 96, layers: int = 2) -> ModelSpec:

@@ -27,13 +27,7 @@ BATCH = 2
 G = 2  # the table's global row: make_spec's models have 2 layers
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models: a second intra-op thread only spins on a shared runner.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.cache

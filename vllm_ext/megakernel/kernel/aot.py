@@ -41,21 +41,6 @@ print(time.perf_counter() - t0)
 """
 
 
-def _hot_local_loads(sass: str, window: int = 24) -> int:
-    """LDLs not on a printf path: a local load with no ``vprintf`` call
-    (``CALL.ABS.NOINC``) within the next ``window`` instructions. Around
-    printf's ABI call ptxas keeps its frame address and arguments in the
-    stack when registers are short (cold: only a failing wait prints);
-    anything else is a spill in running code."""
-    ins = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
-    return sum(
-        1
-        for i, line in enumerate(ins)
-        if re.search(r"\bLDL\b", line)
-        and not any("CALL.ABS.NOINC" in x for x in ins[i + 1 : i + 1 + window])
-    )
-
-
 def _max_register(sass: str) -> int:
     """Registers the SASS names (the highest Rn plus one): with setmaxnreg,
     the consumers' peak, where cuobjdump reports the launch's grant."""
@@ -84,7 +69,8 @@ class BuildResult:
     registers: int
     spill_bytes: int  # local memory per thread (cuobjdump LOCAL)
     local_loads: int  # LDL in the SASS: reloads of spilled registers
-    hot_local_loads: int  # those not on a printf path (_hot_local_loads)
+    calls: int  # CALL.ABS, out of the kernel (vprintf): none (its ABI kept
+    # live loop values in the stack; the kernel's own subroutines are fine)
     stack_bytes: int
     shared_bytes: int
     ldg128: int  # 128-bit global loads in the SASS
@@ -294,7 +280,7 @@ def build(arch: str, out: str | Path, shape: KernelShape) -> BuildResult:
         stack_bytes=field("STACK"),
         shared_bytes=field("SHARED"),
         local_loads=len(re.findall(r"\bLDL\b", sass)),
-        hot_local_loads=_hot_local_loads(sass),
+        calls=len(re.findall(r"\bCALL\.ABS\b", sass)),
         ldg128=len(re.findall(r"LDG\.E\.128", sass)),
         acquire_loads=sass.count("CCTL.IVALL"),
         release_atomics=len(

@@ -32,9 +32,9 @@ that includes both threads, so the producer's stores happen before the
 consumers' loads without a further fence.
 
 * ``wait_inputs`` (one thread): poll the wait counter with a bounded spin
-  until it reaches ``epoch * count``; past ``max_spins`` polls print the
-  opcode, SM, pc, counter, expected and seen value, record the abort
-  (``sync.record_abort``) and stop waiting; every ``ABORT_POLL`` polls,
+  until it reaches ``epoch * count``; past ``max_spins`` polls record the
+  abort (``sync.record_abort``: SM, pc, counter, expected and seen value;
+  the host prints it) and stop waiting; every ``ABORT_POLL`` polls,
   stop waiting too if another wait recorded one. So a broken schedule ends
   the step, every CTA leaving (the host fails the step), never hangs the
   GPU nor kills its context. Relaxed polls, then one acquire load once the
@@ -219,11 +219,6 @@ def wait_inputs(s: cutlass.Constexpr, counters: cute.Tensor, ins: cute.Tensor, e
         while waiting:
             spins = spins + 1
             if spins > max_spins:
-                cute.printf(
-                    "megakernel: wait timeout: opcode %d sm %d pc %d "
-                    "counter %d expected %d seen %d\n",
-                    ins[0], sm, pc, ins[4], target, seen,
-                )  # fmt: skip
                 record_abort(ptrs, glob, "INPUTS", sm, pc, ins[4], target,
                              seen, s.batch)  # fmt: skip
                 waiting = cutlass.Boolean(False)

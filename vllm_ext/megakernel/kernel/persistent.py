@@ -102,9 +102,10 @@ PRODUCER_WARP = NUM_WARPS
 CONTROLLER_WARP = NUM_WARPS + 1
 ROLE_THREADS = 128
 # Registers per thread after setmaxnreg: 256 x 224 + 128 x 56 = 64512, the
-# launch's grant (65536 / 384 = 168 each). At 40 the roles' loops keep
-# values in the stack across printf's call (SASS: LDL); the consumers'
-# peak on the shapes built so far is 207 (DeepSeek-V3's MLA, batch 1).
+# launch's grant (65536 / 384 = 168 each). 56 was chosen when the waits
+# still printed (at 40 the roles' loops kept values in the stack across
+# printf's call); not tuned again since nothing prints. The consumers' peak
+# on the shapes built so far is 222 (DeepSeek-V3 and Kimi-K2, sm_100a).
 CONSUMER_REGS = 224
 PRODUCER_REGS = 56
 
@@ -570,7 +571,6 @@ def _bad_opcode(s: cutlass.Constexpr, op, a: cutlass.Constexpr, pc):
     (the host fails the step), then skipped."""
     tidx, _, _ = cute.arch.thread_idx()
     if tidx == 0:
-        cute.printf("megakernel: bad opcode %d (sm %d pc %d)\n", op, a.sm, pc)
         record_abort(a.ptrs, a.glob, "BAD_OPCODE", a.sm, pc, Int32(-1), op,
                      Int32(0), s.batch)  # fmt: skip
 

@@ -95,21 +95,18 @@ def wait_mbarrier(mbar, parity, max_spins, speak, what: cutlass.Constexpr, sm, i
     waits: non-blocking tests ``MBAR_POLL_NS`` apart (``try_wait`` may
     suspend for a system-dependent time, which would leave the bound
     unknown; and cutlass.pipeline's waits have no bound at all). Past
-    ``max_spins`` the thread with ``speak`` prints ``what`` (an
-    ``AbortWhat`` name) with the SM and index and records the abort; every
-    thread stops waiting. (These are waits inside one CTA: they complete as
-    its roles go on, after an abort too; one expires only in a broken
-    kernel.)"""
-    message = (
-        "megakernel: " + what.lower().replace("_", " ") + " timeout: sm %d index %d\n"
-    )
+    ``max_spins`` the thread with ``speak`` records the abort (``what``: an
+    ``AbortWhat`` name, the SM and index); every thread stops waiting.
+    (These are waits inside one CTA: they complete as its roles go on,
+    after an abort too; one expires only in a broken kernel.) Nothing
+    prints: the host reads the record, and the kernel keeps no call (a
+    printf's ABI call kept loop values in the stack)."""
     spins = Int32(0)
     done = cute.arch.mbarrier_test_wait(mbar, parity)
     while not done:
         spins = spins + 1
         if spins > max_spins:
             if speak:
-                cute.printf(message, sm, idx)
                 record_abort(ptrs, glob, what, sm, idx, Int32(-1), parity,
                              Int32(0), batch)  # fmt: skip
             done = cutlass.Boolean(True)
