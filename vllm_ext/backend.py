@@ -213,10 +213,7 @@ class MegakernelDecodeBackend(DecodeBackend):
         why = self.executor.failure(status)
         if why is not None:
             # vLLM logs it as an error and fails the step's requests.
-            why += (
-                ". The megakernel is off for this process (a restart turns it "
-                "back on); vLLM's default decode runs every later step"
-            )
+            why += ". The megakernel is off for this process until a restart"
         return why
 
     def accepts(self, num_reqs: int, num_tokens: int, max_query_len: int) -> bool:
