@@ -76,7 +76,9 @@ def _moe(**kw) -> MoeSpec:
     "moe, biased",
     [(_moe(), False),
      (_moe(grouped=True, num_groups=4, topk_groups=2), False),
-     (_moe(grouped=True, num_groups=4, topk_groups=2), True)],
+     (_moe(grouped=True, num_groups=4, topk_groups=2), True),
+     # Kimi-K2's one group: every group kept, no group margin.
+     (_moe(grouped=True, num_groups=1, topk_groups=1), True)],
 )  # fmt: skip
 def test_routing_margin_is_how_far_the_choice_is_from_changing(moe, biased):
     gen = torch.Generator().manual_seed(0)

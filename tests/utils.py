@@ -112,7 +112,7 @@ def routing_margin(logits: torch.Tensor, moe, correction_bias=None) -> torch.Ten
 
     _, choice, group_scores = selection(logits, moe, correction_bias)
     margin = torch.full(choice.shape[:1], float("inf"))
-    if group_scores is not None:
+    if group_scores is not None and moe.topk_groups < moe.num_groups:
         ranked = group_scores.sort(dim=-1, descending=True).values
         lead = ranked[:, moe.topk_groups - 1] - ranked[:, moe.topk_groups]
         margin = lead / (2 if correction_bias is not None else 1)
