@@ -177,6 +177,32 @@ def test_megakernel_matches_default(demo_model, monkeypatch, arch, dtype):
     assert stats["compared"] >= len(MAX_TOKENS)
 
 
+# INT4 W4A16 checkpoints (vllm_ext/demo_quant.py) of the dense Llama demo.
+# vLLM's CPU op for them (cpu_gemm_wna16) exists only in its AVX-512 build:
+# elsewhere tests/cpu_quant_ops.py stands in, with Marlin's numerics.
+# (GPTQ in fp32: vLLM refuses the dtype.)
+@pytest.mark.parametrize(
+    "fmt, dtype",
+    [("pack-quantized", "float32"), ("pack-quantized", "bfloat16"),
+     ("gptq", "bfloat16")],
+)  # fmt: skip
+def test_int4_checkpoint_matches_default(demo_model, monkeypatch, tmp_path, fmt, dtype):
+    from tests import cpu_quant_ops
+    from vllm_ext.demo_quant import quantize_checkpoint
+
+    monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
+    cpu_quant_ops.install(monkeypatch)
+    model = str(quantize_checkpoint(demo_model("llama"), tmp_path / fmt, fmt))
+    default, _ = _generate(model, dtype)
+    mega, stats = _generate(model, dtype, decode_backend="megakernel")
+    assert stats == (max(MAX_TOKENS) - 1, {}, {PARTS["llama"]})
+    if dtype == "float32":
+        assert [ids for ids, _ in mega] == [ids for ids, _ in default]
+        return
+    check_logprobs_close(default, mega, "default", "megakernel")
+    assert check_bf16_close(default, mega, "default", "megakernel")["compared"] >= 9
+
+
 def test_all_dense_deepseek_with_unused_moe_fields(demo_model, monkeypatch, tmp_path):
     """A DeepSeek-V3 whose layers are all dense (first_k_dense_replace =
     num_hidden_layers) and whose unused MoE fields would be refused in a

@@ -91,7 +91,7 @@ class MegakernelDecodeBackend(DecodeBackend):
             # preference).
             record_kv_cache_layout(vllm_config.cache_config, KV_CACHE_LAYOUT.name)
         if current_platform.is_cuda() and not interpret:
-            _check_gpu_kernel(vllm_config)
+            _check_gpu_kernel(vllm_config, spec)
         if interpret and current_platform.is_cuda():
             # The interpreter reads sequence lengths on the host: it cannot be
             # captured in a CUDA graph.
@@ -484,8 +484,14 @@ def _check_latent_caches(
             )
 
 
-def _check_gpu_kernel(vllm_config: VllmConfig) -> None:
+def _check_gpu_kernel(vllm_config: VllmConfig, spec: ModelSpec) -> None:
     """What the compiled kernel (not the reference) needs."""
+    if spec.quant is not None:
+        raise ValueError(
+            f"--decode-backend megakernel runs {spec.quant.name} checkpoints in "
+            "reference mode only: the kernel has no INT4 device functions yet. "
+            + INTERPRET_HINT
+        )
     capability = tuple(current_platform.get_device_capability() or ())
     if capability not in ARCH_OF_CAPABILITY:
         raise ValueError(
@@ -529,7 +535,11 @@ def _check_deployment(vllm_config: VllmConfig, spec: ModelSpec) -> None:
         f"VLLM_KV_CACHE_LAYOUT={layout} (the kernel reads {KV_CACHE_LAYOUT.name})": (
             layout is not None and layout not in KV_CACHE_LAYOUT_NAMES
         ),
-        f"quantization {model.quantization!r}": model.quantization is not None,
+        # A checkpoint's own format is spec.quant (quant.py, refused or
+        # taken by name); vLLM quantizing an unquantized one as it loads is not.
+        f"--quantization {model.quantization}": (
+            model.quantization is not None and spec.quant is None
+        ),
     }
     named = [name for name, present in unsupported.items() if present]
     if named:

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from vllm_ext.quant import QuantFormat, quant_format
+
 # Architecture -> (has QKV bias, has per-head QK RMSNorm).
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "LlamaForCausalLM": (False, False),
@@ -96,6 +98,14 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
 
 
+def _quant_format(hf_config: Any, need) -> QuantFormat | None:
+    try:
+        return quant_format(getattr(hf_config, "quantization_config", None))
+    except ValueError as refused:
+        need(False, str(refused))
+        raise
+
+
 class UnsupportedModelError(ValueError):
     """The model (or a feature of it) is outside what the megakernel runs."""
 
@@ -120,6 +130,8 @@ class ModelSpec:
     # vLLM's latent cache (MLAAttentionSpec): num_kv_heads 1, head_dim the
     # latent row width; num_q_heads the attention heads; no QKV bias/QK norm.
     mla: MlaSpec | None = None
+    # A quantized checkpoint's format (quant.py); None: the model dtype.
+    quant: QuantFormat | None = None
 
     def with_layers(self, n: int) -> ModelSpec:
         """The first ``n`` layers of the model (shorter programs for checks:
@@ -183,7 +195,7 @@ class ModelSpec:
             window = getattr(hf_config, "sliding_window", None)
             refusal = sliding_window_refusal(window, max_model_len)
             need(refusal is None, refusal or "")
-        need(getattr(hf_config, "quantization_config", None) is None, "quantization")
+        quant = _quant_format(hf_config, need)
         rope = _rope_parameters(hf_config)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         need(rope_type in ("default", "linear", "llama3"), f"rope type {rope_type!r}")
@@ -192,6 +204,7 @@ class ModelSpec:
             "partial rotary embedding",
         )
         moe = _moe_spec(arch, hf_config, need) if arch in MOE_ARCHITECTURES else None
+        need(quant is None or moe is None, f"{quant and quant.name} mixtures (yet)")
         return cls(
             architecture=arch,
             dtype=dtype,
@@ -207,6 +220,7 @@ class ModelSpec:
             qk_norm=qk_norm,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             moe=moe,
+            quant=quant,
         )
 
 
@@ -263,7 +277,8 @@ def _deepseek_spec(cls, arch: str, hf_config: Any, dtype: torch.dtype, need):
     need(not getattr(c, "attention_bias", False), "attention bias")
     act = getattr(c, "hidden_act", "silu")
     need(act == "silu", f"activation {act!r}")
-    need(getattr(c, "quantization_config", None) is None, "quantization")
+    quant = _quant_format(c, need)
+    need(quant is None, f"{quant and quant.name} latent attention (yet)")
     scale = (nope + rope_dim) ** -0.5
     rope = _rope_parameters(c)
     rope_type = rope.get("rope_type", rope.get("type", "default"))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_ext.model_spec import ModelSpec, UnsupportedModelError
+from vllm_ext.quant import int4_weight
 
 
 @dataclass(frozen=True)
@@ -211,7 +212,10 @@ def linear_weight(layer: torch.nn.Module, shape: tuple[int, int]) -> torch.Tenso
     after prepacking (``layer.cpu_linear`` computes ``x @ W.T`` from the
     packed copy), it is read back by multiplying the identity: each output
     element is one weight times 1 plus zeros, so the copy is exact in any
-    dtype."""
+    dtype. A quantized layer's: its dequantized weight (``quant.py``)."""
+    if _quantized(layer):
+        # Reference mode reads the codes and scales the kernel will read.
+        return int4_weight(layer, shape).dequantize()
     weight = layer.weight
     if weight.numel() or not hasattr(layer, "cpu_linear"):
         return weight
@@ -223,6 +227,13 @@ def linear_weight(layer: torch.nn.Module, shape: tuple[int, int]) -> torch.Tenso
         eye[:, start:stop].fill_diagonal_(1)
         rows.append(layer.cpu_linear(eye, weight, None).to(weight.dtype))
     return torch.cat(rows).t().contiguous()
+
+
+def _quantized(layer: torch.nn.Module) -> bool:
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    method = getattr(layer, "quant_method", None)
+    return method is not None and not isinstance(method, UnquantizedLinearMethod)
 
 
 def moe_weights(block: torch.nn.Module, spec: ModelSpec) -> MoeWeights:

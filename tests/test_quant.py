@@ -1,0 +1,162 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Quantized checkpoints (vllm_ext/quant.py): which formats are taken and
+which refused by name, the INT4 dequantization against the formats' own
+libraries, and the demo checkpoints against vLLM's unpacking."""
+
+import pytest
+import torch
+
+from vllm_ext.demo_quant import _gptq, _pack_quantized, quantize_int4
+from vllm_ext.quant import INT4_W4A16, Int4Weight, quant_format
+
+
+def _ct(weights: dict, acts: dict | None = None, fmt: str = "pack-quantized"):
+    weights = {"num_bits": 4, "type": "int", "symmetric": True,
+               "strategy": "group", "group_size": 128} | weights  # fmt: skip
+    return {"quant_method": "compressed-tensors", "format": fmt,
+            "config_groups": {"g": {"targets": ["Linear"], "weights": weights,
+                                    "input_activations": acts}}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "config, checkpoint, group",
+    [
+        ({"quant_method": "gptq", "bits": 4, "group_size": 64, "sym": True,
+          "desc_act": False}, "gptq", 64),
+        # Kimi-K2-Thinking's experts and attention: group 32.
+        (_ct({"group_size": 32}), "compressed-tensors pack-quantized", 32),
+        (_ct({"strategy": "channel", "group_size": None}),
+         "compressed-tensors pack-quantized", -1),
+    ],
+)  # fmt: skip
+def test_int4_w4a16_is_taken(config, checkpoint, group):
+    fmt = quant_format(config)
+    assert (fmt.name, fmt.checkpoint, fmt.bits, fmt.group_size) == (
+        INT4_W4A16,
+        checkpoint,
+        4,
+        group,
+    )
+
+
+@pytest.mark.parametrize(
+    "config, name",
+    [
+        ({"quant_method": "fp8", "weight_block_size": [128, 128]},
+         "FP8 with 128x128 block scales"),
+        ({"quant_method": "fp8"}, "FP8 with per-tensor scales"),
+        ({"quant_method": "awq", "bits": 4}, "AWQ"),
+        ({"quant_method": "mxfp4"}, "MXFP4"),
+        ({"quant_method": "modelopt_fp4"}, "NVFP4"),
+        ({"quant_method": "bitsandbytes"}, "bitsandbytes"),
+        ({"quant_method": "squeezellm"}, "quant_method 'squeezellm'"),
+        ({"quant_method": "gptq", "bits": 8, "sym": True}, "GPTQ with 8-bit"),
+        ({"quant_method": "gptq", "bits": 4, "sym": False}, "zero points"),
+        ({"quant_method": "gptq", "bits": 4, "desc_act": True}, "act-order"),
+        (_ct({"type": "float", "num_bits": 8, "strategy": "channel"},
+             {"num_bits": 8, "type": "float", "dynamic": True}, "float-quantized"),
+         "FP8 \\(W8A8\\)"),
+        (_ct({"type": "float", "num_bits": 4, "group_size": 16},
+             {"num_bits": 4, "type": "float"}, "nvfp4-pack-quantized"),
+         "NVFP4/MXFP4"),
+        (_ct({"type": "int", "num_bits": 8, "strategy": "channel"},
+             {"num_bits": 8, "type": "int"}, "int-quantized"), "INT8"),
+        (_ct({"symmetric": False}), "zero points"),
+        (_ct({"actorder": "group"}), "act-order"),
+        (_ct({"strategy": "tensor"}), "strategy 'tensor'"),
+        (_ct({}, {"num_bits": 8, "type": "int"}), "pack-quantized"),
+    ],
+)  # fmt: skip
+def test_other_formats_are_refused_by_name(config, name):
+    with pytest.raises(ValueError, match=f"^quantization .*{name}"):
+        quant_format(config)
+
+
+def test_dequantize_matches_compressed_tensors():
+    """The demo's pack-quantized checkpoint, unpacked and dequantized by
+    compressed-tensors itself, equals Int4Weight.dequantize bit for bit
+    (bf16 scales: one rounding of q * s)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import (
+        unpack_from_int32,
+    )
+
+    weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+    t = _pack_quantized("w.weight", weight)
+    codes = unpack_from_int32(t["w.weight_packed"], 4, torch.Size(weight.shape))
+    scales = t["w.weight_scale"]
+    theirs = codes.to(torch.bfloat16) * scales.repeat_interleave(32, dim=1)
+    ours = Int4Weight((codes.to(torch.int16) + 8).to(torch.uint8), scales)
+    assert torch.equal(ours.dequantize(), theirs)
+    # Close to the weight it quantizes: half a step, plus the bf16 rounding
+    # of q * s (|q| <= 8: 8 * 2^-9 of a step).
+    step = scales.float().repeat_interleave(32, dim=1)
+    error = (ours.dequantize().float() - weight).abs()
+    assert (error <= step * (0.5 + 2**-6)).all()
+
+
+def test_gptq_checkpoint_unpacks_as_vllm_reads_it():
+    """The demo's GPTQ tensors, unpacked with vLLM's own helper (uint4b8,
+    packed along K), give the same codes and scales as the quantizer."""
+    from vllm.model_executor.layers.quantization.utils.quant_utils import (
+        unpack_quantized_values_into_int32,
+    )
+    from vllm.scalar_type import scalar_types
+
+    weight = torch.randn(32, 128, generator=torch.Generator().manual_seed(1))
+    codes, scales = quantize_int4(weight, 64)
+    t = _gptq("w.weight", weight)
+    unpacked = unpack_quantized_values_into_int32(
+        t["w.qweight"], scalar_types.uint4b8, 0
+    )
+    assert torch.equal(unpacked.t(), codes.to(torch.int32) + 8)
+    assert torch.equal(t["w.scales"].t().to(torch.bfloat16), scales)
+    assert torch.equal(t["w.g_idx"], torch.arange(128, dtype=torch.int32) // 64)
+
+
+def test_cpu_layout_stand_in_unpacks_vllm_repack():
+    """tests/cpu_quant_ops.py reads vLLM's CPU W4A16 layout: repack codes
+    as CPUWNA16LinearKernel does and unpack them back."""
+    from vllm.model_executor.layers.quantization.utils.quant_utils import (
+        pack_quantized_values_into_int32,
+    )
+    from vllm.scalar_type import scalar_types
+
+    from tests.cpu_quant_ops import unpack_cpu_wna16
+
+    k, n = 64, 32
+    codes = torch.randint(0, 16, (k, n), dtype=torch.int32)
+    packed = pack_quantized_values_into_int32(codes, scalar_types.uint4b8, 1)
+    # CPUWNA16LinearKernel._process_gptq_weights_w4a16's block order.
+    blocked = packed.view(k, -1, 2).permute(1, 0, 2).reshape(-1, k * 2)
+    assert torch.equal(unpack_cpu_wna16(blocked, k), codes)
+
+
+def _llama_spec(quantization_config: dict):
+    from vllm_ext.demo_models import hf_config
+    from vllm_ext.model_spec import ModelSpec
+
+    config = hf_config("llama")
+    config.quantization_config = quantization_config
+    return ModelSpec.from_hf_config(config, torch.bfloat16, 512)
+
+
+def test_int4_runs_in_reference_mode_only():
+    """A dense INT4 model's spec carries its format; the GPU kernel refuses
+    it at start-up (no INT4 device functions yet), pointing at reference
+    mode."""
+    from vllm_ext import backend
+
+    spec = _llama_spec(_ct({"group_size": 32}))
+    assert spec.quant == quant_format(_ct({"group_size": 32}))
+    with pytest.raises(ValueError, match="reference mode only.*INTERPRET=1"):
+        backend._check_gpu_kernel(None, spec)
+
+
+def test_int4_mixtures_are_refused_by_name():
+    from vllm_ext.demo_models import hf_config
+    from vllm_ext.model_spec import ModelSpec, UnsupportedModelError
+
+    config = hf_config("qwen3_moe")
+    config.quantization_config = _ct({"group_size": 32})
+    with pytest.raises(UnsupportedModelError, match="int4-w4a16 mixtures"):
+        ModelSpec.from_hf_config(config, torch.bfloat16, 512)

@@ -1,0 +1,147 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Quantized checkpoints of the demo models, in the layouts vLLM's loaders
+read: INT4 weight-only (W4A16), symmetric, group-wise, as compressed-tensors
+``pack-quantized`` and as GPTQ.
+
+Every linear layer of the decoder is quantized (attention, dense MLP,
+experts); the embedding, LM head, norms and MoE router stay as they are,
+as the real checkpoints leave them (``ignore: [lm_head]``, the router in
+higher precision). A weight is ``q * s``: ``s`` the group's largest
+magnitude over 7, rounded to bf16, ``q = round(w / s)`` in [-8, 7].
+
+    python -m vllm_ext.demo_quant --src DEMO_MODEL --out DIR --format gptq
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+FORMATS = ("pack-quantized", "gptq")
+GROUP_SIZE = {"pack-quantized": 32, "gptq": 64}  # as the real checkpoints
+# Weights left unquantized: vLLM's loaders keep these in the model dtype.
+KEEP = ("embed_tokens", "lm_head", "norm", "mlp.gate.", "e_score_correction_bias")
+
+
+def quantize_int4(
+    weight: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, K]`` -> (codes int8 ``[N, K]`` in [-8, 7], scales bf16
+    ``[N, K / group_size]``), symmetric per group of K."""
+    n, k = weight.shape
+    groups = weight.float().view(n, k // group_size, group_size)
+    scales = (groups.abs().amax(dim=-1) / 7).clamp(min=2**-20).to(torch.bfloat16)
+    codes = torch.round(groups / scales.float()[..., None]).clamp(-8, 7)
+    return codes.to(torch.int8).view(n, k), scales
+
+
+def _pack_quantized(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """compressed-tensors ``pack-quantized``: eight 4-bit codes (offset by
+    8) per int32 along K, scales ``[N, K / g]``, and the original shape."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    codes, scales = quantize_int4(weight, GROUP_SIZE["pack-quantized"])
+    base = name.removesuffix(".weight")
+    return {
+        f"{base}.weight_packed": pack_to_int32(codes, 4),
+        f"{base}.weight_scale": scales,
+        f"{base}.weight_shape": torch.tensor(weight.shape, dtype=torch.int64),
+    }
+
+
+def _gptq(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """GPTQ (v1 format, symmetric, no act-order): unsigned codes (q + 8)
+    eight per int32 along K, ``qweight [K / 8, N]``; ``scales [K / g, N]``
+    fp16; zero points stored minus one (8 - 1); ``g_idx`` each input's
+    group."""
+    g = GROUP_SIZE["gptq"]
+    codes, scales = quantize_int4(weight, g)
+    unsigned = (codes.to(torch.int32) + 8).t().contiguous()  # [K, N]
+    k, n = unsigned.shape
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    qweight = (unsigned.view(k // 8, 8, n) << shifts[None, :, None]).sum(dim=1)
+    zeros = torch.full((k // g, n // 8), 0x77777777, dtype=torch.int64)
+    base = name.removesuffix(".weight")
+    return {
+        f"{base}.qweight": qweight.to(torch.int32),
+        f"{base}.qzeros": zeros.to(torch.int32),
+        f"{base}.scales": scales.t().contiguous().to(torch.float16),
+        f"{base}.g_idx": torch.arange(k, dtype=torch.int32) // g,
+    }
+
+
+def quantization_config(fmt: str) -> dict:
+    g = GROUP_SIZE[fmt]
+    if fmt == "gptq":
+        return {"quant_method": "gptq", "bits": 4, "group_size": g, "sym": True,
+                "desc_act": False, "checkpoint_format": "gptq"}  # fmt: skip
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "ignore": ["lm_head"],
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": 4,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "group",
+                    "group_size": g,
+                    "dynamic": False,
+                    "actorder": None,
+                },  # fmt: skip
+                "input_activations": None,
+                "output_activations": None,
+            }
+        },
+    }
+
+
+def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str) -> Path:
+    """Write ``src`` (a demo model) quantized in format ``fmt`` to ``out``."""
+    from safetensors.torch import load_file, save_file
+
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, not {fmt!r}")
+    src, out = Path(src), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name not in ("model.safetensors", "config.json", "demo_model.json"):
+            shutil.copy(f, out / f.name)
+    tensors = {}
+    quantize = _gptq if fmt == "gptq" else _pack_quantized
+    for name, t in load_file(src / "model.safetensors").items():
+        if (
+            t.dim() == 2
+            and name.endswith(".weight")
+            and not any(keep in name for keep in KEEP)
+        ):
+            tensors.update(quantize(name, t))
+        else:
+            tensors[name] = t
+    save_file(tensors, out / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = quantization_config(fmt)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    meta = json.loads((src / "demo_model.json").read_text()) | {"quant": fmt}
+    (out / "demo_model.json").write_text(json.dumps(meta))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--src", required=True, help="a demo model directory")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--format", choices=FORMATS, default="pack-quantized")
+    args = parser.parse_args()
+    print(quantize_checkpoint(args.src, args.out, args.format))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Quantized checkpoints: which formats the backend takes, and their
+weights as vLLM loaded them.
+
+Taken: INT4 weight-only (W4A16), symmetric, group-wise, in GPTQ
+(``quant_method: gptq``, no act-order) and compressed-tensors
+``pack-quantized`` checkpoints, on dense models. Its numerics are vLLM's
+on a GPU (Marlin): activations stay in the model dtype, a weight is
+``(q - 8) * s`` rounded to the model dtype (``s`` the group's scale), and
+products are summed in fp32. Every other format is refused at start-up,
+by name.
+
+The weights are read back from vLLM's layers, whatever layout its kernel
+repacked them into: pushing the identity through the layer's own
+``quant_method.apply`` gives each dequantized weight exactly (one product
+by 1, the rest zeros), and the layer's group scales then give back the
+4-bit codes, checked to dequantize to the same weight bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """A checkpoint's quantization, as the backend runs it."""
+
+    name: str  # "int4-w4a16"
+    checkpoint: str  # "gptq" or "compressed-tensors pack-quantized"
+    bits: int
+    group_size: int  # along K; -1: one group per output row
+
+
+INT4_W4A16 = "int4-w4a16"
+
+
+def quant_format(hf_quant_config: Any) -> QuantFormat | None:
+    """The format of a checkpoint's ``quantization_config`` (None: not
+    quantized). Raises ``ValueError`` naming a format the backend refuses."""
+    if hf_quant_config is None:
+        return None
+    try:
+        return _format(hf_quant_config)
+    except ValueError as refused:
+        raise ValueError(f"quantization {refused}") from None
+
+
+def _format(hf_quant_config: Any) -> QuantFormat:
+    cfg = dict(hf_quant_config)
+    method = cfg.get("quant_method")
+    if method == "gptq":
+        return _gptq(cfg)
+    if method == "compressed-tensors":
+        return _compressed_tensors(cfg)
+    names = {
+        "fp8": "FP8 with 128x128 block scales (DeepSeek-V3/Kimi-K2 style)"
+        if cfg.get("weight_block_size")
+        else "FP8 with per-tensor scales",
+        "awq": "AWQ (asymmetric, zero points)",
+        "mxfp4": "MXFP4",
+        "modelopt_fp4": "NVFP4",
+        "modelopt": "ModelOpt FP8",
+        "bitsandbytes": "bitsandbytes",
+        "gguf": "GGUF",
+    }
+    raise ValueError(names.get(method, f"quant_method {method!r}"))
+
+
+def _gptq(cfg: dict) -> QuantFormat:
+    bits, sym = cfg.get("bits"), cfg.get("sym", True)
+    if bits != 4:
+        raise ValueError(f"GPTQ with {bits}-bit weights")
+    if not sym:
+        raise ValueError("GPTQ with zero points (sym: false)")
+    if cfg.get("desc_act"):
+        raise ValueError("GPTQ with act-order (desc_act: true)")
+    return QuantFormat(INT4_W4A16, "gptq", 4, int(cfg.get("group_size", -1)))
+
+
+def _compressed_tensors(cfg: dict) -> QuantFormat:
+    fmt = cfg.get("format")
+    groups = list((cfg.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        raise ValueError(f"compressed-tensors with {len(groups)} config groups")
+    (group,) = groups
+    weights = group.get("weights") or {}
+    acts = group.get("input_activations")
+    kind = (weights.get("type"), weights.get("num_bits"))
+    if kind == ("float", 8):
+        raise ValueError(
+            "compressed-tensors FP8 (W8A8)"
+            if acts
+            else "compressed-tensors FP8 weight-only"
+        )
+    if kind == ("float", 4):
+        raise ValueError(f"compressed-tensors {fmt or 'FP4'} (NVFP4/MXFP4)")
+    if kind == ("int", 8):
+        raise ValueError("compressed-tensors INT8 (W8A8/W8A16)")
+    if kind != ("int", 4) or fmt != "pack-quantized" or acts:
+        raise ValueError(f"compressed-tensors {fmt} {kind}")
+    if not weights.get("symmetric", True):
+        raise ValueError("compressed-tensors INT4 with zero points (asymmetric)")
+    if weights.get("actorder"):
+        raise ValueError("compressed-tensors INT4 with act-order")
+    strategy = weights.get("strategy")
+    if strategy not in ("group", "channel"):
+        raise ValueError(f"compressed-tensors INT4 with strategy {strategy!r}")
+    size = int(weights.get("group_size") or -1) if strategy == "group" else -1
+    return QuantFormat(INT4_W4A16, "compressed-tensors pack-quantized", 4, size)
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """A W4A16 linear layer's weight: ``codes`` ``[N, K]`` uint8 in
+    [0, 15] (the value plus 8), ``scales`` ``[N, K / group]`` in the model
+    dtype. The layout the backend keeps of vLLM's (docs/design.md)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def group_size(self) -> int:
+        return self.codes.shape[1] // self.scales.shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        """``[N, K]`` in the scales' dtype: ``(q - 8) * s`` rounded once
+        (Marlin's dequantization)."""
+        s = self.scales.repeat_interleave(self.group_size, dim=1)
+        return (self.codes.to(torch.int16) - 8).to(s.dtype) * s
+
+
+def read_back(layer: torch.nn.Module, shape: tuple[int, int], dtype) -> torch.Tensor:
+    """``[N, K]``: the weight a quantized linear layer multiplies by, read
+    through its own ``quant_method.apply`` (any repacked layout)."""
+    n, k = shape
+    eye = torch.eye(k, dtype=dtype, device=_device(layer))
+    return layer.quant_method.apply(layer, eye).t().contiguous()
+
+
+def _device(layer: torch.nn.Module) -> torch.device:
+    return next(layer.parameters()).device
+
+
+def int4_weight(layer: torch.nn.Module, shape: tuple[int, int]) -> Int4Weight:
+    """A W4A16 layer's codes and scales, from what it multiplies by and its
+    group scales (``weight_scale`` or GPTQ's ``scales``, in the model dtype,
+    ``[K / group, N]`` after vLLM's CPU kernel transposed them)."""
+    n, k = shape
+    scales = getattr(layer, "weight_scale", None)
+    if scales is None:
+        scales = layer.scales
+    scales = scales.detach()
+    if scales.shape[-1] != n:
+        scales = scales.t()
+    scales = scales.t().contiguous()  # [N, K / group]
+    dense = read_back(layer, shape, scales.dtype)
+    full = scales.repeat_interleave(k // scales.shape[1], dim=1).float()
+    values = torch.round(dense.float() / full.where(full != 0, 1.0))
+    weight = Int4Weight((values.clamp(-8, 7) + 8).to(torch.uint8), scales)
+    if not torch.equal(weight.dequantize(), dense):
+        raise ValueError(
+            f"megakernel: {type(layer).__name__} {tuple(shape)}: vLLM's INT4 "
+            "weights are not (q - 8) * scale of its group scales; the backend "
+            "cannot read them"
+        )
+    return weight
