@@ -265,16 +265,33 @@ def test_real_deepseek_configs(name, mla, moe):
         (dict(index_topk=2048), "sparse attention"),
         (dict(attention_bias=True), "attention bias"),
         (dict(hidden_act="gelu"), "activation 'gelu'"),
-        (dict(quantization_config={"quant_method": "fp8"}),
-         "quantization FP8 with per-tensor scales"),
+        (
+            dict(quantization_config={"quant_method": "fp8"}),
+            "quantization FP8 with per-tensor scales",
+        ),
         # DeepSeek-V3 and Kimi-K2 as shipped.
-        (dict(quantization_config={"quant_method": "fp8", "fmt": "e4m3",
-                                   "weight_block_size": [128, 128]}),
-         "quantization FP8 with 128x128 block scales"),
+        (
+            dict(
+                quantization_config={
+                    "quant_method": "fp8",
+                    "fmt": "e4m3",
+                    "weight_block_size": [128, 128],
+                }
+            ),
+            "quantization FP8 with 128x128 block scales",
+        ),
         # INT4 runs on dense models only, so far.
-        (dict(quantization_config={"quant_method": "gptq", "bits": 4,
-                                   "group_size": 64, "sym": True}),
-         "int4-w4a16 latent attention"),
+        (
+            dict(
+                quantization_config={
+                    "quant_method": "gptq",
+                    "bits": 4,
+                    "group_size": 64,
+                    "sym": True,
+                }
+            ),
+            "int4-w4a16 latent attention",
+        ),
         (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope type 'linear'"),
         (dict(scoring_func="sqrtsoftplus"), "MoE scoring 'sqrtsoftplus'"),
         (dict(n_group=None), "MoE without n_group"),

@@ -7,7 +7,16 @@ import pytest
 import torch
 
 from vllm_ext.demo_quant import _gptq, _pack_quantized, quantize_int4
-from vllm_ext.quant import INT4_W4A16, Int4Weight, quant_format
+from vllm_ext.quant import (
+    FP8_W8A8,
+    INT4_W4A16,
+    Int4Weight,
+    quant_format,
+    quantize_input,
+)
+
+FP8_CHANNEL = dict(type="float", num_bits=8, strategy="channel", group_size=None)
+FP8_TOKEN = dict(type="float", num_bits=8, strategy="token", dynamic=True)
 
 
 def _ct(weights: dict, acts: dict | None = None, fmt: str = "pack-quantized"):
@@ -53,9 +62,17 @@ def test_int4_w4a16_is_taken(config, checkpoint, group):
         ({"quant_method": "gptq", "bits": 8, "sym": True}, "GPTQ with 8-bit"),
         ({"quant_method": "gptq", "bits": 4, "sym": False}, "zero points"),
         ({"quant_method": "gptq", "bits": 4, "desc_act": True}, "act-order"),
+        (_ct({"type": "float", "num_bits": 8, "strategy": "channel"}, None,
+             "float-quantized"), "FP8 weight-only"),
+        (_ct({"type": "float", "num_bits": 8, "strategy": "block"},
+             {"num_bits": 8, "type": "float", "strategy": "group",
+              "dynamic": True}, "float-quantized"), "FP8 with block weight"),
+        (_ct({"type": "float", "num_bits": 8, "strategy": "tensor"},
+             {"num_bits": 8, "type": "float", "strategy": "tensor",
+              "dynamic": False}, "float-quantized"), "FP8 with tensor weight"),
         (_ct({"type": "float", "num_bits": 8, "strategy": "channel"},
-             {"num_bits": 8, "type": "float", "dynamic": True}, "float-quantized"),
-         "FP8 \\(W8A8\\)"),
+             {"num_bits": 8, "type": "float", "strategy": "tensor",
+              "dynamic": False}, "float-quantized"), "'tensor'\\) activations"),
         (_ct({"type": "float", "num_bits": 4, "group_size": 16},
              {"num_bits": 4, "type": "float"}, "nvfp4-pack-quantized"),
          "NVFP4/MXFP4"),
@@ -160,3 +177,34 @@ def test_int4_mixtures_are_refused_by_name():
     config.quantization_config = _ct({"group_size": 32})
     with pytest.raises(UnsupportedModelError, match="int4-w4a16 mixtures"):
         ModelSpec.from_hf_config(config, torch.bfloat16, 512)
+
+
+def test_fp8_per_channel_is_taken():
+    fmt = quant_format(_ct(FP8_CHANNEL, FP8_TOKEN, "float-quantized"))
+    assert (fmt.name, fmt.bits, fmt.activations) == (FP8_W8A8, 8, "fp8-per-token")
+    # Layers the program would quantize alike, but the checkpoint leaves.
+    config = _ct(FP8_CHANNEL, FP8_TOKEN, "float-quantized")
+    config["ignore"] = ["lm_head", "re:.*down_proj"]
+    with pytest.raises(ValueError, match="leaving"):
+        quant_format(config)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_input_is_vllm_quant_fp8(dtype):
+    """Per-token FP8 input quantization equals vLLM's own (QuantFP8's
+    PyTorch path) dequantized, bit for bit, zero rows included."""
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(2)) * 3
+    x[1] *= 1e-3
+    x[2] = 0
+    x = x.to(dtype)
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    with set_current_vllm_config(VllmConfig()):
+        quant_fp8 = QuantFP8(static=False, group_shape=GroupShape.PER_TOKEN)
+        q, scale = quant_fp8.forward_native(x)
+    fmt = quant_format(_ct(FP8_CHANNEL, FP8_TOKEN, "float-quantized"))
+    assert torch.equal(quantize_input(x, fmt), q.float() * scale)
+    assert quantize_input(x, None) is x

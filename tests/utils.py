@@ -89,6 +89,14 @@ def check_logprobs_close(outputs_0, outputs_1, name_0: str, name_1: str) -> None
 # 0.031 apart.
 BF16_LOGPROB_TOL = 2**-4
 BF16_TIE = 2**-4
+# With FP8 activations (W8A8: every layer's input rounded per token to e4m3,
+# 3 mantissa bits) a bf16 step's difference in an input can move it by an
+# e4m3 step, 32 times more: both bounds become 2^-2. Measured (the Llama
+# demo as compressed-tensors FP8, bf16): vLLM's default decode against
+# itself with only its attention's arithmetic changed (the MEGAKERNEL
+# attention backend) 0.103 apart at most, parting at gaps up to 0.109;
+# reference mode against vLLM's default decode 0.108 and 0.19.
+FP8_ACT_TOL = 2**-2
 
 
 # A routing near tie: two experts (or the last group kept and the first
@@ -174,14 +182,19 @@ def check_bf16_close(
     name_ref: str,
     name_out: str,
     routing_ties: set[tuple[int, int]] = frozenset(),
+    tol: float | None = None,
 ) -> dict:
     """The project's bf16 rule (above) on lists of (token_ids, logprobs),
     logprobs a list of {token_id: logprob} per step holding at least the
     top ones. ``routing_ties``: (request, step) pairs where ``outputs``
     routed at a near tie (RoutingMargins): there, and only there, the
     streams may differ beyond the rule, and nothing later is compared.
-    Returns what it compared: tokens compared, streams that parted (at a
-    routing tie among them), the largest logprob difference and tie gap."""
+    ``tol``: both bounds at once, for a model the rule's bf16 bounds do not
+    fit (FP8_ACT_TOL). Returns what it compared: tokens compared, streams
+    that parted (at a routing tie among them), the largest logprob
+    difference and tie gap."""
+    logprob_tol = BF16_LOGPROB_TOL if tol is None else tol
+    tie = BF16_TIE if tol is None else tol
     stats = {"compared": 0, "parted": 0, "at_routing_tie": 0,
              "max_logprob_diff": 0.0, "max_gap": 0.0}  # fmt: skip
     for i, ((ids_r, lp_r), (ids_o, lp_o)) in enumerate(
@@ -190,7 +203,7 @@ def check_bf16_close(
         for step, (tr, to) in enumerate(zip(ids_r, ids_o, strict=True)):
             where = f"prompt {i} step {step}"
             if (i, step) in routing_ties and (
-                tr != to or abs(lp_r[step][tr] - lp_o[step][to]) > BF16_LOGPROB_TOL
+                tr != to or abs(lp_r[step][tr] - lp_o[step][to]) > logprob_tol
             ):
                 stats["parted"] += 1
                 stats["at_routing_tie"] += 1
@@ -199,7 +212,7 @@ def check_bf16_close(
                 diff = abs(lp_r[step][tr] - lp_o[step][to])
                 stats["compared"] += 1
                 stats["max_logprob_diff"] = max(stats["max_logprob_diff"], diff)
-                assert diff <= BF16_LOGPROB_TOL, (
+                assert diff <= logprob_tol, (
                     f"{where}: both picked {tr}, with logprobs {lp_r[step][tr]:.4f} "
                     f"({name_ref}) and {lp_o[step][to]:.4f} ({name_out})"
                 )
@@ -212,10 +225,10 @@ def check_bf16_close(
                 )
                 gap = lp[step][picked] - lp[step][other]
                 stats["max_gap"] = max(stats["max_gap"], gap)
-                assert gap <= BF16_TIE, (
+                assert gap <= tie, (
                     f"{where}: the streams part ({name_ref} {tr}, {name_out} {to}) "
                     f"where {name} is not near a tie: {picked} leads {other} by "
-                    f"{gap:.4f} > {BF16_TIE}"
+                    f"{gap:.4f} > {tie}"
                 )
             stats["parted"] += 1
             break

@@ -489,8 +489,8 @@ def _check_gpu_kernel(vllm_config: VllmConfig, spec: ModelSpec) -> None:
     if spec.quant is not None:
         raise ValueError(
             f"--decode-backend megakernel runs {spec.quant.name} checkpoints in "
-            "reference mode only: the kernel has no INT4 device functions yet. "
-            + INTERPRET_HINT
+            f"reference mode only: the kernel has no {spec.quant.name} device "
+            "functions yet. " + INTERPRET_HINT
         )
     capability = tuple(current_platform.get_device_capability() or ())
     if capability not in ARCH_OF_CAPABILITY:

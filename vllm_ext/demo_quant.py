@@ -1,13 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 """Quantized checkpoints of the demo models, in the layouts vLLM's loaders
 read: INT4 weight-only (W4A16), symmetric, group-wise, as compressed-tensors
-``pack-quantized`` and as GPTQ.
+``pack-quantized`` and as GPTQ; FP8 e4m3 with a scale per output channel
+and dynamic per-token activations (W8A8), as compressed-tensors
+``float-quantized``.
 
 Every linear layer of the decoder is quantized (attention, dense MLP,
 experts); the embedding, LM head, norms and MoE router stay as they are,
 as the real checkpoints leave them (``ignore: [lm_head]``, the router in
-higher precision). A weight is ``q * s``: ``s`` the group's largest
-magnitude over 7, rounded to bf16, ``q = round(w / s)`` in [-8, 7].
+higher precision). INT4: a weight is ``q * s``, ``s`` the group's largest
+magnitude over 7, rounded to bf16, ``q = round(w / s)`` in [-8, 7]. FP8:
+``s`` the output channel's largest magnitude over 448 (fp32), the weight
+``w / s`` rounded to e4m3.
 
     python -m vllm_ext.demo_quant --src DEMO_MODEL --out DIR --format gptq
 """
@@ -21,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-FORMATS = ("pack-quantized", "gptq")
+FORMATS = ("pack-quantized", "gptq", "fp8-channel")
 GROUP_SIZE = {"pack-quantized": 32, "gptq": 64}  # as the real checkpoints
 # Weights left unquantized: vLLM's loaders keep these in the model dtype.
 KEEP = ("embed_tokens", "lm_head", "norm", "mlp.gate.", "e_score_correction_bias")
@@ -74,7 +78,35 @@ def _gptq(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
     }
 
 
+def _fp8_channel(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """compressed-tensors ``float-quantized``: e4m3 ``[N, K]``, fp32 scales
+    ``[N, 1]``."""
+    top = torch.finfo(torch.float8_e4m3fn).max
+    scale = (weight.float().abs().amax(dim=1, keepdim=True) / top).clamp(min=2**-20)
+    base = name.removesuffix(".weight")
+    return {
+        name: (weight.float() / scale).to(torch.float8_e4m3fn),
+        f"{base}.weight_scale": scale,
+    }
+
+
 def quantization_config(fmt: str) -> dict:
+    if fmt == "fp8-channel":
+        fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "quantization_status": "compressed",
+            "ignore": ["lm_head"],
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": fp8 | {"strategy": "channel", "dynamic": False},
+                    "input_activations": fp8 | {"strategy": "token", "dynamic": True},
+                    "output_activations": None,
+                }
+            },
+        }
     g = GROUP_SIZE[fmt]
     if fmt == "gptq":
         return {"quant_method": "gptq", "bits": 4, "group_size": g, "sym": True,
@@ -115,7 +147,8 @@ def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str) -> Path:
         if f.name not in ("model.safetensors", "config.json", "demo_model.json"):
             shutil.copy(f, out / f.name)
     tensors = {}
-    quantize = _gptq if fmt == "gptq" else _pack_quantized
+    quantize = {"gptq": _gptq, "pack-quantized": _pack_quantized,
+                "fp8-channel": _fp8_channel}[fmt]  # fmt: skip
     for name, t in load_file(src / "model.safetensors").items():
         if (
             t.dim() == 2

@@ -2,16 +2,20 @@
 """Quantized checkpoints: which formats the backend takes, and their
 weights as vLLM loaded them.
 
-Taken: INT4 weight-only (W4A16), symmetric, group-wise, in GPTQ
-(``quant_method: gptq``, no act-order) and compressed-tensors
-``pack-quantized`` checkpoints, on dense models. Its numerics are vLLM's
-on a GPU (Marlin): activations stay in the model dtype, a weight is
-``(q - 8) * s`` rounded to the model dtype (``s`` the group's scale), and
-products are summed in fp32. Every other format is refused at start-up,
-by name.
+Taken, on dense models: INT4 weight-only (W4A16), symmetric, group-wise,
+in GPTQ (``quant_method: gptq``, no act-order) and compressed-tensors
+``pack-quantized`` checkpoints; FP8 e4m3 with per-channel weight scales
+and dynamic per-token activations (W8A8, compressed-tensors
+``float-quantized``). Numerics are vLLM's on a GPU. W4A16 (Marlin):
+activations stay in the model dtype, a weight is ``(q - 8) * s`` rounded
+to the model dtype (``s`` the group's scale), products summed in fp32.
+FP8 W8A8: each layer's input quantized per token to e4m3 as it enters
+(``quantize_input``), products of e4m3 operands summed in fp32 and scaled
+by both scales. Every other format is refused at start-up, by name.
 
-The weights are read back from vLLM's layers, whatever layout its kernel
-repacked them into: pushing the identity through the layer's own
+FP8 weights are read from vLLM's layers as it keeps them. INT4 weights
+are read back from vLLM's layers, whatever layout its kernel repacked them
+into: pushing the identity through the layer's own
 ``quant_method.apply`` gives each dequantized weight exactly (one product
 by 1, the rest zeros), and the layer's group scales then give back the
 4-bit codes, checked to dequantize to the same weight bit for bit.
@@ -29,13 +33,16 @@ import torch
 class QuantFormat:
     """A checkpoint's quantization, as the backend runs it."""
 
-    name: str  # "int4-w4a16"
-    checkpoint: str  # "gptq" or "compressed-tensors pack-quantized"
+    name: str  # INT4_W4A16 or FP8_W8A8
+    checkpoint: str  # "gptq", "compressed-tensors pack-quantized", ...
     bits: int
     group_size: int  # along K; -1: one group per output row
+    # How a quantized layer's input is quantized as it enters (None: not).
+    activations: str | None = None  # "fp8-per-token"
 
 
 INT4_W4A16 = "int4-w4a16"
+FP8_W8A8 = "fp8-w8a8"
 
 
 def quant_format(hf_quant_config: Any) -> QuantFormat | None:
@@ -91,11 +98,7 @@ def _compressed_tensors(cfg: dict) -> QuantFormat:
     acts = group.get("input_activations")
     kind = (weights.get("type"), weights.get("num_bits"))
     if kind == ("float", 8):
-        raise ValueError(
-            "compressed-tensors FP8 (W8A8)"
-            if acts
-            else "compressed-tensors FP8 weight-only"
-        )
+        return _compressed_tensors_fp8(cfg, weights, acts)
     if kind == ("float", 4):
         raise ValueError(f"compressed-tensors {fmt or 'FP4'} (NVFP4/MXFP4)")
     if kind == ("int", 8):
@@ -111,6 +114,57 @@ def _compressed_tensors(cfg: dict) -> QuantFormat:
         raise ValueError(f"compressed-tensors INT4 with strategy {strategy!r}")
     size = int(weights.get("group_size") or -1) if strategy == "group" else -1
     return QuantFormat(INT4_W4A16, "compressed-tensors pack-quantized", 4, size)
+
+
+def _compressed_tensors_fp8(cfg: dict, weights: dict, acts: dict | None):
+    """FP8 e4m3 weights with a scale per output channel, activations
+    quantized per token as they enter each layer (Llama/Qwen FP8
+    checkpoints: compressed-tensors ``float-quantized``)."""
+    strategy = weights.get("strategy")
+    if strategy != "channel":
+        raise ValueError(f"compressed-tensors FP8 with {strategy} weight scales")
+    if not acts:
+        raise ValueError("compressed-tensors FP8 weight-only (W8A16)")
+    act = (acts.get("type"), acts.get("num_bits"), acts.get("strategy"))
+    if act != ("float", 8, "token") or not acts.get("dynamic"):
+        raise ValueError(f"compressed-tensors FP8 with {act} activations")
+    # The program quantizes every decoder layer's inputs alike.
+    ignored = [name for name in cfg.get("ignore") or [] if "lm_head" not in name]
+    if ignored:
+        raise ValueError(f"compressed-tensors FP8 leaving {ignored} unquantized")
+    return QuantFormat(
+        FP8_W8A8, "compressed-tensors float-quantized", 8, -1, "fp8-per-token"
+    )
+
+
+def quantize_input(x: torch.Tensor, quant: QuantFormat | None) -> torch.Tensor:
+    """A quantized layer's input as its GEMM sees it: unchanged, or for
+    per-token FP8 each row scaled to the e4m3 range (amax / 448, at least
+    1 / (448 * 512)), rounded to e4m3 and scaled back, in fp32 (vLLM's
+    ``QuantFP8``; the scales are then applied before the sum, not after:
+    fp32 rounding apart)."""
+    if quant is None or quant.activations is None:
+        return x
+    fp8 = torch.float8_e4m3fn
+    top = torch.finfo(fp8).max
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    scale = (amax / top).clamp(min=1.0 / (top * 512.0))
+    q = (x.float() * scale.reciprocal()).clamp(-top, top).to(fp8)
+    return q.float() * scale
+
+
+def fp8_weight(layer: torch.nn.Module, shape: tuple[int, int]) -> torch.Tensor:
+    """An FP8 per-channel layer's weight ``[N, K]`` in fp32: e4m3 codes
+    (vLLM keeps them ``[K, N]``) times each output's scale."""
+    n, k = shape
+    weight, scale = layer.weight.detach(), layer.weight_scale.detach()
+    if weight.dtype != torch.float8_e4m3fn or tuple(weight.shape) != (k, n):
+        raise ValueError(
+            f"megakernel: {type(layer).__name__} {tuple(shape)}: vLLM keeps its "
+            f"FP8 weight as {weight.dtype} {tuple(weight.shape)} (repacked?); "
+            "the backend cannot read it"
+        )
+    return weight.t().float() * scale.float().view(n, 1)
 
 
 @dataclass(frozen=True)

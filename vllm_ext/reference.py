@@ -18,6 +18,7 @@ import torch
 from vllm_ext.model_spec import MlaSpec, ModelSpec, MoeSpec
 from vllm_ext.moe import route
 from vllm_ext.paged_kv import gather_kv, gather_latent, write_kv, write_latent
+from vllm_ext.quant import QuantFormat, quantize_input
 from vllm_ext.runner import DecodeInputs
 from vllm_ext.weights import DecodeWeights, LayerWeights, MoeWeights
 
@@ -57,14 +58,18 @@ def rope_gptj(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 
 
 def swiglu_mlp(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    quant: QuantFormat | None = None,
 ) -> torch.Tensor:
     """A SiLU-gated MLP on ``x`` (model dtype): gate/up and SiLU-mul rounded
-    to the model dtype, the down projection returned in fp32."""
+    to the model dtype, the down projection returned in fp32. ``quant``:
+    the checkpoint's, whose projections may quantize their inputs."""
     dtype = x.dtype
-    gate, up = linear(x, gate_up).to(dtype).chunk(2, dim=-1)
+    gate, up = linear(quantize_input(x, quant), gate_up).to(dtype).chunk(2, dim=-1)
     act = (torch.nn.functional.silu(gate.float()) * up.float()).to(dtype)
-    return linear(act, down)
+    return linear(quantize_input(act, quant), down)
 
 
 def moe_mlp(x: torch.Tensor, w: MoeWeights, moe: MoeSpec) -> torch.Tensor:
@@ -241,7 +246,8 @@ class ReferenceExecutor:
         spec = self.spec
         dtype, eps = spec.dtype, spec.rms_norm_eps
         batch, d = inputs.batch_size, spec.head_dim
-        qkv = linear(x, layer.qkv, layer.qkv_bias).to(dtype)
+        qkv = linear(quantize_input(x, spec.quant), layer.qkv, layer.qkv_bias)
+        qkv = qkv.to(dtype)
         q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
         q = q.reshape(batch, spec.num_q_heads, d)
         k = k.reshape(batch, spec.num_kv_heads, d)
@@ -255,7 +261,8 @@ class ReferenceExecutor:
         attn = decode_attention(
             q, kv_cache, inputs.block_table, inputs.seq_lens, self.weights.attn_scale
         ).to(dtype)
-        return linear(attn.reshape(batch, -1), layer.o_proj).to(dtype)
+        attn = quantize_input(attn.reshape(batch, -1), spec.quant)
+        return linear(attn, layer.o_proj).to(dtype)
 
     def _mlp(
         self, layer: LayerWeights, hidden: torch.Tensor, residual: torch.Tensor
@@ -269,4 +276,5 @@ class ReferenceExecutor:
         if layer.moe is not None:
             assert spec.moe is not None
             return residual, moe_mlp(x, layer.moe, spec.moe)
-        return residual, swiglu_mlp(x, layer.gate_up, layer.down).to(dtype)
+        mlp = swiglu_mlp(x, layer.gate_up, layer.down, spec.quant)
+        return residual, mlp.to(dtype)

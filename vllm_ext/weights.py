@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_ext.model_spec import ModelSpec, UnsupportedModelError
-from vllm_ext.quant import int4_weight
+from vllm_ext.quant import fp8_weight, int4_weight
 
 
 @dataclass(frozen=True)
@@ -215,6 +215,9 @@ def linear_weight(layer: torch.nn.Module, shape: tuple[int, int]) -> torch.Tenso
     dtype. A quantized layer's: its dequantized weight (``quant.py``)."""
     if _quantized(layer):
         # Reference mode reads the codes and scales the kernel will read.
+        weight = getattr(layer, "weight", None)
+        if weight is not None and weight.dtype == torch.float8_e4m3fn:
+            return fp8_weight(layer, shape)
         return int4_weight(layer, shape).dequantize()
     weight = layer.weight
     if weight.numel() or not hasattr(layer, "cpu_linear"):

@@ -248,16 +248,18 @@ class ProgramInterpreter:
         elif i.op == Op.O_PROJ:
             attn_flat = buf["attn"][layer].reshape(self.program.batch, -1)
             buf["hmid"][layer][:, a:b] = o_proj.reference(
-                attn_flat, buf["h"][layer], w.layers[layer].o_proj, a, b, dtype
-            )
+                attn_flat, buf["h"][layer], w.layers[layer].o_proj, a, b, dtype,
+                s.quant,
+            )  # fmt: skip
         elif i.op == Op.GATE_UP:
             buf["act"][layer][:, a:b] = gate_up.reference(
                 buf["hmid"][layer], w.layers[layer], s, a, b
             )
         elif i.op == Op.DOWN:
             buf["h"][layer + 1][:, a:b] = down.reference(
-                buf["act"][layer], buf["hmid"][layer], w.layers[layer].down, a, b, dtype
-            )
+                buf["act"][layer], buf["hmid"][layer], w.layers[layer].down, a, b,
+                dtype, s.quant,
+            )  # fmt: skip
         elif i.op == Op.FINAL_NORM:
             buf["out"][:, a:b] = final_norm.reference(
                 buf["h"][layer], w.final_norm, s.rms_norm_eps, a, b, dtype

@@ -3,11 +3,20 @@
 
 import torch
 
+from vllm_ext.quant import QuantFormat, quantize_input
 from vllm_ext.reference import linear
 
 
 def reference(
-    act: torch.Tensor, hmid: torch.Tensor, w_down: torch.Tensor, lo: int, hi: int, dtype
+    act: torch.Tensor,
+    hmid: torch.Tensor,
+    w_down: torch.Tensor,
+    lo: int,
+    hi: int,
+    dtype,
+    quant: QuantFormat | None = None,
 ) -> torch.Tensor:
-    out = linear(act, w_down[lo:hi]).to(dtype)
+    """``quant``: the checkpoint's (quant.py); FP8 W8A8 quantizes each
+    request's whole input row as it enters."""
+    out = linear(quantize_input(act, quant), w_down[lo:hi]).to(dtype)
     return (out + hmid[:, lo:hi]).to(dtype)

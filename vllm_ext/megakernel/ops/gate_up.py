@@ -4,6 +4,7 @@ columns [lo, hi), SiLU-mul in the epilogue."""
 
 import torch
 
+from vllm_ext.quant import quantize_input
 from vllm_ext.reference import linear, rms_norm
 
 
@@ -24,6 +25,7 @@ def normed_swiglu(
     (a dense MLP's, or one expert's: EXPERT_UP)."""
     dtype, inter = spec.dtype, gate_up.shape[0] // 2
     x = rms_norm(hmid, norm, spec.rms_norm_eps).to(dtype)
+    x = quantize_input(x, spec.quant)  # FP8 W8A8: per token, as it enters
     gate = linear(x, gate_up[lo:hi]).to(dtype)
     up = linear(x, gate_up[inter + lo : inter + hi]).to(dtype)
     return (torch.nn.functional.silu(gate.float()) * up.float()).to(dtype)

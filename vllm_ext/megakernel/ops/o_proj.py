@@ -3,11 +3,20 @@
 
 import torch
 
+from vllm_ext.quant import QuantFormat, quantize_input
 from vllm_ext.reference import linear
 
 
 def reference(
-    attn: torch.Tensor, h: torch.Tensor, w_o: torch.Tensor, lo: int, hi: int, dtype
+    attn: torch.Tensor,
+    h: torch.Tensor,
+    w_o: torch.Tensor,
+    lo: int,
+    hi: int,
+    dtype,
+    quant: QuantFormat | None = None,
 ) -> torch.Tensor:
-    out = linear(attn, w_o[lo:hi]).to(dtype)
+    """``quant``: the checkpoint's (quant.py); FP8 W8A8 quantizes each
+    request's whole input row as it enters."""
+    out = linear(quantize_input(attn, quant), w_o[lo:hi]).to(dtype)
     return (out + h[:, lo:hi]).to(dtype)

@@ -7,6 +7,7 @@ heads."""
 
 import torch
 
+from vllm_ext.quant import quantize_input
 from vllm_ext.reference import linear, rms_norm, rope_neox
 
 
@@ -34,7 +35,7 @@ def reference(
     x = rms_norm(h, layer.input_norm, eps).to(dtype)
     rows = slice(lo * d, hi * d)
     bias = None if layer.qkv_bias is None else layer.qkv_bias[rows]
-    out = linear(x, layer.qkv[rows], bias).to(dtype)
+    out = linear(quantize_input(x, spec.quant), layer.qkv[rows], bias).to(dtype)
     out = out.view(h.shape[0], hi - lo, d)
     nq, nkv = spec.num_q_heads, spec.num_kv_heads
     heads = []
