@@ -40,6 +40,15 @@ class QuantFormat:
     # How a quantized layer's input is quantized as it enters (None: not).
     activations: str | None = None  # "fp8-per-token"
 
+    def weight_bytes(self, rows: int, cols: int, scale_bytes: int) -> int:
+        """Bytes of ``rows`` x ``cols`` of a quantized layer's weight with
+        their scales (INT4's in the model dtype, ``scale_bytes`` each;
+        FP8's fp32, one a row)."""
+        if self.name == FP8_W8A8:
+            return rows * cols + rows * 4
+        groups = 1 if self.group_size < 0 else -(-cols // self.group_size)
+        return rows * cols * self.bits // 8 + rows * groups * scale_bytes
+
 
 INT4_W4A16 = "int4-w4a16"
 FP8_W8A8 = "fp8-w8a8"

@@ -122,4 +122,9 @@ def test_bad_config_exits_2(tmp_path, capsys):
     # of experts.
     moe = ("--config", "qwen3-30b-a3b", "--batch", "1")
     assert "default kernel" in refused(*moe, "--legacy-control")
+    # Quantized checkpoints: planned and costed, not built (no device
+    # functions for them yet).
+    assert "no fp8-w8a8 device functions" in refused(
+        "--config", "llama-3.1-8b-fp8", "--batch", "1"
+    )
     assert not any((tmp_path / n).exists() for n in ("program.pt", "manifest.json"))

@@ -141,3 +141,36 @@ def test_latent_attention_plans_verifies_and_costs(config, heads, experts):
     params = summary["weight_bytes"] / 2e9
     assert {256: 36 < params < 39, 384: 31 < params < 34}[experts]
     assert 0 < summary["floor_us"] < summary["predicted_us"]
+
+
+def test_quantized_checkpoints_plan_with_their_bytes():
+    """The planner counts a quantized checkpoint's projections at their
+    bytes: Llama-3.1-8B's 6.98e9 projection weights at 1 byte (FP8, plus a
+    4-byte scale a row) and half a byte (INT4, plus a bf16 scale per 128);
+    embedding-free LM head, norms and the rest as in bf16."""
+    sizes = {}
+    for name in ("llama-3.1-8b", "llama-3.1-8b-fp8", "llama-3.1-8b-w4a16"):
+        result = run("--config", name, "--batch", "1", "--arch", "sm_90a", "--json")
+        assert result.returncode == 0, result.stdout + result.stderr
+        sizes[name] = json.loads(result.stdout.strip().splitlines()[-1])
+    bf16 = sizes["llama-3.1-8b"]["weight_bytes"]
+    h, inter, layers, kv = 4096, 14336, 32, 1024
+    params = layers * (h * (h + 2 * kv) + h * h + 3 * h * inter)
+    rows = layers * ((h + 2 * kv) + h + 2 * inter + h)
+    rest = bf16 - 2 * params
+    assert sizes["llama-3.1-8b-fp8"]["weight_bytes"] == rest + params + 4 * rows
+    w4 = (
+        rest
+        + params // 2
+        + layers
+        * 2
+        * (
+            (h + 2 * kv) * h // 128
+            + h * h // 128
+            + 2 * inter * h // 128
+            + h * inter // 128
+        )
+    )
+    assert sizes["llama-3.1-8b-w4a16"]["weight_bytes"] == w4
+    floors = [sizes[n]["floor_us"] for n in sizes]
+    assert floors[0] > floors[1] > floors[2]

@@ -341,6 +341,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     spec = spec_or_exit("build", args.config, args.dtype, args.batch)
+    if spec.quant is not None:
+        # The plan CLI counts its bytes; the kernel has no device functions
+        # for it yet and would read the weights as the model dtype.
+        print(f"build: no {spec.quant.name} device functions yet", file=sys.stderr)
+        return 2
     if args.block_size < 16 or args.block_size % 16:
         print("build: --block-size must be a multiple of 16", file=sys.stderr)
         return 2

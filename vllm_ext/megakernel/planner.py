@@ -229,6 +229,12 @@ class Program:
             c = self._costs[instr] = self._cost(instr)
         return c
 
+    def _linear_bytes(self, rows: int, cols: int) -> int:
+        """Bytes of ``rows`` x ``cols`` of a projection's weight: the model
+        dtype's, or a quantized checkpoint's with its scales."""
+        e, quant = self.spec.dtype.itemsize, self.spec.quant
+        return rows * cols * e if quant is None else quant.weight_bytes(rows, cols, e)
+
     def _cost(self, instr: Instruction) -> Cost:
         s, b = self.spec, self.batch
         e = s.dtype.itemsize
@@ -240,7 +246,7 @@ class Program:
             return Cost(0, 2 * b * (hi - lo) * e)
         if instr.op == Op.QKV:
             cols = (hi - lo) * d // self.qkv_parts
-            w = cols * h * e + h * e + (cols * e if s.qkv_bias else 0)
+            w = self._linear_bytes(cols, h) + h * e + (cols * e if s.qkv_bias else 0)
             return Cost(w, b * h * e + 2 * b * cols * e)
         if instr.op == Op.ATTN:
             group = s.num_q_heads // s.num_kv_heads
@@ -256,14 +262,15 @@ class Program:
             )
         if instr.op == Op.O_PROJ:
             width = s.q_size if s.mla is None else s.mla.num_heads * s.mla.v_head_dim
-            return Cost((hi - lo) * width * e, b * width * e + 2 * b * (hi - lo) * e)
+            w = self._linear_bytes(hi - lo, width)
+            return Cost(w, b * width * e + 2 * b * (hi - lo) * e)
         if s.mla is not None and instr.op in _MLA_OPS:
             return self._mla_cost(instr)
         if instr.op == Op.GATE_UP:
-            w = 2 * (hi - lo) * h * e + h * e
+            w = self._linear_bytes(2 * (hi - lo), h) + h * e
             return Cost(w, b * h * e + b * (hi - lo) * e)
         if instr.op == Op.DOWN:
-            w = (hi - lo) * s.intermediate_size * e
+            w = self._linear_bytes(hi - lo, s.intermediate_size)
             return Cost(w, b * s.intermediate_size * e + 2 * b * (hi - lo) * e)
         if instr.op == Op.FINAL_NORM:
             return Cost(h * e, b * h * e + b * (hi - lo) * e)
