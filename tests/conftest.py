@@ -14,6 +14,32 @@ import pytest
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+
+def _llvmlite_answers_no_dunder() -> None:
+    """vLLM's CPU worker start scans every loaded module's attributes for
+    Triton kernels (triton_utils/dispatcher.py: ``hasattr(value,
+    "__dict__")`` then ``vars(value)``). llvmlite's library object, loaded
+    with numba (the n-gram drafter imports it), answers any attribute name
+    with a function wrapper, ``__dict__`` too, so every engine started in a
+    process after one with n-gram speculation fails there. One engine a
+    process (``vllm serve``) never meets it; tests start many: make the
+    object answer no dunder name."""
+    try:
+        from llvmlite.binding import ffi
+    except ImportError:
+        return
+    lookup = ffi._lib_wrapper.__getattr__
+
+    def getattr_(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return lookup(self, name)
+
+    ffi._lib_wrapper.__getattr__ = getattr_
+
+
+_llvmlite_answers_no_dunder()
+
 ROOT = Path(__file__).resolve().parent.parent
 # Run inside vLLM's own tests tree by scripts/vllm_harness.sh.
 collect_ignore = ["vllm_harness"]

@@ -57,12 +57,21 @@ def model_spec(vllm_config: VllmConfig) -> ModelSpec:
     )
 
 
+# Query rows per request: a decode step's one, or a speculative verify
+# step's 1 + k for k up to 7 drafts (MTP, EAGLE, n-gram).
+MAX_QUERY_LEN = 8
+
+
 class MegakernelDecodeBackend(DecodeBackend):
     @classmethod
     def capabilities(cls, vllm_config: VllmConfig) -> DecodeBackendCapabilities:
-        # One token per request of a decoder on one GPU (data parallel ranks
-        # each run their own): vLLM refuses every other feature at start-up.
-        return DecodeBackendCapabilities()
+        # A decoder on one GPU (data parallel ranks each run their own),
+        # decode steps and speculative verify steps (each token a row:
+        # runner.py), uniform or ragged; vLLM refuses every other feature at
+        # start-up.
+        return DecodeBackendCapabilities(
+            max_query_len=MAX_QUERY_LEN, ragged_query_lens=True
+        )
 
     @classmethod
     def verify_and_update_config(cls, vllm_config: VllmConfig) -> None:
@@ -217,14 +226,14 @@ class MegakernelDecodeBackend(DecodeBackend):
         return why
 
     def accepts(self, num_reqs: int, num_tokens: int, max_query_len: int) -> bool:
-        if max_query_len != 1 or num_tokens != num_reqs or num_reqs < 1:
+        if max_query_len > MAX_QUERY_LEN or num_tokens < num_reqs or num_reqs < 1:
             return False
         if not self.buckets:
             return False
-        if num_reqs > self.buckets[-1]:
+        if num_tokens > self.buckets[-1]:
+            # (A bucket holds rows: a verify step's tokens each take one.)
             logger.info_once(
-                "Decode steps of more than %d requests run through vLLM's "
-                "default path.",
+                "Decode steps of more than %d tokens run through vLLM's default path.",
                 self.buckets[-1],
             )
             return False
@@ -253,7 +262,7 @@ class MegakernelDecodeBackend(DecodeBackend):
         if hidden.shape[0] == num_tokens:
             return hidden
         out = hidden.new_zeros(num_tokens, hidden.shape[1])
-        out[: batch.num_reqs] = hidden
+        out[: hidden.shape[0]] = hidden
         return out
 
 

@@ -7,7 +7,11 @@ The executor contract, the same for the GPU megakernel and the reference:
      weights) -> final hidden states (after the final norm),
 
 with the new K/V of every layer written into vLLM's paged cache at the
-slot mapping. One token per request; request ``i`` owns row ``i``.
+slot mapping. One row per token: in a decode-only step request ``i`` owns
+row ``i``; in a speculative verify step each of a request's ``1 + k``
+tokens is a row of its own, with the request's block table and the
+sequence up to that token (so attention over the cache is causal among
+the new tokens, whose K/V every layer writes before it attends).
 """
 
 from __future__ import annotations
@@ -43,17 +47,34 @@ class DecodeExecutor(Protocol):
 
 
 def decode_inputs(batch: DecodeBatch, layer_names: tuple[str, ...]) -> DecodeInputs:
-    """The executor's inputs for the batch's real requests (padding rows
+    """The executor's inputs for the batch's real tokens (padding rows
     dropped), from what the model runner passed: KV cache group 0 (a
     decoder-only model's every attention layer) and the caches vLLM bound to
     ``layer_names``, in the program's layer order."""
     n = batch.num_reqs
     (group,) = batch.kv_cache_groups  # refused otherwise at start-up
+    caches = tuple(group.kv_caches[name] for name in layer_names)
+    if batch.max_query_len == 1:
+        return DecodeInputs(
+            input_ids=batch.input_ids[:n],
+            positions=batch.positions[:n],
+            block_table=group.block_table[:n],
+            seq_lens=batch.seq_lens[:n],
+            slot_mapping=group.slot_mapping[:n],
+            kv_caches=caches,
+        )
+    # A verify step: each token a row of its request. (The number of
+    # tokens is read on the host: one sync a verify step.)
+    starts = batch.query_start_loc[: n + 1]
+    tokens = int(starts[n])
+    row = torch.arange(tokens, device=starts.device)
+    request = torch.searchsorted(starts[1:], row, right=True)
+    positions = batch.positions[:tokens]
     return DecodeInputs(
-        input_ids=batch.input_ids[:n],
-        positions=batch.positions[:n],
-        block_table=group.block_table[:n],
-        seq_lens=batch.seq_lens[:n],
-        slot_mapping=group.slot_mapping[:n],
-        kv_caches=tuple(group.kv_caches[name] for name in layer_names),
+        input_ids=batch.input_ids[:tokens],
+        positions=positions,
+        block_table=group.block_table[request],
+        seq_lens=(positions + 1).to(batch.seq_lens.dtype),
+        slot_mapping=group.slot_mapping[:tokens],
+        kv_caches=caches,
     )
