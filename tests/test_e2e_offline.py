@@ -366,6 +366,11 @@ def test_default_is_auto_and_hashed():
         ),
         ({"VLLM_MEGAKERNEL_INTERPRET": "1"}, {"runner": "pooling"}, "'pooling' runner"),
         (
+            {"VLLM_MEGAKERNEL_INTERPRET": "1"},
+            {"speculative_config": NGRAM | {"num_speculative_tokens": 8}},
+            r"speculative decoding with 8 tokens \(verify steps of 9 rows",
+        ),
+        (
             {"VLLM_MEGAKERNEL_INTERPRET": "1", "VLLM_KV_CACHE_LAYOUT": "HND"},
             {},
             "VLLM_KV_CACHE_LAYOUT=HND",
