@@ -294,6 +294,36 @@ def test_speculative_verify_steps_run_through_the_backend(
         assert [ids for ids, _ in mega] == [ids for ids, _ in ngram]
 
 
+def test_mtp_verify_steps_run_through_the_backend(demo_model, monkeypatch, tmp_path):
+    """DeepSeek's multi-token prediction (vLLM's DeepSeekMTP drafter, one
+    MTP layer reused for 2 drafts): every verify step, 3 rows a request,
+    through the backend, and greedy fp32 gives the tokens of the decode
+    without speculation. (The MTP layer's weights ride in the checkpoint,
+    as DeepSeek-V3 ships them; the target's layers are the demo's.)"""
+    from vllm_ext import backend
+    from vllm_ext.demo_models import with_mtp_layer
+
+    monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
+    base = demo_model("deepseek_v3_moe")
+    model = str(with_mtp_layer(base, tmp_path / "deepseek_v3_mtp"))
+    rows = []
+    decode_inputs = backend.decode_inputs
+
+    def recording(batch, layer_names):
+        rows.append(batch.query_start_loc[: batch.num_reqs + 1].diff().tolist())
+        return decode_inputs(batch, layer_names)
+
+    monkeypatch.setattr(backend, "decode_inputs", recording)
+    mtp = {"method": "mtp", "num_speculative_tokens": 2}
+    mega, (ran, declined, _) = _generate(
+        model, "float32", speculative_config=mtp, decode_backend="megakernel"
+    )
+    assert declined == {} and ran == len(rows)
+    assert any(max(lens) == 3 for lens in rows)
+    plain = _default(base, "float32")
+    assert [ids for ids, _ in mega] == [ids for ids, _ in plain]
+
+
 def test_reload_weights_reaches_the_megakernel(demo_model, monkeypatch, tmp_path):
     """vLLM's reload_weights loads other weights in place (on a CPU it
     prepacks them again) and tells the backend, which builds its executor

@@ -297,6 +297,45 @@ def _write_model(arch: str, out: Path, seed: int, vocab_size: int) -> None:
     build_tokenizer(out, vocab_size)
 
 
+def with_mtp_layer(src: str | Path, out: str | Path, seed: int = 1) -> Path:
+    """Copy DeepSeek-V3 demo model ``src`` to ``out`` with one multi-token
+    prediction layer (``num_nextn_predict_layers: 1``), as DeepSeek-V3 ships
+    it: at index ``num_hidden_layers``, a decoder layer (a copy of the last
+    one, in the same tensors' shapes) with ``enorm``, ``hnorm``, ``eh_proj``
+    and ``shared_head`` (norm and LM head) of its own, drawn at random."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(src), Path(out)
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    last, mtp = config["num_hidden_layers"] - 1, config["num_hidden_layers"]
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    tensors = load_file(src / "model.safetensors")
+    prefix = f"model.layers.{last}."
+    for name, t in list(tensors.items()):
+        if name.startswith(prefix):
+            tensors[f"model.layers.{mtp}." + name[len(prefix) :]] = t.clone()
+    gen = torch.Generator().manual_seed(seed)
+    std = config["initializer_range"]
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    head = f"model.layers.{mtp}."
+    tensors[head + "enorm.weight"] = torch.rand(hidden, generator=gen) + 0.5
+    tensors[head + "hnorm.weight"] = torch.rand(hidden, generator=gen) + 0.5
+    tensors[head + "eh_proj.weight"] = draw(hidden, 2 * hidden)
+    tensors[head + "shared_head.norm.weight"] = torch.rand(hidden, generator=gen) + 0.5
+    tensors[head + "shared_head.head.weight"] = draw(vocab, hidden)
+    save_file(tensors, out / "model.safetensors")
+    config["num_nextn_predict_layers"] = 1
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", choices=sorted(DEMO_ARCHS), default="llama")
