@@ -736,6 +736,40 @@ def test_gpu_route_through_vllm_with_a_stand_in_kernel(
         check_bf16_close(default, mega, "default", "megakernel (stand-in kernel)")
 
 
+def test_gpu_route_runs_verify_steps_as_reference_mode(
+    demo_model, stand_in_route, monkeypatch
+):
+    """Speculative verify steps (n-gram) through the GPU route's host side
+    (``stand_in_route``): buckets count tokens, each token a row with its
+    request's block table; tokens and logprobs bit for bit reference
+    mode's, some verify steps of several rows per request among the
+    launches."""
+    from vllm_ext import backend
+
+    model = demo_model("llama")
+    monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
+    monkeypatch.setenv("VLLM_MEGAKERNEL_MAX_BATCH", "4")
+    interpreted, _ = _generate(
+        model, "bfloat16", decode_backend="megakernel", speculative_config=NGRAM
+    )
+    monkeypatch.delenv("VLLM_MEGAKERNEL_INTERPRET")
+    rows = []
+    decode_inputs = backend.decode_inputs
+
+    def recording(batch, layer_names):
+        rows.append(batch.query_start_loc[: batch.num_reqs + 1].diff().tolist())
+        return decode_inputs(batch, layer_names)
+
+    monkeypatch.setattr(backend, "decode_inputs", recording)
+    mega, (ran, _, _) = _generate(
+        model, "bfloat16", decode_backend="megakernel", speculative_config=NGRAM
+    )
+    assert mega == interpreted
+    launches = sum(e.launch.launches for e in stand_in_route.executors)
+    assert ran == len(rows) == launches
+    assert any(max(lens) > 1 for lens in rows)
+
+
 def test_a_kernel_step_that_aborts_fails_its_requests_and_vllm_serves_on(
     demo_model, stand_in_route, monkeypatch
 ):
