@@ -30,7 +30,7 @@ from vllm_ext.megakernel.kernel.launcher import ARCH_OF_CAPABILITY
 from vllm_ext.megakernel.planner import batch_buckets
 from vllm_ext.model_spec import ModelSpec, sliding_window_refusal
 from vllm_ext.plugin import ATTENTION_BACKEND
-from vllm_ext.runner import DecodeExecutor, decode_inputs
+from vllm_ext.runner import MAX_QUERY_LEN, DecodeExecutor, decode_inputs
 from vllm_ext.weights import DecodeWeights
 
 # Under "vllm." so records go through vLLM's handlers, level and format.
@@ -55,11 +55,6 @@ def model_spec(vllm_config: VllmConfig) -> ModelSpec:
     return ModelSpec.from_hf_config(
         model_config.hf_text_config, model_config.dtype, model_config.max_model_len
     )
-
-
-# Query rows per request: a decode step's one, or a speculative verify
-# step's 1 + k for k up to 7 drafts (MTP, EAGLE, n-gram).
-MAX_QUERY_LEN = 8
 
 
 class MegakernelDecodeBackend(DecodeBackend):

@@ -21,6 +21,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+# Query rows a request: a decode step's one, or a speculative verify step's
+# 1 + k for k up to 7 drafts (MTP, EAGLE, n-gram).
+MAX_QUERY_LEN = 8
+
 if TYPE_CHECKING:
     # (Not at run time: the GPU check runs the executors with torch alone.)
     from vllm.v1.worker.decode_backend import DecodeBatch

@@ -174,3 +174,23 @@ def test_quantized_checkpoints_plan_with_their_bytes():
     assert sizes["llama-3.1-8b-w4a16"]["weight_bytes"] == w4
     floors = [sizes[n]["floor_us"] for n in sizes]
     assert floors[0] > floors[1] > floors[2]
+
+
+def test_verify_steps_plan_a_row_per_token():
+    """``--tokens-per-request``: a verify step of 1 + k tokens a request is
+    the program of batch x (1 + k) rows (vllm_ext/runner.py); the weights,
+    so the floor, stay those of one step (a dense model)."""
+    from vllm_ext.backend import MAX_QUERY_LEN
+
+    out = {}
+    for tokens in (1, 4):
+        result = run("--config", "llama-3.2-1b", "--batch", "2", "--arch", "sm_90a",
+                     "--tokens-per-request", str(tokens), "--json")  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+        out[tokens] = json.loads(result.stdout.strip().splitlines()[-1])
+    assert (out[1]["rows"], out[4]["rows"]) == (2, 8)
+    assert out[1]["weight_bytes"] == out[4]["weight_bytes"]
+    assert out[1]["floor_us"] == out[4]["floor_us"]
+    bad = run("--config", "llama-3.2-1b", "--batch", "1",
+              "--tokens-per-request", str(MAX_QUERY_LEN + 1))  # fmt: skip
+    assert bad.returncode == 2 and "--tokens-per-request" in bad.stderr

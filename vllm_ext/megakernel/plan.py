@@ -27,6 +27,7 @@ from vllm_ext.megakernel.cost import DEFAULT_DEVICE, DEVICES, predict
 from vllm_ext.megakernel.planner import plan
 from vllm_ext.megakernel.verify import VerificationError, verify
 from vllm_ext.model_spec import ModelSpec, UnsupportedModelError
+from vllm_ext.runner import MAX_QUERY_LEN
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # Interleaving runs on CPU: at most this many layers of the real shapes, and
@@ -134,9 +135,20 @@ def main(argv: list[str] | None = None) -> int:
         help="the cost model's wait latency per dependency, in us (the "
         "device table's by default)",
     )
+    parser.add_argument(
+        "--tokens-per-request",
+        type=int,
+        default=1,
+        help="query rows a request: 1 + the drafts of a speculative verify "
+        "step (each token a row of the program: vllm_ext/runner.py)",
+    )
     parser.add_argument("--interleavings", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if not 1 <= args.tokens_per_request <= MAX_QUERY_LEN:
+        print(f"plan: --tokens-per-request must be 1 to {MAX_QUERY_LEN}",
+              file=sys.stderr)  # fmt: skip
+        return 2
 
     device = DEVICES[args.device or DEFAULT_DEVICE[args.arch]]
     if device.arch != args.arch:
@@ -151,9 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     spec = spec_or_exit("plan", args.config, args.dtype, args.batch)
 
     parts = 1 if args.whole_heads else None
+    rows = args.batch * args.tokens_per_request
     t0 = time.perf_counter()
     try:
-        program = plan(spec, args.batch, device, with_lm_head=args.lm_head,
+        program = plan(spec, rows, device, with_lm_head=args.lm_head,
                        qkv_parts=parts)  # fmt: skip
     except ValueError as e:  # whole heads the model cannot take (planner.py)
         print(f"plan: {e}", file=sys.stderr)
@@ -171,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         "arch": args.arch,
         "device": device.name,
         "batch": args.batch,
+        "tokens_per_request": args.tokens_per_request,
+        "rows": rows,
         "dtype": args.dtype,
         "verified": verified,
         "num_sms": device.num_sms,
