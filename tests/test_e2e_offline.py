@@ -5,6 +5,7 @@ through the megakernel runner."""
 
 import dataclasses
 import gc
+import sys
 import types
 from pathlib import Path
 
@@ -187,7 +188,7 @@ def test_megakernel_matches_default(demo_model, monkeypatch, arch, dtype):
     "fmt, dtype",
     [("pack-quantized", "float32"), ("pack-quantized", "bfloat16"),
      ("gptq", "bfloat16"), ("fp8-channel", "float32"),
-     ("fp8-channel", "bfloat16")],
+     ("fp8-channel", "bfloat16"), ("fp8-block", "bfloat16")],
 )  # fmt: skip
 def test_quantized_checkpoint_matches_default(
     demo_model, monkeypatch, tmp_path, fmt, dtype
@@ -197,6 +198,12 @@ def test_quantized_checkpoint_matches_default(
 
     monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
     cpu_quant_ops.install(monkeypatch)
+    if fmt == "fp8-block":
+        # (vLLM takes fp8 checkpoints in bf16/fp16 only.) Activations in
+        # groups of 128 over a hidden size of 256, on near-flat random
+        # logits: vLLM's own decode against itself with only its attention
+        # changed parts 8 of 9 streams, 0.165 apart; compare 20 logprobs.
+        monkeypatch.setattr(sys.modules[__name__], "NUM_LOGPROBS", 20)
     model = str(quantize_checkpoint(demo_model("llama"), tmp_path / fmt, fmt))
     default, _ = _generate(model, dtype)
     mega, stats = _generate(model, dtype, decode_backend="megakernel")

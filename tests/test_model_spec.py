@@ -278,7 +278,7 @@ def test_real_deepseek_configs(name, mla, moe):
                     "weight_block_size": [128, 128],
                 }
             ),
-            "quantization FP8 with 128x128 block scales",
+            "fp8-block128 latent attention",
         ),
         # INT4 runs on dense models only, so far.
         (

@@ -8,6 +8,7 @@ import torch
 
 from vllm_ext.demo_quant import _gptq, _pack_quantized, quantize_int4
 from vllm_ext.quant import (
+    FP8_BLOCK,
     FP8_W8A8,
     INT4_W4A16,
     Int4Weight,
@@ -51,8 +52,10 @@ def test_int4_w4a16_is_taken(config, checkpoint, group):
 @pytest.mark.parametrize(
     "config, name",
     [
-        ({"quant_method": "fp8", "weight_block_size": [128, 128]},
-         "FP8 with 128x128 block scales"),
+        ({"quant_method": "fp8", "weight_block_size": [64, 64]},
+         "FP8 with \\[64, 64\\] weight blocks"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128],
+          "activation_scheme": "static"}, "static activation scales"),
         ({"quant_method": "fp8"}, "FP8 with per-tensor scales"),
         ({"quant_method": "awq", "bits": 4}, "AWQ"),
         ({"quant_method": "mxfp4"}, "MXFP4"),
@@ -208,3 +211,64 @@ def test_quantize_input_is_vllm_quant_fp8(dtype):
     fmt = quant_format(_ct(FP8_CHANNEL, FP8_TOKEN, "float-quantized"))
     assert torch.equal(quantize_input(x, fmt), q.float() * scale)
     assert quantize_input(x, None) is x
+
+
+# DeepSeek-V3's and Kimi-K2's quantization_config.
+DEEPSEEK_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [128, 128]}  # fmt: skip
+
+
+def test_fp8_blocks_are_taken():
+    fmt = quant_format(DEEPSEEK_FP8)
+    assert (fmt.name, fmt.group_size, fmt.activations) == (
+        FP8_BLOCK,
+        128,
+        "fp8-per-token-group-128",
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group_input_quantization_is_vllm_quant_fp8(dtype):
+    """Per-token groups of 128 (FP8 blocks' activations) equal vLLM's
+    QuantFP8 group path dequantized, bit for bit."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    x = torch.randn(3, 384, generator=torch.Generator().manual_seed(3)) * 2
+    x[0, :128] *= 1e-3
+    x[1, 128:256] = 0
+    x = x.to(dtype)
+    with set_current_vllm_config(VllmConfig()):
+        quant_fp8 = QuantFP8(static=False, group_shape=GroupShape(1, 128))
+        q, scale = quant_fp8.forward_native(x)
+    theirs = (q.float().view(3, 3, 128) * scale.view(3, 3, 1)).view(3, 384)
+    assert torch.equal(quantize_input(x, quant_format(DEEPSEEK_FP8)), theirs)
+
+
+def test_fp8_block_reference_is_the_gpu_block_gemm():
+    """The reference's FP8-block projection (inputs quantized by
+    quantize_input, the weight read back by fp8_weight) against the GPU's
+    block GEMM (tests/cpu_quant_ops.py: per K block, e4m3 products summed,
+    then both scales): the same quantized operands, so only fp32 rounding
+    apart; the weight read back equals the checkpoint's blocks."""
+    from types import SimpleNamespace
+
+    from tests.cpu_quant_ops import block_fp8_matmul
+    from vllm_ext.demo_quant import _fp8_block
+    from vllm_ext.quant import fp8_weight
+    from vllm_ext.reference import linear
+
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(256, 384, generator=gen) * 0.05
+    t = _fp8_block("w.weight", weight)
+    layer = SimpleNamespace(
+        weight=t["w.weight"], weight_scale_inv=t["w.weight_scale_inv"]
+    )
+    w_eff = fp8_weight(layer, (256, 384))
+    blocks = t["w.weight_scale_inv"].repeat_interleave(128, 0).repeat_interleave(128, 1)
+    assert torch.equal(w_eff, t["w.weight"].float() * blocks)
+    x = torch.randn(4, 384, generator=gen).to(torch.bfloat16)
+    ours = linear(quantize_input(x, quant_format(DEEPSEEK_FP8)), w_eff)
+    gpu = block_fp8_matmul(x, t["w.weight"], t["w.weight_scale_inv"], torch.float32)
+    assert torch.allclose(ours, gpu, rtol=1e-5, atol=1e-6)

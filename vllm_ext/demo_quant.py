@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-FORMATS = ("pack-quantized", "gptq", "fp8-channel")
+FORMATS = ("pack-quantized", "gptq", "fp8-channel", "fp8-block")
 GROUP_SIZE = {"pack-quantized": 32, "gptq": 64}  # as the real checkpoints
 # Weights left unquantized: vLLM's loaders keep these in the model dtype.
 KEEP = ("embed_tokens", "lm_head", "norm", "mlp.gate.", "e_score_correction_bias")
@@ -90,7 +90,21 @@ def _fp8_channel(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
     }
 
 
+def _fp8_block(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3's FP8: e4m3 ``[N, K]``, an fp32 scale a 128x128 block
+    (``weight_scale_inv``: the dequantized weight is codes times it)."""
+    n, k = weight.shape
+    blocks = weight.float().view(n // 128, 128, k // 128, 128)
+    top = torch.finfo(torch.float8_e4m3fn).max
+    scale = (blocks.abs().amax(dim=(1, 3)) / top).clamp(min=2**-20)
+    codes = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+    return {name: codes.view(n, k), name.replace(".weight", ".weight_scale_inv"): scale}
+
+
 def quantization_config(fmt: str) -> dict:
+    if fmt == "fp8-block":
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [128, 128]}  # fmt: skip
     if fmt == "fp8-channel":
         fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
         return {
@@ -148,7 +162,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str) -> Path:
             shutil.copy(f, out / f.name)
     tensors = {}
     quantize = {"gptq": _gptq, "pack-quantized": _pack_quantized,
-                "fp8-channel": _fp8_channel}[fmt]  # fmt: skip
+                "fp8-channel": _fp8_channel, "fp8-block": _fp8_block}[fmt]  # fmt: skip
     for name, t in load_file(src / "model.safetensors").items():
         if (
             t.dim() == 2

@@ -46,12 +46,19 @@ class QuantFormat:
         FP8's fp32, one a row)."""
         if self.name == FP8_W8A8:
             return rows * cols + rows * 4
+        if self.name == FP8_BLOCK:  # an fp32 scale a 128x128 block
+            return rows * cols + -(-rows // BLOCK) * -(-cols // BLOCK) * 4
         groups = 1 if self.group_size < 0 else -(-cols // self.group_size)
         return rows * cols * self.bits // 8 + rows * groups * scale_bytes
 
 
 INT4_W4A16 = "int4-w4a16"
 FP8_W8A8 = "fp8-w8a8"
+FP8_BLOCK = "fp8-block128"  # DeepSeek-V3's: 128x128 weight blocks
+# How activations are quantized as they enter a quantized layer.
+PER_TOKEN = "fp8-per-token"
+PER_TOKEN_GROUP = "fp8-per-token-group-128"
+BLOCK = 128
 
 
 def quant_format(hf_quant_config: Any) -> QuantFormat | None:
@@ -72,10 +79,10 @@ def _format(hf_quant_config: Any) -> QuantFormat:
         return _gptq(cfg)
     if method == "compressed-tensors":
         return _compressed_tensors(cfg)
+    if method == "fp8" and cfg.get("weight_block_size"):
+        return _fp8_blocks(cfg)
     names = {
-        "fp8": "FP8 with 128x128 block scales (DeepSeek-V3/Kimi-K2 style)"
-        if cfg.get("weight_block_size")
-        else "FP8 with per-tensor scales",
+        "fp8": "FP8 with per-tensor scales",
         "awq": "AWQ (asymmetric, zero points)",
         "mxfp4": "MXFP4",
         "modelopt_fp4": "NVFP4",
@@ -84,6 +91,18 @@ def _format(hf_quant_config: Any) -> QuantFormat:
         "gguf": "GGUF",
     }
     raise ValueError(names.get(method, f"quant_method {method!r}"))
+
+
+def _fp8_blocks(cfg: dict) -> QuantFormat:
+    """DeepSeek-V3's and Kimi-K2's FP8: e4m3 weights with an fp32 scale a
+    128x128 block (``weight_scale_inv``), activations quantized per token
+    in groups of 128 as they enter each layer."""
+    block = list(cfg["weight_block_size"])
+    if block != [BLOCK, BLOCK]:
+        raise ValueError(f"FP8 with {block} weight blocks")
+    if cfg.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError("FP8 blocks with static activation scales")
+    return QuantFormat(FP8_BLOCK, "fp8", 8, BLOCK, PER_TOKEN_GROUP)
 
 
 def _gptq(cfg: dict) -> QuantFormat:
@@ -141,9 +160,7 @@ def _compressed_tensors_fp8(cfg: dict, weights: dict, acts: dict | None):
     ignored = [name for name in cfg.get("ignore") or [] if "lm_head" not in name]
     if ignored:
         raise ValueError(f"compressed-tensors FP8 leaving {ignored} unquantized")
-    return QuantFormat(
-        FP8_W8A8, "compressed-tensors float-quantized", 8, -1, "fp8-per-token"
-    )
+    return QuantFormat(FP8_W8A8, "compressed-tensors float-quantized", 8, -1, PER_TOKEN)
 
 
 def quantize_input(x: torch.Tensor, quant: QuantFormat | None) -> torch.Tensor:
@@ -156,6 +173,14 @@ def quantize_input(x: torch.Tensor, quant: QuantFormat | None) -> torch.Tensor:
         return x
     fp8 = torch.float8_e4m3fn
     top = torch.finfo(fp8).max
+    if quant.activations == PER_TOKEN_GROUP:
+        # vLLM's group path divides by the scale (the per-token one
+        # multiplies by its reciprocal).
+        groups = x.view(*x.shape[:-1], -1, BLOCK)
+        amax = groups.abs().amax(dim=-1, keepdim=True).float()
+        scale = (amax / top).clamp(min=1.0 / (top * 512.0))
+        q = (groups / scale).clamp(-top, top).to(fp8)
+        return (q.float() * scale).view(x.shape)
     amax = x.abs().amax(dim=-1, keepdim=True).float()
     scale = (amax / top).clamp(min=1.0 / (top * 512.0))
     q = (x.float() * scale.reciprocal()).clamp(-top, top).to(fp8)
@@ -163,10 +188,27 @@ def quantize_input(x: torch.Tensor, quant: QuantFormat | None) -> torch.Tensor:
 
 
 def fp8_weight(layer: torch.nn.Module, shape: tuple[int, int]) -> torch.Tensor:
-    """An FP8 per-channel layer's weight ``[N, K]`` in fp32: e4m3 codes
-    (vLLM keeps them ``[K, N]``) times each output's scale."""
+    """An FP8 layer's weight ``[N, K]`` in fp32: e4m3 codes times their
+    scales: a 128x128 block's (``weight_scale_inv``, codes ``[N, K]`` as
+    loaded) or an output channel's (codes ``[K, N]``, as vLLM keeps
+    them)."""
     n, k = shape
-    weight, scale = layer.weight.detach(), layer.weight_scale.detach()
+    weight = layer.weight.detach()
+    blocks = getattr(layer, "weight_scale_inv", None)
+    if blocks is not None and weight.dtype == torch.float8_e4m3fn:
+        scale = blocks.detach().float()
+        if tuple(weight.shape) != (n, k) or scale.shape != (
+            -(-n // BLOCK),
+            -(-k // BLOCK),
+        ):
+            raise ValueError(
+                f"megakernel: {type(layer).__name__} {tuple(shape)}: vLLM keeps "
+                f"its FP8 blocks as {tuple(weight.shape)} with scales "
+                f"{tuple(scale.shape)} (repacked?); the backend cannot read them"
+            )
+        full = scale.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)
+        return weight.float() * full[:, :k]
+    scale = layer.weight_scale.detach()
     if weight.dtype != torch.float8_e4m3fn or tuple(weight.shape) != (k, n):
         raise ValueError(
             f"megakernel: {type(layer).__name__} {tuple(shape)}: vLLM keeps its "
