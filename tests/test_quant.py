@@ -272,3 +272,15 @@ def test_fp8_block_reference_is_the_gpu_block_gemm():
     ours = linear(quantize_input(x, quant_format(DEEPSEEK_FP8)), w_eff)
     gpu = block_fp8_matmul(x, t["w.weight"], t["w.weight_scale_inv"], torch.float32)
     assert torch.allclose(ours, gpu, rtol=1e-5, atol=1e-6)
+
+
+def test_weight_bytes_count_codes_and_scales():
+    """What the planner counts a projection at (``QuantFormat.weight_bytes``),
+    a 4096 x 14336 one: the codes, and each format's scales."""
+    rows, cols = 4096, 14336
+    int4 = quant_format(_ct({"group_size": 128}))
+    channel = quant_format(_ct(FP8_CHANNEL, FP8_TOKEN, "float-quantized"))
+    blocks = quant_format(DEEPSEEK_FP8)
+    assert int4.weight_bytes(rows, cols, 2) == rows * cols // 2 + rows * 112 * 2
+    assert channel.weight_bytes(rows, cols, 2) == rows * cols + rows * 4
+    assert blocks.weight_bytes(rows, cols, 2) == rows * cols + 32 * 112 * 4
