@@ -61,11 +61,19 @@ class MegakernelDecodeBackend(DecodeBackend):
     @classmethod
     def capabilities(cls, vllm_config: VllmConfig) -> DecodeBackendCapabilities:
         # A decoder on one GPU (data parallel ranks each run their own),
-        # decode steps and speculative verify steps (each token a row:
-        # runner.py), uniform or ragged; vLLM refuses every other feature at
-        # start-up.
+        # decode steps and, with speculative decoding, verify steps of
+        # 1 + k rows a request (each token a row: runner.py), uniform or
+        # ragged; vLLM refuses every other feature at start-up. Only as many
+        # rows as the drafts need: vLLM's step rule tells a verify step by
+        # its shape, so a prefill of at most 1 + k tokens a request runs
+        # here too (the same computation); none without speculation.
+        spec = vllm_config.speculative_config
+        if spec is None:
+            return DecodeBackendCapabilities()
+        rows = 1 + spec.num_speculative_tokens
         return DecodeBackendCapabilities(
-            max_query_len=MAX_QUERY_LEN, ragged_query_lens=True
+            max_query_len=rows if rows <= MAX_QUERY_LEN else MAX_QUERY_LEN,
+            ragged_query_lens=True,
         )
 
     @classmethod
