@@ -258,6 +258,22 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
          "prompt_lookup_min": 1}  # fmt: skip
 
 
+def _record_query_lens(monkeypatch) -> list[list[int]]:
+    """The rows a request of every step the backend runs, as the steps come
+    (``runner.decode_inputs`` wrapped where the backend calls it)."""
+    from vllm_ext import backend
+
+    rows: list[list[int]] = []
+    decode_inputs = backend.decode_inputs
+
+    def recording(batch, layer_names):
+        rows.append(batch.query_start_loc[: batch.num_reqs + 1].diff().tolist())
+        return decode_inputs(batch, layer_names)
+
+    monkeypatch.setattr(backend, "decode_inputs", recording)
+    return rows
+
+
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v3_moe"])
 def test_speculative_verify_steps_run_through_the_backend(
     demo_model, monkeypatch, arch
@@ -268,19 +284,9 @@ def test_speculative_verify_steps_run_through_the_backend(
     of several rows per request, ragged among requests, ran through the
     backend. (A DeepSeek-V3 latent attention: vLLM's own CPU verify step
     drifts, so there the reference is the decode without speculation.)"""
-    from vllm_ext import backend
-
     monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
     model = demo_model(arch)
-    rows = []
-    decode_inputs = backend.decode_inputs
-
-    def recording(batch, layer_names):
-        starts = batch.query_start_loc[: batch.num_reqs + 1]
-        rows.append(starts.diff().tolist())
-        return decode_inputs(batch, layer_names)
-
-    monkeypatch.setattr(backend, "decode_inputs", recording)
+    rows = _record_query_lens(monkeypatch)
     mega, (ran, declined, _) = _generate(
         model, "float32", speculative_config=NGRAM, decode_backend="megakernel"
     )
@@ -307,20 +313,12 @@ def test_mtp_verify_steps_run_through_the_backend(demo_model, monkeypatch, tmp_p
     through the backend, and greedy fp32 gives the tokens of the decode
     without speculation. (The MTP layer's weights ride in the checkpoint,
     as DeepSeek-V3 ships them; the target's layers are the demo's.)"""
-    from vllm_ext import backend
     from vllm_ext.demo_models import with_mtp_layer
 
     monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
     base = demo_model("deepseek_v3_moe")
     model = str(with_mtp_layer(base, tmp_path / "deepseek_v3_mtp"))
-    rows = []
-    decode_inputs = backend.decode_inputs
-
-    def recording(batch, layer_names):
-        rows.append(batch.query_start_loc[: batch.num_reqs + 1].diff().tolist())
-        return decode_inputs(batch, layer_names)
-
-    monkeypatch.setattr(backend, "decode_inputs", recording)
+    rows = _record_query_lens(monkeypatch)
     mtp = {"method": "mtp", "num_speculative_tokens": 2}
     mega, (ran, declined, _) = _generate(
         model, "float32", speculative_config=mtp, decode_backend="megakernel"
@@ -751,8 +749,6 @@ def test_gpu_route_runs_verify_steps_as_reference_mode(
     request's block table; tokens and logprobs bit for bit reference
     mode's, some verify steps of several rows per request among the
     launches."""
-    from vllm_ext import backend
-
     model = demo_model("llama")
     monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
     monkeypatch.setenv("VLLM_MEGAKERNEL_MAX_BATCH", "4")
@@ -760,14 +756,7 @@ def test_gpu_route_runs_verify_steps_as_reference_mode(
         model, "bfloat16", decode_backend="megakernel", speculative_config=NGRAM
     )
     monkeypatch.delenv("VLLM_MEGAKERNEL_INTERPRET")
-    rows = []
-    decode_inputs = backend.decode_inputs
-
-    def recording(batch, layer_names):
-        rows.append(batch.query_start_loc[: batch.num_reqs + 1].diff().tolist())
-        return decode_inputs(batch, layer_names)
-
-    monkeypatch.setattr(backend, "decode_inputs", recording)
+    rows = _record_query_lens(monkeypatch)
     mega, (ran, _, _) = _generate(
         model, "bfloat16", decode_backend="megakernel", speculative_config=NGRAM
     )
