@@ -70,11 +70,9 @@ class MegakernelDecodeBackend(DecodeBackend):
         spec = vllm_config.speculative_config
         if spec is None:
             return DecodeBackendCapabilities()
-        rows = 1 + spec.num_speculative_tokens
-        return DecodeBackendCapabilities(
-            max_query_len=rows if rows <= MAX_QUERY_LEN else MAX_QUERY_LEN,
-            ragged_query_lens=True,
-        )
+        # (More drafts than MAX_QUERY_LEN - 1: vLLM refuses them, named.)
+        rows = min(1 + spec.num_speculative_tokens, MAX_QUERY_LEN)
+        return DecodeBackendCapabilities(max_query_len=rows, ragged_query_lens=True)
 
     @classmethod
     def verify_and_update_config(cls, vllm_config: VllmConfig) -> None:

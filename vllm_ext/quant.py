@@ -6,7 +6,9 @@ Taken, on dense models: INT4 weight-only (W4A16), symmetric, group-wise,
 in GPTQ (``quant_method: gptq``, no act-order) and compressed-tensors
 ``pack-quantized`` checkpoints; FP8 e4m3 with per-channel weight scales
 and dynamic per-token activations (W8A8, compressed-tensors
-``float-quantized``). Numerics are vLLM's on a GPU. W4A16 (Marlin):
+``float-quantized``); FP8 with 128x128 weight blocks and activations per
+token in groups of 128 (``quant_method: fp8``). Numerics are vLLM's on a
+GPU. W4A16 (Marlin):
 activations stay in the model dtype, a weight is ``(q - 8) * s`` rounded
 to the model dtype (``s`` the group's scale), products summed in fp32.
 FP8 W8A8: each layer's input quantized per token to e4m3 as it enters
@@ -33,12 +35,12 @@ import torch
 class QuantFormat:
     """A checkpoint's quantization, as the backend runs it."""
 
-    name: str  # INT4_W4A16 or FP8_W8A8
+    name: str  # INT4_W4A16, FP8_W8A8 or FP8_BLOCK
     checkpoint: str  # "gptq", "compressed-tensors pack-quantized", ...
     bits: int
     group_size: int  # along K; -1: one group per output row
     # How a quantized layer's input is quantized as it enters (None: not).
-    activations: str | None = None  # "fp8-per-token"
+    activations: str | None = None  # PER_TOKEN or PER_TOKEN_GROUP
 
     def weight_bytes(self, rows: int, cols: int, scale_bytes: int) -> int:
         """Bytes of ``rows`` x ``cols`` of a quantized layer's weight with
@@ -165,10 +167,10 @@ def _compressed_tensors_fp8(cfg: dict, weights: dict, acts: dict | None):
 
 def quantize_input(x: torch.Tensor, quant: QuantFormat | None) -> torch.Tensor:
     """A quantized layer's input as its GEMM sees it: unchanged, or for
-    per-token FP8 each row scaled to the e4m3 range (amax / 448, at least
-    1 / (448 * 512)), rounded to e4m3 and scaled back, in fp32 (vLLM's
-    ``QuantFP8``; the scales are then applied before the sum, not after:
-    fp32 rounding apart)."""
+    FP8 each row (or each group of 128 of a row) scaled to the e4m3 range
+    (amax / 448, at least 1 / (448 * 512)), rounded to e4m3 and scaled
+    back, in fp32 (vLLM's ``QuantFP8``; the scales are then applied before
+    the sum, not after: fp32 rounding apart)."""
     if quant is None or quant.activations is None:
         return x
     fp8 = torch.float8_e4m3fn
@@ -238,37 +240,30 @@ class Int4Weight:
         return (self.codes.to(torch.int16) - 8).to(s.dtype) * s
 
 
-def read_back(layer: torch.nn.Module, shape: tuple[int, int], dtype) -> torch.Tensor:
-    """``[N, K]``: the weight a quantized linear layer multiplies by, read
-    through its own ``quant_method.apply`` (any repacked layout)."""
-    n, k = shape
-    eye = torch.eye(k, dtype=dtype, device=_device(layer))
-    return layer.quant_method.apply(layer, eye).t().contiguous()
-
-
-def _device(layer: torch.nn.Module) -> torch.device:
-    return next(layer.parameters()).device
-
-
-def int4_weight(layer: torch.nn.Module, shape: tuple[int, int]) -> Int4Weight:
-    """A W4A16 layer's codes and scales, from what it multiplies by and its
-    group scales (``weight_scale`` or GPTQ's ``scales``, in the model dtype,
-    ``[K / group, N]`` after vLLM's CPU kernel transposed them)."""
-    n, k = shape
+def int4_scales(layer: torch.nn.Module, n: int) -> torch.Tensor:
+    """A W4A16 layer's group scales ``[N, K / group]`` in the model dtype
+    (``weight_scale`` or GPTQ's ``scales``; ``[K / group, N]`` after vLLM's
+    CPU kernel transposed them)."""
     scales = getattr(layer, "weight_scale", None)
     if scales is None:
         scales = layer.scales
     scales = scales.detach()
-    if scales.shape[-1] != n:
-        scales = scales.t()
-    scales = scales.t().contiguous()  # [N, K / group]
-    dense = read_back(layer, shape, scales.dtype)
+    return (scales if scales.shape[0] == n else scales.t()).contiguous()
+
+
+def int4_weight(
+    layer: torch.nn.Module, dense: torch.Tensor, scales: torch.Tensor
+) -> Int4Weight:
+    """A W4A16 layer's codes and scales, from ``dense`` ``[N, K]``, what it
+    multiplies by (read back through its own ``quant_method.apply``), and
+    its group scales."""
+    k = dense.shape[1]
     full = scales.repeat_interleave(k // scales.shape[1], dim=1).float()
     values = torch.round(dense.float() / full.where(full != 0, 1.0))
     weight = Int4Weight((values.clamp(-8, 7) + 8).to(torch.uint8), scales)
     if not torch.equal(weight.dequantize(), dense):
         raise ValueError(
-            f"megakernel: {type(layer).__name__} {tuple(shape)}: vLLM's INT4 "
+            f"megakernel: {type(layer).__name__} {tuple(dense.shape)}: vLLM's INT4 "
             "weights are not (q - 8) * scale of its group scales; the backend "
             "cannot read them"
         )

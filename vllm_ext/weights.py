@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_ext.model_spec import ModelSpec, UnsupportedModelError
-from vllm_ext.quant import fp8_weight, int4_weight
+from vllm_ext.quant import fp8_weight, int4_scales, int4_weight
 
 
 @dataclass(frozen=True)
@@ -213,22 +213,33 @@ def linear_weight(layer: torch.nn.Module, shape: tuple[int, int]) -> torch.Tenso
     packed copy), it is read back by multiplying the identity: each output
     element is one weight times 1 plus zeros, so the copy is exact in any
     dtype. A quantized layer's: its dequantized weight (``quant.py``)."""
+    n, k = shape
     if _quantized(layer):
         # Reference mode reads the codes and scales the kernel will read.
         weight = getattr(layer, "weight", None)
         if weight is not None and weight.dtype == torch.float8_e4m3fn:
             return fp8_weight(layer, shape)
-        return int4_weight(layer, shape).dequantize()
+        scales = int4_scales(layer, n)
+        dense = _read_back(
+            lambda x: layer.quant_method.apply(layer, x), k, scales.dtype,
+            scales.device,
+        )  # fmt: skip
+        return int4_weight(layer, dense, scales).dequantize()
     weight = layer.weight
     if weight.numel() or not hasattr(layer, "cpu_linear"):
         return weight
-    n, k = shape
+    return _read_back(lambda x: layer.cpu_linear(x, weight, None), k, weight.dtype)
+
+
+def _read_back(multiply, k: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """``[N, K]``: the weight ``multiply`` (``x -> x @ W.T``) applies, from
+    the identity pushed through it a chunk of rows at a time."""
     rows = []
     for start in range(0, k, _READBACK_CHUNK):
         stop = min(start + _READBACK_CHUNK, k)
-        eye = torch.zeros(stop - start, k, dtype=weight.dtype)
+        eye = torch.zeros(stop - start, k, dtype=dtype, device=device)
         eye[:, start:stop].fill_diagonal_(1)
-        rows.append(layer.cpu_linear(eye, weight, None).to(weight.dtype))
+        rows.append(multiply(eye).to(dtype))
     return torch.cat(rows).t().contiguous()
 
 
