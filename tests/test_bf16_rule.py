@@ -86,7 +86,7 @@ def test_routing_margin_is_how_far_the_choice_is_from_changing(moe, biased):
         logits = torch.randn(1, moe.num_experts, generator=gen)
         bias = torch.randn(moe.num_experts, generator=gen) * 0.1 if biased else None
         margin = float(routing_margin(logits, moe, bias)[0])
-        assert margin >= 0
+        assert margin > 0  # (random logits: no exact tie)
         # Scores moved by less than the margin keep the choice.
         scores = logits.sigmoid() + (0 if bias is None else bias)
         nudged = (scores + (torch.rand(scores.shape, generator=gen) - 0.5)
