@@ -29,6 +29,7 @@ from vllm_ext.attention import KV_CACHE_LAYOUT
 from vllm_ext.megakernel.kernel.launcher import ARCH_OF_CAPABILITY
 from vllm_ext.megakernel.planner import batch_buckets
 from vllm_ext.model_spec import ModelSpec, sliding_window_refusal
+from vllm_ext.parallel import shard_spec
 from vllm_ext.plugin import ATTENTION_BACKEND
 from vllm_ext.runner import MAX_QUERY_LEN, DecodeExecutor, decode_inputs
 from vllm_ext.weights import DecodeWeights
@@ -51,28 +52,34 @@ INTERPRET_HINT = (
 
 
 def model_spec(vllm_config: VllmConfig) -> ModelSpec:
+    """The model as this rank holds it (``parallel.shard_spec``)."""
     model_config = vllm_config.model_config
-    return ModelSpec.from_hf_config(
+    spec = ModelSpec.from_hf_config(
         model_config.hf_text_config, model_config.dtype, model_config.max_model_len
     )
+    return shard_spec(spec, vllm_config.parallel_config.tensor_parallel_size)
 
 
 class MegakernelDecodeBackend(DecodeBackend):
     @classmethod
     def capabilities(cls, vllm_config: VllmConfig) -> DecodeBackendCapabilities:
-        # A decoder on one GPU (data parallel ranks each run their own),
-        # decode steps and, with speculative decoding, verify steps of
-        # 1 + k rows a request (each token a row: runner.py), uniform or
-        # ragged; vLLM refuses every other feature at start-up. Only as many
-        # rows as the drafts need: vLLM's step rule tells a verify step by
-        # its shape, so a prefill of at most 1 + k tokens a request runs
-        # here too (the same computation); none without speculation.
+        # A decoder on one GPU or a tensor-parallel rank of one (the
+        # program all-reduces: parallel.py; data parallel ranks each run
+        # their own), decode steps and, with speculative decoding, verify
+        # steps of 1 + k rows a request (each token a row: runner.py),
+        # uniform or ragged; vLLM refuses every other feature at start-up.
+        # Only as many rows as the drafts need: vLLM's step rule tells a
+        # verify step by its shape, so a prefill of at most 1 + k tokens a
+        # request runs here too (the same computation); none without
+        # speculation.
         spec = vllm_config.speculative_config
         if spec is None:
-            return DecodeBackendCapabilities()
+            return DecodeBackendCapabilities(tensor_parallel=True)
         # (More drafts than MAX_QUERY_LEN - 1: vLLM refuses them, named.)
         rows = min(1 + spec.num_speculative_tokens, MAX_QUERY_LEN)
-        return DecodeBackendCapabilities(max_query_len=rows, ragged_query_lens=True)
+        return DecodeBackendCapabilities(
+            max_query_len=rows, ragged_query_lens=True, tensor_parallel=True
+        )
 
     @classmethod
     def verify_and_update_config(cls, vllm_config: VllmConfig) -> None:
@@ -496,6 +503,12 @@ def _check_latent_caches(
 
 def _check_gpu_kernel(vllm_config: VllmConfig, spec: ModelSpec) -> None:
     """What the compiled kernel (not the reference) needs."""
+    if spec.tp_size > 1:
+        raise ValueError(
+            f"--decode-backend megakernel runs tensor parallelism (here "
+            f"{spec.tp_size} ranks) in reference mode only: the kernel has no "
+            "all-reduce device function yet. " + INTERPRET_HINT
+        )
     if spec.quant is not None:
         raise ValueError(
             f"--decode-backend megakernel runs {spec.quant.name} checkpoints in "
@@ -549,6 +562,10 @@ def _check_deployment(vllm_config: VllmConfig, spec: ModelSpec) -> None:
         # taken by name); vLLM quantizing an unquantized one as it loads is not.
         f"--quantization {model.quantization}": (
             model.quantization is not None and spec.quant is None
+        ),
+        # (Not yet checked against vLLM's sharded scales.)
+        f"{spec.quant and spec.quant.name} checkpoints with tensor parallelism": (
+            spec.quant is not None and spec.tp_size > 1
         ),
     }
     named = [name for name, present in unsupported.items() if present]

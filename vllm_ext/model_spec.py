@@ -132,6 +132,9 @@ class ModelSpec:
     mla: MlaSpec | None = None
     # A quantized checkpoint's format (quant.py); None: the model dtype.
     quant: QuantFormat | None = None
+    # Tensor-parallel ranks: then the shapes above are one rank's
+    # (parallel.shard_spec), and the program all-reduces partial sums.
+    tp_size: int = 1
 
     def with_layers(self, n: int) -> ModelSpec:
         """The first ``n`` layers of the model (shorter programs for checks:

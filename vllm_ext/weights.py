@@ -84,6 +84,9 @@ class DecodeWeights:
     # then sin half (vLLM's ``cos_sin_cache``, YaRN's mscale included).
     cos_sin: torch.Tensor
     attn_scale: float
+    # Tensor parallel: the token ids [start, end) of ``embed``'s first rows
+    # (a rank's vocabulary shard; parallel.py); None: the whole vocabulary.
+    vocab_range: tuple[int, int] | None = None
 
     @classmethod
     def from_vllm_model(cls, model: torch.nn.Module, spec: ModelSpec) -> DecodeWeights:
@@ -192,6 +195,10 @@ def _model_weights(cls, model: torch.nn.Module, spec: ModelSpec, layers):
     lm_head = inner.embed_tokens.weight if spec.tie_word_embeddings else None
     if lm_head is None:
         lm_head = model.lm_head.weight
+    vocab_range = None
+    if spec.tp_size > 1:
+        shard = inner.embed_tokens.shard_indices
+        vocab_range = (shard.org_vocab_start_index, shard.org_vocab_end_index)
     return cls(
         embed=inner.embed_tokens.weight,
         layers=tuple(layers),
@@ -199,6 +206,7 @@ def _model_weights(cls, model: torch.nn.Module, spec: ModelSpec, layers):
         lm_head=lm_head,
         cos_sin=inner.layers[0].self_attn.rotary_emb.cos_sin_cache,
         attn_scale=float(inner.layers[0].self_attn.scaling),
+        vocab_range=vocab_range,
     )
 
 

@@ -272,7 +272,11 @@ def predict(
         schedule(sm)
         counter = instr.signal_counter
         if counter != NO_COUNTER:
-            signals[counter] = signals.get(counter, 0) + 1
+            # A signal to every tensor-parallel rank: the other ranks run
+            # the same program alike (one rank is modelled), so theirs
+            # arrive with it.
+            by = program.spec.tp_size if instr.signal_ranks else 1
+            signals[counter] = signals.get(counter, 0) + by
             latest[counter] = max(latest.get(counter, end), end)
             if signals[counter] == need.get(counter):
                 for waiter in blocked.pop(counter, []):

@@ -8,11 +8,20 @@ signals. Counters persist across steps and are never reset (epochs), as on
 the GPU. Every instruction computes its output from its inputs alone, and
 reductions run in a fixed order, so the result is bit for bit the same
 under every interleaving; the tests check that.
+
+A tensor-parallel program runs either as a rank set in one process
+(``RankSetInterpreter``: every rank's queues under one scheduler, the
+counters signalled on every rank shared as on the GPU, ALL_REDUCE summing
+the ranks' partial buffers), or as one rank of vLLM's tensor-parallel group
+(``GroupReducer``: ALL_REDUCE's sum is vLLM's all-reduce of the point's
+partials, called once per point and step; the other ranks' signals are
+taken as given, the collective itself waiting for them).
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import torch
 
@@ -20,9 +29,11 @@ from vllm_ext.megakernel.isa import (
     NO_COUNTER,
     Instruction,
     Op,
+    Point,
     unpack_cols,
 )
 from vllm_ext.megakernel.ops import (
+    all_reduce,
     attn,
     combine,
     down,
@@ -54,61 +65,31 @@ class DeadlockError(RuntimeError):
     pass
 
 
+# ALL_REDUCE's sum of a point's columns over the ranks: (interpreter,
+# point, layer, lo, hi) -> [B, hi - lo] in the model dtype.
+Reducer = Callable[["ProgramInterpreter", Point, int, int, int], torch.Tensor]
+
+
 class ProgramInterpreter:
-    def __init__(self, program: Program, weights: DecodeWeights, seed: int = 0):
+    def __init__(
+        self,
+        program: Program,
+        weights: DecodeWeights,
+        seed: int = 0,
+        reducer: Reducer | None = None,
+    ):
         self.program = program
         self.weights = weights
         self.rng = random.Random(seed)
         self.counters = [0] * program.num_counters
         self.epoch = 0
+        self.reducer = reducer
 
     def step(self, inputs: DecodeInputs) -> torch.Tensor:
         """One decode step of exactly ``program.batch`` rows; returns the
         final-normed hidden states (and, with an LM head, sets
-        ``self.logits``)."""
-        p = self.program
-        if inputs.batch_size != p.batch:
-            raise ValueError(f"program is for batch {p.batch}, got {inputs.batch_size}")
-        self.epoch += 1
-        self._begin(inputs)
-        queues = p.queues
-        pos = [0] * len(queues)
-        ready: list[int] = []
-        blocked: dict[int, list[int]] = {}
-
-        def arrive(sm: int) -> None:
-            """Queue ``sm`` as ready, or park it on the counter it waits for."""
-            if pos[sm] == len(queues[sm]):
-                return
-            instr = queues[sm][pos[sm]]
-            if self._wait_met(instr):
-                ready.append(sm)
-            else:
-                blocked.setdefault(instr.wait_counter, []).append(sm)
-
-        def signal(c: int) -> None:
-            self.counters[c] += 1
-            for waiter in blocked.pop(c, []):
-                arrive(waiter)
-
-        for sm in range(len(queues)):
-            arrive(sm)
-        while ready:
-            k = self.rng.randrange(len(ready))
-            ready[k], ready[-1] = ready[-1], ready[k]
-            sm = ready.pop()
-            instr = queues[sm][pos[sm]]
-            self._execute(instr)
-            pos[sm] += 1
-            c = instr.signal_counter
-            if c != NO_COUNTER:
-                signal(c)
-            arrive(sm)
-        stuck = [sm for sm in range(len(queues)) if pos[sm] < len(queues[sm])]
-        if stuck:
-            shown = [f"SM {sm}: {queues[sm][pos[sm]]}" for sm in stuck[:4]]
-            raise DeadlockError("no SM can proceed: " + "; ".join(shown))
-        return self.buf["out"]
+        ``self.logits``). A tensor-parallel program needs a ``reducer``."""
+        return _run([self], [inputs], self.rng)[0]
 
     def _wait_met(self, instr: Instruction) -> bool:
         c = instr.wait_counter
@@ -145,6 +126,13 @@ class ProgramInterpreter:
             ],
             "out": nan(b, s.hidden_size),
         }
+        if s.tp_size > 1:
+            # This rank's partial sums of each point (isa.py), per layer.
+            self.buf["partial"] = {
+                Point.EMBED: [nan(b, s.hidden_size)],
+                Point.ATTN: [nan(b, s.hidden_size) for _ in range(layers)],
+                Point.MLP: [nan(b, s.hidden_size) for _ in range(layers)],
+            }
         mla = s.mla
         if mla is not None:
             # Latent attention (isa.py): the down projection's output, each
@@ -192,10 +180,14 @@ class ProgramInterpreter:
         s, w, buf = self.program.spec, self.weights, self.buf
         layer, a, b = i.layer, i.arg0, i.arg1
         dtype = s.dtype
+        tp = s.tp_size > 1
         if i.op == Op.EMBED:
-            buf["h"][0][:, a:b] = embed.reference(
-                w.embed, self.inputs.input_ids, a, b, dtype
+            out = buf["partial"][Point.EMBED][0] if tp else buf["h"][0]
+            out[:, a:b] = embed.reference(
+                w.embed, self.inputs.input_ids, a, b, dtype, w.vocab_range
             )
+        elif i.op == Op.ALL_REDUCE:
+            self._all_reduce(Point(a), layer, *unpack_cols(b))
         elif i.op == Op.QKV:
             # Units are head parts (isa.py): compute the heads they are part
             # of, keep the parts' dims (each output element alone, so this
@@ -247,18 +239,22 @@ class ProgramInterpreter:
                 )
         elif i.op == Op.O_PROJ:
             attn_flat = buf["attn"][layer].reshape(self.program.batch, -1)
-            buf["hmid"][layer][:, a:b] = o_proj.reference(
-                attn_flat, buf["h"][layer], w.layers[layer].o_proj, a, b, dtype,
-                s.quant,
-            )  # fmt: skip
+            if tp:  # the rank's partial sum; ALL_REDUCE adds the residual
+                out, residual = buf["partial"][Point.ATTN][layer], None
+            else:
+                out, residual = buf["hmid"][layer], buf["h"][layer]
+            out[:, a:b] = o_proj.reference(
+                attn_flat, residual, w.layers[layer].o_proj, a, b, dtype, s.quant
+            )
         elif i.op == Op.GATE_UP:
             buf["act"][layer][:, a:b] = gate_up.reference(
                 buf["hmid"][layer], w.layers[layer], s, a, b
             )
         elif i.op == Op.DOWN:
-            buf["h"][layer + 1][:, a:b] = down.reference(
-                buf["act"][layer], buf["hmid"][layer], w.layers[layer].down, a, b,
-                dtype, s.quant,
+            out, residual = self._mlp_out(layer)
+            out[:, a:b] = down.reference(
+                buf["act"][layer], residual, w.layers[layer].down, a, b, dtype,
+                s.quant,
             )  # fmt: skip
         elif i.op == Op.FINAL_NORM:
             buf["out"][:, a:b] = final_norm.reference(
@@ -300,14 +296,39 @@ class ProgramInterpreter:
         elif i.op == Op.EXPERT_DOWN:
             routing = self.routing[layer]
             assert routing is not None, "EXPERT_DOWN ran before its TOPK"
-            buf["h"][layer + 1][:, a:b] = expert_down.reference(
-                buf["xact"][layer], buf["hmid"][layer], w.layers[layer], routing,
-                a, b, dtype,
-            )  # fmt: skip
+            out, residual = self._mlp_out(layer)
+            out[:, a:b] = expert_down.reference(
+                buf["xact"][layer], residual, w.layers[layer], routing, a, b, dtype
+            )
         elif i.op in _MLA_OPS:
             self._execute_mla(i)
         else:
             raise ValueError(f"cannot execute {i}")
+
+    def _mlp_out(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Where a layer's MLP writes, and the residual it adds: ``h[l + 1]``
+        and ``hmid[l]``, or with tensor parallel the rank's partial sum and
+        none (ALL_REDUCE adds it)."""
+        if self.program.spec.tp_size > 1:
+            return self.buf["partial"][Point.MLP][layer], None
+        return self.buf["h"][layer + 1], self.buf["hmid"][layer]
+
+    def _all_reduce(self, point: Point, layer: int, lo: int, hi: int) -> None:
+        buf, dtype = self.buf, self.program.spec.dtype
+        if self.reducer is None:
+            raise ValueError("a tensor-parallel program runs with a reducer")
+        total = self.reducer(self, point, layer, lo, hi)
+        if point == Point.EMBED:
+            out, residual = buf["h"][0], None
+        elif point == Point.ATTN:
+            out, residual = buf["hmid"][layer], buf["h"][layer][:, lo:hi]
+        else:
+            out, residual = buf["h"][layer + 1], buf["hmid"][layer][:, lo:hi]
+        out[:, lo:hi] = all_reduce.reference([total], residual, dtype)
+
+    def partial(self, point: Point, layer: int) -> torch.Tensor:
+        """This rank's partial sums of ``point`` in ``layer`` (all columns)."""
+        return self.buf["partial"][point][layer if point != Point.EMBED else 0]
 
     def _execute_mla(self, i: Instruction) -> None:
         """The latent attention's instructions (isa.py)."""
@@ -371,6 +392,114 @@ class ProgramInterpreter:
         )
 
 
+def _run(
+    interps: list[ProgramInterpreter],
+    inputs: list[DecodeInputs],
+    rng: random.Random,
+) -> list[torch.Tensor]:
+    """One step of ``interps`` (one program: a rank each, or one rank of a
+    group whose other ranks run elsewhere) under one random scheduler. A
+    signal to every rank adds ``tp_size / len(interps)`` to each here: the
+    ranks not here are taken to signal alike (their collective waits for
+    them)."""
+    p = interps[0].program
+    for it, x in zip(interps, inputs, strict=True):
+        if x.batch_size != p.batch:
+            raise ValueError(f"program is for batch {p.batch}, got {x.batch_size}")
+        it.epoch += 1
+        it._begin(x)
+    share = p.spec.tp_size // len(interps)
+    queues = p.queues
+    pos = [[0] * len(queues) for _ in interps]
+    ready: list[tuple[int, int]] = []
+    blocked: dict[tuple[int, int], list[int]] = {}
+
+    def arrive(k: int, sm: int) -> None:
+        """Queue rank k's ``sm`` as ready, or park it on its wait."""
+        if pos[k][sm] == len(queues[sm]):
+            return
+        instr = queues[sm][pos[k][sm]]
+        if interps[k]._wait_met(instr):
+            ready.append((k, sm))
+        else:
+            blocked.setdefault((k, instr.wait_counter), []).append(sm)
+
+    def signal(k: int, c: int, by: int) -> None:
+        interps[k].counters[c] += by
+        for waiter in blocked.pop((k, c), []):
+            arrive(k, waiter)
+
+    for k in range(len(interps)):
+        for sm in range(len(queues)):
+            arrive(k, sm)
+    while ready:
+        j = rng.randrange(len(ready))
+        ready[j], ready[-1] = ready[-1], ready[j]
+        k, sm = ready.pop()
+        instr = queues[sm][pos[k][sm]]
+        interps[k]._execute(instr)
+        pos[k][sm] += 1
+        c = instr.signal_counter
+        if c != NO_COUNTER:
+            if instr.signal_ranks:
+                for r in range(len(interps)):
+                    signal(r, c, share)
+            else:
+                signal(k, c, 1)
+        arrive(k, sm)
+    stuck = [(k, sm) for k in range(len(interps)) for sm in range(len(queues))
+             if pos[k][sm] < len(queues[sm])]  # fmt: skip
+    if stuck:
+        shown = [f"rank {k} SM {sm}: {queues[sm][pos[k][sm]]}" for k, sm in stuck[:4]]
+        raise DeadlockError("no SM can proceed: " + "; ".join(shown))
+    return [it.buf["out"] for it in interps]
+
+
+class RankSetInterpreter:
+    """Every rank of a tensor-parallel program in one process (each with its
+    shard of the weights, ``parallel.shard_weights``, and its own KV cache),
+    interleaved under one scheduler; ALL_REDUCE sums the ranks' partials."""
+
+    def __init__(self, program: Program, weights: list[DecodeWeights], seed: int = 0):
+        if len(weights) != program.spec.tp_size:
+            raise ValueError(
+                f"{program.spec.tp_size} ranks, {len(weights)} weight shards"
+            )
+        self.rng = random.Random(seed)
+        self.ranks = [ProgramInterpreter(program, w, reducer=self._sum)
+                      for w in weights]  # fmt: skip
+
+    def _sum(self, interp, point: Point, layer: int, lo: int, hi: int):
+        parts = [r.partial(point, layer)[:, lo:hi] for r in self.ranks]
+        return all_reduce.reference(parts, None, interp.program.spec.dtype)
+
+    def step(self, inputs: list[DecodeInputs]) -> list[torch.Tensor]:
+        return _run(self.ranks, inputs, self.rng)
+
+
+class GroupReducer:
+    """ALL_REDUCE in one rank of vLLM's tensor-parallel group: the first
+    tile of a point in a step all-reduces the whole point through vLLM's
+    ``tensor_model_parallel_all_reduce`` (its communicator; every rank
+    reaches the points in the same order: each needs the one before), the
+    point's other tiles read the sum."""
+
+    def __init__(self) -> None:
+        self._epoch = 0
+        self._sums: dict[tuple[Point, int], torch.Tensor] = {}
+
+    def __call__(self, interp, point: Point, layer: int, lo: int, hi: int):
+        from vllm.distributed import tensor_model_parallel_all_reduce
+
+        if interp.epoch != self._epoch:  # a new step
+            self._epoch, self._sums = interp.epoch, {}
+        total = self._sums.get((point, layer))
+        if total is None:
+            partial = interp.partial(point, layer).clone()
+            total = self._sums[point, layer] = tensor_model_parallel_all_reduce(partial)
+        return total[:, lo:hi]
+
+
 def head_part_dims(head_dim: int, parts: int, part: int) -> tuple[slice, slice]:
     """The two dim ranges of part ``part`` of a head (isa.py): a slice of
     each RoPE half."""
@@ -406,8 +535,10 @@ class ProgramExecutor:
 
             program = plan(self.spec, bucket, self.device)
             verify(program)
+            # A tensor-parallel rank: vLLM's group adds the partial sums.
+            reducer = GroupReducer() if self.spec.tp_size > 1 else None
             self.interpreters[bucket] = ProgramInterpreter(
-                program, self.weights, seed=self.seed + bucket
+                program, self.weights, seed=self.seed + bucket, reducer=reducer
             )
         return self.interpreters[bucket]
 

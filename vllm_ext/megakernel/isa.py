@@ -4,10 +4,11 @@
 A program is one queue of instructions per SM. Each instruction is
 ``WORDS`` int32 words::
 
-    [opcode, layer, arg0, arg1, wait_counter, wait_count, signal_counter, 0]
+    [opcode, layer, arg0, arg1, wait_counter, wait_count, signal_counter,
+     signal_ranks]
 
-(the last word pads a row to 32 bytes: the controller fetches it in one
-vector load). It first waits until ``counters[wait_counter] >= epoch *
+(a row of 32 bytes: the controller fetches it in one vector load). It first
+waits until ``counters[wait_counter] >= epoch *
 wait_count`` (``wait_counter == NO_COUNTER``: no wait), runs, makes its
 stores visible, then adds 1 to ``counters[signal_counter]``. ``epoch`` is
 the 1-based step number, kept on the device (the cell after the last
@@ -70,7 +71,25 @@ MLA_ATTN   partial absorbed attention of head       g, chunk c (of
            -> (o_latent, lse) in fp32
 MLA_COMBINE merge head's chunks by lse, round,      head, v part p (of
            @ W_UV rows of part p -> attn[l]         ``mla_v_parts``)
+ALL_REDUCE cols [lo, hi) of point p: the sum over   p (``Point``), packed
+           ranks, in rank order, of their partial   cols [lo, hi)
+           sums, rounded, plus the residual, to
+           p's destination (tensor parallel only)
 ========== ======================================== ========================
+
+Tensor parallel (``spec.tp_size`` ranks, parallel.py): every rank runs the
+same program on its shard of the weights. EMBED, O_PROJ and DOWN /
+EXPERT_DOWN then write the rank's partial sum of their point (``Point``)
+without the residual, and signal a counter *of every rank*
+(``signal_ranks``: on the GPU, an atomic add to each rank's copy of the
+counter at system scope), so a wait on it counts ``tp_size`` signals per
+tile. ALL_REDUCE tiles wait for that count: every rank's partial of the
+point is in; each reads its columns of them all. The sum runs in rank order
+on every rank, so every rank gets the same bits. A rank's partials of a
+point are written once per step and read by the point's ALL_REDUCE on
+every rank; the next step's writer of the same buffer on any rank runs
+after that step's LM head gathers every rank's output, which needs every
+ALL_REDUCE of this step to have run.
 
 The last four run a sparse layer's mixture of experts (model_spec.MoeSpec)
 in place of GATE_UP and DOWN. Which expert a slot holds is known only once
@@ -146,6 +165,17 @@ class Op(IntEnum):
     MLA_APPEND = 16
     MLA_ATTN = 17
     MLA_COMBINE = 18
+    ALL_REDUCE = 19
+
+
+class Point(IntEnum):
+    """Where a tensor-parallel layer's partial sums are added up, and where
+    ALL_REDUCE writes the sum (plus the residual): ``h[0]``; ``hmid[l] =
+    h[l] + sum``; ``h[l + 1] = hmid[l] + sum``."""
+
+    EMBED = 0
+    ATTN = 1  # o_proj's
+    MLP = 2  # down's or the mixture's (EXPERT_DOWN)
 
 
 def pack_cols(lo: int, hi: int) -> int:
@@ -169,6 +199,8 @@ class Instruction:
     wait_counter: int = NO_COUNTER
     wait_count: int = 0
     signal_counter: int = NO_COUNTER
+    # The signal goes to the counter of every tensor-parallel rank.
+    signal_ranks: bool = False
 
     def words(self) -> tuple[int, ...]:
         return (
@@ -179,13 +211,13 @@ class Instruction:
             self.wait_counter,
             self.wait_count,
             self.signal_counter,
-            0,
+            int(self.signal_ranks),
         )
 
     @classmethod
     def from_words(cls, words) -> Instruction:
-        op, layer, a0, a1, wc, wn, sc, _ = (int(w) for w in words)
-        return cls(Op(op), layer, a0, a1, wc, wn, sc)
+        op, layer, a0, a1, wc, wn, sc, sr = (int(w) for w in words)
+        return cls(Op(op), layer, a0, a1, wc, wn, sc, bool(sr))
 
     def __str__(self) -> str:
         wait = (
@@ -193,9 +225,10 @@ class Instruction:
             if self.wait_counter == NO_COUNTER
             else (f" wait c{self.wait_counter}>={self.wait_count}")
         )
+        ranks = " (every rank)" if self.signal_ranks else ""
         return (
             f"{self.op.name}(l={self.layer}, {self.arg0}, {self.arg1}){wait}"
-            f" signal c{self.signal_counter}"
+            f" signal c{self.signal_counter}{ranks}"
         )
 
 

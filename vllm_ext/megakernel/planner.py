@@ -52,6 +52,7 @@ from vllm_ext.megakernel.isa import (
     NO_COUNTER,
     Instruction,
     Op,
+    Point,
     encode,
     pack_cols,
     unpack_cols,
@@ -274,6 +275,11 @@ class Program:
             return Cost(w, b * s.intermediate_size * e + 2 * b * (hi - lo) * e)
         if instr.op == Op.FINAL_NORM:
             return Cost(h * e, b * h * e + b * (hi - lo) * e)
+        if instr.op == Op.ALL_REDUCE:
+            # Every rank's partial of the columns (s.tp_size), the residual,
+            # the sum. (Over NVLink for the peers': not yet modelled.)
+            lo, hi = unpack_cols(instr.arg1)
+            return Cost(0, (s.tp_size + 2) * b * (hi - lo) * e)
         if instr.op == Op.LM_HEAD:
             return Cost((hi - lo) * h * e, b * h * e + b * (hi - lo) * 4)
         moe = s.moe
@@ -570,18 +576,31 @@ def plan(
         counters.append(name)
         return len(counters) - 1
 
-    # Phases in global order: (op, layer, tiles, wait (counter, count), signal).
-    phases: list[tuple[Op, int, list[tuple[int, int]], tuple[int, int], int]]
+    # Phases in global order: (op, layer, tiles, wait (counter, count),
+    # signal, signal every rank's counter).
+    phases: list[tuple[Op, int, list[tuple[int, int]], tuple[int, int], int, bool]]
     phases = []
     none = (NO_COUNTER, 0)
+    tp = spec.tp_size
 
     def gemv_tiles(n: int) -> list[tuple[int, int]]:
         return split(n, n_sm, COL_MULTIPLE)
 
-    def phase(op, layer, tiles, wait, name) -> tuple[int, int]:
+    def phase(op, layer, tiles, wait, name, ranks=False) -> tuple[int, int]:
         c = counter(name)
-        phases.append((op, layer, tiles, wait, c))
-        return (c, len(tiles))
+        phases.append((op, layer, tiles, wait, c, ranks))
+        return (c, len(tiles) * (tp if ranks else 1))
+
+    def summed(point: Point, layer: int, op, tiles, wait, name) -> tuple[int, int]:
+        """A phase that ends a residual block: with tensor parallel, its
+        tiles write this rank's partial sums and signal every rank, and
+        ALL_REDUCE tiles over the hidden columns add the ranks' partials
+        (isa.py)."""
+        if tp == 1:
+            return phase(op, layer, tiles, wait, name)
+        partial = phase(op, layer, tiles, wait, name, ranks=True)
+        cols = [(int(point), pack_cols(lo, hi)) for lo, hi in gemv_tiles(h)]
+        return phase(Op.ALL_REDUCE, layer, cols, partial, f"{name}.reduce")
 
     def grouped_query_attention(layer: int, prev) -> tuple[int, int]:
         # Each kv group's QKV tiles signal the group's counter, and its ATTN
@@ -607,7 +626,7 @@ def plan(
             # 66 KB of partials, 2 us at an SM's share of bandwidth).
             units = [(g, pack_cols(u, u + 1)) for u in range(group * combine_parts)]
             merges.append((Op.COMBINE, layer, units, a, combine_c))
-        phases.extend(merges)
+        phases.extend(m + (False,) for m in merges)
         return (combine_c, spec.num_q_heads * combine_parts)
 
     def latent_attention(layer: int, prev) -> tuple[int, int]:
@@ -636,8 +655,8 @@ def plan(
         q_c = counter(f"L{layer}.q_latent")
         q_tiles = split(mla.num_heads, n_sm, 1)
         q_wait = q_a if lora else prev
-        phases.append((Op.MLA_Q, layer, q_tiles, q_wait, q_c))
-        phases.append((Op.MLA_APPEND, layer, [(0, 0)], kv_a, q_c))
+        phases.append((Op.MLA_Q, layer, q_tiles, q_wait, q_c, False))
+        phases.append((Op.MLA_APPEND, layer, [(0, 0)], kv_a, q_c, False))
         ready = (q_c, len(q_tiles) + 1)
         per_group = mla.num_heads // groups
         combine_c = counter(f"L{layer}.combine")
@@ -649,7 +668,7 @@ def plan(
                 for head in range(g * per_group, (g + 1) * per_group)
                 for p in range(v_parts)
             ]
-            phases.append((Op.MLA_COMBINE, layer, tiles, a, combine_c))
+            phases.append((Op.MLA_COMBINE, layer, tiles, a, combine_c, False))
         return (combine_c, mla.num_heads * v_parts)
 
     h = spec.hidden_size
@@ -664,13 +683,14 @@ def plan(
     if mla is not None:
         groups, chunks, v_parts = mla_split(spec, n_sm)
         chunks = min(chunks, max_attn_chunks)
-    prev = phase(Op.EMBED, 0, small, none, "embed")
+    prev = summed(Point.EMBED, 0, Op.EMBED, small, none, "embed")
     for layer in range(spec.num_layers):
         if mla is not None:
             combined = latent_attention(layer, prev)
         else:
             combined = grouped_query_attention(layer, prev)
-        o = phase(Op.O_PROJ, layer, gemv_tiles(h), combined, f"L{layer}.o_proj")
+        o = summed(Point.ATTN, layer, Op.O_PROJ, gemv_tiles(h), combined,
+                   f"L{layer}.o_proj")  # fmt: skip
         if moe is not None and moe.sparse_layers[layer]:
             # The mixture: router logits over all SMs, then each slot's
             # expert split in column tiles (expert_split) that spread a
@@ -686,21 +706,21 @@ def plan(
                 (slots, pack_cols(lo, hi))
                 for lo, hi in split(moe.shared_intermediate, n_sm, COL_MULTIPLE)
             ] if moe.shared_intermediate else []  # fmt: skip
-            phases.append((Op.EXPERT_UP, layer, shared, o, up_c))
+            phases.append((Op.EXPERT_UP, layer, shared, o, up_c, False))
             # TOPK writes the routing table EXPERT_DOWN reads. A routed tile
             # computes the routing itself from the logits (TOPK's code, so
             # the same slots) and waits for ROUTE: no routed row waits for
             # TOPK's signal (isa.py).
-            phases.append((Op.TOPK, layer, [(0, 0)], r, up_c))
+            phases.append((Op.TOPK, layer, [(0, 0)], r, up_c, False))
             routed = [
                 (slot, pack_cols(lo, hi))
                 for slot in range(slots)
                 for lo, hi in split(moe.expert_intermediate, per_slot, COL_MULTIPLE)
             ]
-            phases.append((Op.EXPERT_UP, layer, routed, r, up_c))
+            phases.append((Op.EXPERT_UP, layer, routed, r, up_c, False))
             u = (up_c, len(shared) + 1 + len(routed))
-            prev = phase(Op.EXPERT_DOWN, layer, gemv_tiles(h), u,
-                         f"L{layer}.expert_down")  # fmt: skip
+            prev = summed(Point.MLP, layer, Op.EXPERT_DOWN, gemv_tiles(h), u,
+                          f"L{layer}.expert_down")  # fmt: skip
             continue
         gu = phase(
             Op.GATE_UP,
@@ -709,7 +729,7 @@ def plan(
             o,
             f"L{layer}.gate_up",
         )
-        prev = phase(Op.DOWN, layer, gemv_tiles(h), gu, f"L{layer}.down")
+        prev = summed(Point.MLP, layer, Op.DOWN, gemv_tiles(h), gu, f"L{layer}.down")
     prev = phase(Op.FINAL_NORM, spec.num_layers, small, prev, "final_norm")
     if with_lm_head:
         phase(Op.LM_HEAD, spec.num_layers, gemv_tiles(spec.vocab_size), prev, "lm_head")
@@ -739,7 +759,7 @@ def plan(
     op_tiles = Counter((op, layer) for op, layer, tiles, *_ in phases
                        for _ in tiles)  # fmt: skip
     taken: dict[tuple[Op, int], list[int]] = {}
-    for op, layer, tiles, (wait_c, wait_n), signal in phases:
+    for op, layer, tiles, (wait_c, wait_n), signal, ranks in phases:
         if layer != routed_layer:
             routed, routed_layer = {}, layer
         in_phase = [0] * n_sm
@@ -747,7 +767,7 @@ def plan(
         phase_cap = math.ceil(len(tiles) / n_sm)
         op_cap = math.ceil(op_tiles[op, layer] / n_sm)
         for a0, a1 in tiles:
-            instr = Instruction(op, layer, a0, a1, wait_c, wait_n, signal)
+            instr = Instruction(op, layer, a0, a1, wait_c, wait_n, signal, ranks)
             cost = program.step_cost(instr)
             if op == Op.EXPERT_DOWN:
                 sm = min(routed, key=lambda i: (routed[i], load[i]))

@@ -18,11 +18,19 @@ The argument, checked here rather than assumed:
 4. *Single assignment.* No buffer unit is written by two instructions, and
    every unit read is written by some instruction (activations are per-layer
    buffers, so a step has no write-after-read hazards to order).
+
+A tensor-parallel program (``spec.tp_size`` ranks, isa.py) is proven as the
+set of its ranks: ``tp_size`` copies of its queues, each rank's counters and
+buffers its own, except the counters its partial sums signal on every rank
+(one counter here: each rank's copy gets every signal) and the partials an
+ALL_REDUCE reads of every rank. A missing or short wait of an ALL_REDUCE is
+then a read before another rank's writer, found like any other.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -32,6 +40,7 @@ from vllm_ext.megakernel.isa import (
     NO_COUNTER,
     Instruction,
     Op,
+    Point,
     unpack_cols,
 )
 
@@ -49,6 +58,16 @@ class Region:
     layer: int
     lo: int
     hi: int
+    # Tensor parallel: the region on every rank (else the instruction's own).
+    every_rank: bool = False
+
+
+# The buffer of each point's partial sums, and where its sum goes: (buffer,
+# layer offset) of the destination and of the residual (None: none).
+_PARTIAL = {Point.EMBED: "partial.embed", Point.ATTN: "partial.attn",
+            Point.MLP: "partial.mlp"}  # fmt: skip
+_SUM_TO = {Point.EMBED: ("h", 0), Point.ATTN: ("hmid", 0), Point.MLP: ("h", 1)}
+_RESIDUAL = {Point.EMBED: None, Point.ATTN: ("h", 0), Point.MLP: ("hmid", 0)}
 
 
 def accesses(program, instr: Instruction) -> tuple[list[Region], list[Region]]:
@@ -59,10 +78,20 @@ def accesses(program, instr: Instruction) -> tuple[list[Region], list[Region]]:
     group, chunks = nq // nkv, program.attn_chunks
     h, L = s.hidden_size, s.num_layers
     op = instr.op
+    tp = s.tp_size > 1
     if op == Op.NOP:  # waits and signals only (timing probes)
         return [], []
     if op == Op.EMBED:
-        return [], [Region("h", 0, a, b)]
+        return [], [Region(_PARTIAL[Point.EMBED] if tp else "h", 0, a, b)]
+    if op == Op.ALL_REDUCE:
+        point = Point(a)
+        lo, hi = unpack_cols(b)
+        reads = [Region(_PARTIAL[point], ly, lo, hi, every_rank=True)]
+        if _RESIDUAL[point] is not None:
+            name, offset = _RESIDUAL[point]
+            reads.append(Region(name, ly + offset, lo, hi))
+        name, offset = _SUM_TO[point]
+        return reads, [Region(name, ly + offset, lo, hi)]
     parts = program.qkv_parts  # q, k and v units: parts of heads (isa.py)
     if op == Op.QKV:
         writes = []
@@ -99,11 +128,17 @@ def accesses(program, instr: Instruction) -> tuple[list[Region], list[Region]]:
         # (MLA_COMBINE's tiles).
         parts = program.mla_v_parts if s.mla is not None else program.combine_parts
         units = nq * parts
+        if tp:  # the residual is ALL_REDUCE's
+            partial = Region(_PARTIAL[Point.ATTN], ly, a, b)
+            return [Region("attn", ly, 0, units)], [partial]
         reads = [Region("attn", ly, 0, units), Region("h", ly, a, b)]
         return reads, [Region("hmid", ly, a, b)]
     if op == Op.GATE_UP:
         return [Region("hmid", ly, 0, h)], [Region("act", ly, a, b)]
     if op == Op.DOWN:
+        if tp:
+            reads = [Region("act", ly, 0, s.intermediate_size)]
+            return reads, [Region(_PARTIAL[Point.MLP], ly, a, b)]
         reads = [Region("act", ly, 0, s.intermediate_size), Region("hmid", ly, a, b)]
         return reads, [Region("h", ly + 1, a, b)]
     if op == Op.FINAL_NORM:
@@ -156,10 +191,12 @@ def accesses(program, instr: Instruction) -> tuple[list[Region], list[Region]]:
         reads = [
             Region("xact", ly, 0, program.num_slots * moe.expert_intermediate),
             Region("route", ly, 0, 1),
-            Region("hmid", ly, a, b),
         ]
         if program.shared_slot is not None:
             reads.append(Region("xact_shared", ly, 0, moe.shared_intermediate))
+        if tp:
+            return reads, [Region(_PARTIAL[Point.MLP], ly, a, b)]
+        reads.append(Region("hmid", ly, a, b))
         return reads, [Region("h", ly + 1, a, b)]
     raise VerificationError(f"unknown opcode in {instr}")
 
@@ -174,11 +211,13 @@ class Report:
 
 
 def verify(program) -> Report:
-    """Raise VerificationError naming the first fault."""
-    queues = program.queues
-    _check_counting(program, queues)
-    schedule = _simulate(queues)
-    _check_data(program, queues, schedule, _Clocks(queues, schedule))
+    """Raise VerificationError naming the first fault (of any rank's, for a
+    tensor-parallel program)."""
+    ranks = _RankSet(program)
+    queues = ranks.queues
+    _check_counting(ranks, queues)
+    schedule = _simulate(queues, ranks.where)
+    _check_data(ranks, queues, schedule, _Clocks(queues, schedule))
     return Report(
         num_sms=len(program.queues),
         num_instructions=sum(len(q) for q in program.queues),
@@ -187,12 +226,75 @@ def verify(program) -> Report:
     )
 
 
-def _check_counting(program, queues) -> None:
+class _RankSet:
+    """The queues every rank runs, as one program: rank r's SM s is queue
+    ``r * num_sms + s``; a counter signalled on every rank is one counter,
+    a rank's own counters and buffers are its own (one rank: the program
+    itself)."""
+
+    def __init__(self, program) -> None:
+        self.program = program
+        tp, n = program.spec.tp_size, program.num_counters
+        self.num_sms = len(program.queues)
+        if tp == 1:
+            self.queues = program.queues
+            self.num_counters, self.names = n, program.counter_names
+            return
+        shared = {i.signal_counter for q in program.queues for i in q
+                  if i.signal_ranks}  # fmt: skip
+
+        def of_rank(c: int, r: int) -> int:
+            return c if c == NO_COUNTER or c in shared else n * (r + 1) + c
+
+        self.queues = tuple(
+            tuple(
+                dataclasses.replace(
+                    i,
+                    wait_counter=of_rank(i.wait_counter, r),
+                    signal_counter=of_rank(i.signal_counter, r),
+                )
+                for i in q
+            )
+            for r in range(tp)
+            for q in program.queues
+        )
+        self.num_counters = n * (tp + 1)
+        self.names = tuple(
+            program.counter_names[c % n] + ("" if c < n else f"@rank{c // n - 1}")
+            for c in range(self.num_counters)
+        )
+
+    def where(self, queue: int) -> str:
+        r, sm = divmod(queue, self.num_sms)
+        return f"rank {r} SM {sm}" if self.program.spec.tp_size > 1 else f"SM {sm}"
+
+    def accesses(self, queue: int, idx: int) -> tuple[list[Region], list[Region]]:
+        r, sm = divmod(queue, self.num_sms)
+        reads, writes = accesses(self.program, self.program.queues[sm][idx])
+        if self.program.spec.tp_size == 1:
+            return reads, writes
+
+        def own(regions):
+            out = []
+            for g in regions:
+                ranks = range(self.program.spec.tp_size) if g.every_rank else [r]
+                for k in ranks:
+                    out.append(
+                        dataclasses.replace(
+                            g, buffer=f"{g.buffer}@{k}", every_rank=False
+                        )
+                    )
+            return out
+
+        return own(reads), own(writes)
+
+
+def _check_counting(ranks: _RankSet, queues) -> None:
     signallers: dict[int, int] = defaultdict(int)
     for q in queues:
         for instr in q:
             if instr.signal_counter != NO_COUNTER:
-                if not 0 <= instr.signal_counter < program.num_counters:
+                if not 0 <= instr.signal_counter < ranks.num_counters:
                     raise VerificationError(f"{instr}: no such counter")
                 signallers[instr.signal_counter] += 1
     for sm, q in enumerate(queues):
@@ -200,17 +302,20 @@ def _check_counting(program, queues) -> None:
             c = instr.wait_counter
             if c == NO_COUNTER:
                 continue
-            if not 0 <= c < program.num_counters:
-                raise VerificationError(f"SM {sm} #{idx} {instr}: no such counter")
+            if not 0 <= c < ranks.num_counters:
+                raise VerificationError(
+                    f"{ranks.where(sm)} #{idx} {instr}: no such counter"
+                )
             if instr.wait_count != signallers[c]:
                 raise VerificationError(
-                    f"SM {sm} #{idx} {instr}: waits for {instr.wait_count} "
-                    f"signals of counter {c} ({program.counter_names[c]}), but "
-                    f"{signallers[c]} instructions signal it"
+                    f"{ranks.where(sm)} #{idx} {instr}: waits for "
+                    f"{instr.wait_count} signals of counter {c} "
+                    f"({ranks.names[c]}), but {signallers[c]} instructions "
+                    "signal it"
                 )
 
 
-def _simulate(queues) -> list[tuple[int, int]]:
+def _simulate(queues, where=lambda sm: f"SM {sm}") -> list[tuple[int, int]]:
     """One maximal run; raise if it gets stuck."""
     need = defaultdict(int)
     for q in queues:
@@ -241,7 +346,7 @@ def _simulate(queues) -> list[tuple[int, int]]:
                     blocked[s] = [w for w in blocked[s] if w not in woken]
                     ready.extend(woken)
     stuck = [
-        f"SM {sm} #{pos[sm]} {queues[sm][pos[sm]]} (counter at "
+        f"{where(sm)} #{pos[sm]} {queues[sm][pos[sm]]} (counter at "
         f"{count[queues[sm][pos[sm]].wait_counter]})"
         for sm in range(len(queues))
         if pos[sm] < len(queues[sm])
@@ -295,13 +400,14 @@ class _Clocks:
         return clock
 
 
-def _check_data(program, queues, schedule, clocks: _Clocks) -> None:
+def _check_data(ranks: _RankSet, queues, schedule, clocks: _Clocks) -> None:
     writers: dict[tuple[str, int], list[tuple[int, int, tuple[int, int]]]] = (
         defaultdict(list)
     )
     reads = []
+    where = ranks.where
     for sm, idx in schedule:
-        r, w = accesses(program, queues[sm][idx])
+        r, w = ranks.accesses(sm, idx)
         for region in w:
             writers[(region.buffer, region.layer)].append(
                 (region.lo, region.hi, (sm, idx))
@@ -314,7 +420,8 @@ def _check_data(program, queues, schedule, clocks: _Clocks) -> None:
             if lo1 < hi0:
                 raise VerificationError(
                     f"{buffer}[layer {layer}] units [{lo1}, {min(hi0, hi1)}) "
-                    f"written twice: SM {k0[0]} #{k0[1]} and SM {k1[0]} #{k1[1]}"
+                    f"written twice: {where(k0[0])} #{k0[1]} and {where(k1[0])} "
+                    f"#{k1[1]}"
                 )
 
     # The spans of a buffer are disjoint (checked above), so sorted by lo
@@ -343,13 +450,13 @@ def _check_data(program, queues, schedule, clocks: _Clocks) -> None:
             writer = (int(queue[a + late[0]]), int(place[a + late[0]]))
             instr, w_instr = queues[key[0]][key[1]], queues[writer[0]][writer[1]]
             raise VerificationError(
-                f"SM {key[0]} #{key[1]} {instr} reads {region.buffer}"
-                f"[layer {region.layer}] before SM {writer[0]} #{writer[1]} "
+                f"{where(key[0])} #{key[1]} {instr} reads {region.buffer}"
+                f"[layer {region.layer}] before {where(writer[0])} #{writer[1]} "
                 f"{w_instr} is known to have written it"
             )
         if covered != region.hi - region.lo:
             raise VerificationError(
-                f"SM {key[0]} #{key[1]} reads {region.buffer}[layer "
+                f"{where(key[0])} #{key[1]} reads {region.buffer}[layer "
                 f"{region.layer}] units [{region.lo}, {region.hi}) that no "
                 "instruction writes"
             )

@@ -10,12 +10,19 @@ from vllm_ext.reference import linear
 
 
 def reference(
-    xact: torch.Tensor, hmid: torch.Tensor, layer, routing, lo: int, hi: int, dtype
+    xact: torch.Tensor,
+    hmid: torch.Tensor | None,
+    layer,
+    routing,
+    lo: int,
+    hi: int,
+    dtype,
 ) -> torch.Tensor:
-    """``xact`` ``[slots (+1 shared), B, width]``; ``routing``: ops/topk.py's."""
-    batch, moe = hmid.shape[0], layer.moe
+    """``xact`` ``[slots (+1 shared), B, width]``; ``routing``: ops/topk.py's;
+    no residual (``hmid`` None): a tensor-parallel rank's partial sum."""
+    batch, moe = xact.shape[1], layer.moe
     inter = moe.w2.shape[-1]
-    out = torch.zeros(batch, hi - lo, dtype=torch.float32, device=hmid.device)
+    out = torch.zeros(batch, hi - lo, dtype=torch.float32, device=xact.device)
     for slot, expert in enumerate(routing.experts.tolist()):
         if expert < 0:
             break
@@ -25,4 +32,6 @@ def reference(
     if moe.shared_down is not None:
         shared = xact[len(routing.experts), :, : moe.shared_down.shape[-1]]
         out += linear(shared, moe.shared_down[lo:hi])
+    if hmid is None:
+        return out.to(dtype)
     return (out.to(dtype) + hmid[:, lo:hi]).to(dtype)
