@@ -22,9 +22,12 @@ echo "[test] lint"
 
 echo "[test] project tests"
 # A worker per core, at most 4 (each holds a vLLM engine at a time); a module
-# to a worker, so its fixtures (AOT builds, engines) are made once.
+# to a worker, so its fixtures (AOT builds, engines) are made once; modules
+# in collection order, which puts the engine-starting ones first
+# (tests/conftest.py), not xdist's default of the most tests first.
 WORKERS=$(( $(nproc) < 4 ? $(nproc) : 4 ))
-(cd "$ROOT" && "$PY" -m pytest -n "$WORKERS" --dist loadscope tests "$@")
+(cd "$ROOT" && "$PY" -m pytest -n "$WORKERS" --dist loadscope \
+    --no-loadscope-reorder tests "$@")
 
 echo "[test] vLLM's harness: the tests the series adds to vLLM's tests/"
 "$ROOT/scripts/vllm_harness.sh" "$@"

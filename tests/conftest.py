@@ -48,6 +48,14 @@ MODEL_CACHE = Path(
 )
 
 
+def pytest_collection_modifyitems(items) -> None:
+    """The modules that start vLLM engines (``e2e``) first, in order: CI's
+    workers take a module each (``--dist loadscope``) in this order, so the
+    longest start at once instead of ending a run on one worker while the
+    other idles. (A stable sort: a module's tests stay together.)"""
+    items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
+
+
 @pytest.fixture
 def one_thread():
     """One intra-op thread: on tiny models a second one only spins on a

@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Tensor parallel end to end: ``LLM(..., tensor_parallel_size=2,
+"""Tensor and pipeline parallel end to end: ``LLM(...,
+tensor_parallel_size=2 | pipeline_parallel_size=2,
 decode_backend="megakernel")`` in reference mode, each rank's program
-all-reducing through vLLM's tensor-parallel group (parallel.py), against
-vLLM's default decode with the same parallel configuration."""
+all-reducing through vLLM's tensor-parallel group or running its stage's
+layers (parallel.py), against vLLM's default decode with the same parallel
+configuration."""
 
 import pytest
 
@@ -10,23 +12,37 @@ from tests.test_e2e_offline import MAX_TOKENS, _generate
 
 pytestmark = pytest.mark.e2e
 
-# vLLM on a CPU runs TP 2 with its multiprocessing executor, a worker per
-# rank, each bound to a core of its own (a one-NUMA-node machine needs the
-# binding given).
+# vLLM on a CPU runs TP 2 and PP 2 with its multiprocessing executor, a
+# worker per rank, each bound to a core of its own (a one-NUMA-node machine
+# needs the binding given). PP also needs the workers' warm-up pass, which
+# enforce_eager skips (a later stage then lacks its intermediate tensors):
+# compile mode 2 with the eager backend.
 TP2 = dict(tensor_parallel_size=2, distributed_executor_backend="mp")
+PP2 = dict(
+    pipeline_parallel_size=2,
+    distributed_executor_backend="mp",
+    enforce_eager=False,
+    compilation_config={"mode": 2, "backend": "eager"},
+)
 
 
 # llama: q and kv heads split over the ranks; qwen3_moe: QK-norm, a dense
 # layer, then experts split by intermediate columns, the router replicated.
 # (Latent attention, deepseek_v3, gave vLLM's TP 2 tokens too when run by
 # hand; left to the interpreter's rank-set tests for CI time.)
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
-def test_tensor_parallel_matches_default(demo_model, monkeypatch, arch):
+# (PP: one layer a stage; the first embeds, the last applies the final norm,
+# the residual stream handed on between them.)
+@pytest.mark.parametrize(
+    "arch, parallel",
+    [("llama", TP2), ("qwen3_moe", TP2), ("llama", PP2)],
+    ids=["llama-tp2", "qwen3_moe-tp2", "llama-pp2"],
+)
+def test_parallel_matches_default(demo_model, monkeypatch, arch, parallel):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     model = demo_model(arch)
-    default, _ = _generate(model, "float32", **TP2)
+    default, _ = _generate(model, "float32", **parallel)
     monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
-    mega, stats = _generate(model, "float32", decode_backend="megakernel", **TP2)
+    mega, stats = _generate(model, "float32", decode_backend="megakernel", **parallel)
     # Every token after the first from a decode-only step through the
     # backend (vLLM's count, rank 0's), none declined.
     assert stats[:2] == (max(MAX_TOKENS) - 1, {})

@@ -29,10 +29,10 @@ from vllm_ext.attention import KV_CACHE_LAYOUT
 from vllm_ext.megakernel.kernel.launcher import ARCH_OF_CAPABILITY
 from vllm_ext.megakernel.planner import batch_buckets
 from vllm_ext.model_spec import ModelSpec, sliding_window_refusal
-from vllm_ext.parallel import shard_spec
+from vllm_ext.parallel import shard_spec, stage_spec
 from vllm_ext.plugin import ATTENTION_BACKEND
 from vllm_ext.runner import MAX_QUERY_LEN, DecodeExecutor, decode_inputs
-from vllm_ext.weights import DecodeWeights
+from vllm_ext.weights import DecodeWeights, stage_layers
 
 # Under "vllm." so records go through vLLM's handlers, level and format.
 logger = init_logger(f"vllm.{__name__}")
@@ -51,21 +51,23 @@ INTERPRET_HINT = (
 )
 
 
-def model_spec(vllm_config: VllmConfig) -> ModelSpec:
-    """The model as this rank holds it (``parallel.shard_spec``)."""
-    model_config = vllm_config.model_config
+def model_spec(vllm_config: VllmConfig, pp_rank: int = 0) -> ModelSpec:
+    """The model as a rank of pipeline stage ``pp_rank`` holds it
+    (``parallel.shard_spec``, ``parallel.stage_spec``)."""
+    model_config, parallel = vllm_config.model_config, vllm_config.parallel_config
     spec = ModelSpec.from_hf_config(
         model_config.hf_text_config, model_config.dtype, model_config.max_model_len
     )
-    return shard_spec(spec, vllm_config.parallel_config.tensor_parallel_size)
+    spec = shard_spec(spec, parallel.tensor_parallel_size)
+    return stage_spec(spec, pp_rank, parallel.pipeline_parallel_size)
 
 
 class MegakernelDecodeBackend(DecodeBackend):
     @classmethod
     def capabilities(cls, vllm_config: VllmConfig) -> DecodeBackendCapabilities:
-        # A decoder on one GPU or a tensor-parallel rank of one (the
-        # program all-reduces: parallel.py; data parallel ranks each run
-        # their own), decode steps and, with speculative decoding, verify
+        # A decoder on one GPU or a rank of tensor and pipeline parallel
+        # groups (parallel.py; data parallel ranks each run their own),
+        # decode steps and, with speculative decoding, verify
         # steps of 1 + k rows a request (each token a row: runner.py),
         # uniform or ragged; vLLM refuses every other feature at start-up.
         # Only as many rows as the drafts need: vLLM's step rule tells a
@@ -74,16 +76,18 @@ class MegakernelDecodeBackend(DecodeBackend):
         # speculation.
         spec = vllm_config.speculative_config
         if spec is None:
-            return DecodeBackendCapabilities(tensor_parallel=True)
+            return DecodeBackendCapabilities(**PARALLEL)
         # (More drafts than MAX_QUERY_LEN - 1: vLLM refuses them, named.)
         rows = min(1 + spec.num_speculative_tokens, MAX_QUERY_LEN)
         return DecodeBackendCapabilities(
-            max_query_len=rows, ragged_query_lens=True, tensor_parallel=True
+            max_query_len=rows, ragged_query_lens=True, **PARALLEL
         )
 
     @classmethod
     def verify_and_update_config(cls, vllm_config: VllmConfig) -> None:
         spec = model_spec(vllm_config)  # raises UnsupportedModelError
+        for stage in range(1, vllm_config.parallel_config.pipeline_parallel_size):
+            model_spec(vllm_config, stage)  # each stage holds a layer
         _check_deployment(vllm_config, spec)
         interpret = envs.VLLM_MEGAKERNEL_INTERPRET
         if spec.mla is not None:
@@ -139,12 +143,14 @@ class MegakernelDecodeBackend(DecodeBackend):
     def __init__(
         self, vllm_config: VllmConfig, model: torch.nn.Module, device: torch.device
     ) -> None:
-        self.spec = model_spec(vllm_config)
+        from vllm.distributed import get_pp_group
+
+        self.spec = model_spec(vllm_config, get_pp_group().rank_in_group)
         self.vllm_config = vllm_config
         if self.spec.mla is not None:
             attentions = _mla_attention_layers(model, self.spec)
         else:
-            attentions = [layer.self_attn.attn for layer in model.model.layers]
+            attentions = [layer.self_attn.attn for layer in stage_layers(model)]
         max_len = vllm_config.model_config.max_model_len
         for attn in attentions:
             # The layers as vLLM built them (FlashAttention would run a
@@ -202,7 +208,7 @@ class MegakernelDecodeBackend(DecodeBackend):
         return GpuExecutor(
             self.spec,
             weights,
-            weights.embed.device,
+            weights.cos_sin.device,
             self.buckets,
             block_size=block_size,
             max_blocks=-(-max_len // block_size),
@@ -267,11 +273,24 @@ class MegakernelDecodeBackend(DecodeBackend):
             )
             self._ran_a_step = True
         num_tokens = batch.positions.shape[-1]
-        if hidden.shape[0] == num_tokens:
-            return hidden
-        out = hidden.new_zeros(num_tokens, hidden.shape[1])
-        out[: hidden.shape[0]] = hidden
-        return out
+        out = hidden
+        if hidden.shape[0] != num_tokens:
+            out = hidden.new_zeros(num_tokens, hidden.shape[1])
+            out[: hidden.shape[0]] = hidden
+        if self.spec.pp_last:
+            return out
+        # A stage before the last: its residual stream, as vLLM's layers
+        # hand it on (hidden states and residual; their sum is the stream).
+        from vllm.sequence import IntermediateTensors
+
+        return IntermediateTensors(
+            {"hidden_states": out, "residual": torch.zeros_like(out)}
+        )
+
+
+# What the backend declares beyond one GPU (reference mode; a GPU refuses
+# both at start-up, _check_gpu_kernel).
+PARALLEL = dict(tensor_parallel=True, pipeline_parallel=True)
 
 
 def decode_batches(spec: ModelSpec, device: torch.device) -> tuple[int, str]:
@@ -453,7 +472,7 @@ def _mla_attention_layers(
 
     name = latent_backend(envs.VLLM_MEGAKERNEL_INTERPRET).backend.name
     found = []
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(stage_layers(model)):
         attns = [m for m in layer.self_attn.modules() if isinstance(m, MLAAttention)]
         if len(attns) != 1:
             raise ValueError(
@@ -508,6 +527,12 @@ def _check_gpu_kernel(vllm_config: VllmConfig, spec: ModelSpec) -> None:
             f"--decode-backend megakernel runs tensor parallelism (here "
             f"{spec.tp_size} ranks) in reference mode only: the kernel has no "
             "all-reduce device function yet. " + INTERPRET_HINT
+        )
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise ValueError(
+            "--decode-backend megakernel runs pipeline parallelism in reference "
+            "mode only: the kernel does not yet start from a stage's hidden "
+            "states. " + INTERPRET_HINT
         )
     if spec.quant is not None:
         raise ValueError(

@@ -95,6 +95,9 @@ class MlaSpec:
 
 
 SUPPORTED_HEAD_DIMS = (64, 128)
+# vLLM pads a vocab-parallel embedding or LM head to a multiple of this
+# before splitting it (``DEFAULT_VOCAB_PADDING_SIZE``).
+VOCAB_PADDING = 64
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -135,6 +138,12 @@ class ModelSpec:
     # Tensor-parallel ranks: then the shapes above are one rank's
     # (parallel.shard_spec), and the program all-reduces partial sums.
     tp_size: int = 1
+    # Pipeline parallel: the layers above are one stage's
+    # (parallel.stage_spec); only the first stage embeds the tokens (the
+    # others start from the previous stage's hidden states), only the last
+    # applies the final norm (the others hand on the residual stream).
+    pp_first: bool = True
+    pp_last: bool = True
 
     def with_layers(self, n: int) -> ModelSpec:
         """The first ``n`` layers of the model (shorter programs for checks:
@@ -143,6 +152,15 @@ class ModelSpec:
         if moe is not None:
             moe = dataclasses.replace(moe, sparse_layers=moe.sparse_layers[:n])
         return dataclasses.replace(self, num_layers=n, moe=moe)
+
+    @property
+    def lm_head_rows(self) -> int:
+        """The LM head's rows this rank holds: the vocabulary, or with tensor
+        parallel a rank's share of it padded as vLLM's ``ParallelLMHead``
+        pads it (to a multiple of 64, zero rows past the vocabulary)."""
+        if self.tp_size == 1:
+            return self.vocab_size
+        return -(-self.vocab_size // VOCAB_PADDING) * VOCAB_PADDING // self.tp_size
 
     @property
     def q_size(self) -> int:

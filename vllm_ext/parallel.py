@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Tensor parallel: what one rank of vLLM's tensor-parallel group holds.
+"""Tensor and pipeline parallel: what one rank of vLLM's groups holds.
 
 vLLM's parallel layers split a model over ``tp`` ranks (``linear.py``,
 ``vocab_parallel_embedding.py``, ``fused_moe``): QKV and gate/up by output
@@ -16,6 +16,10 @@ A rank's program is planned from the rank's spec (``shard_spec``) and reads
 the rank's weights as vLLM loaded them; its ALL_REDUCE instructions
 (isa.py) add the ranks' partial sums. ``shard_weights`` cuts one-rank
 weights the same way, for checks that run every rank in one process.
+
+A pipeline stage (``stage_spec``) holds the layers vLLM gives it
+(``get_pp_indices``): its program runs them, embedding only on the first
+stage and applying the final norm only on the last.
 """
 
 from __future__ import annotations
@@ -24,7 +28,33 @@ import dataclasses
 
 import torch
 
-from vllm_ext.model_spec import ModelSpec, UnsupportedModelError
+from vllm_ext.model_spec import VOCAB_PADDING, ModelSpec, UnsupportedModelError
+
+
+def stage_spec(spec: ModelSpec, pp_rank: int, pp_size: int) -> ModelSpec:
+    """The layers pipeline stage ``pp_rank`` of ``pp_size`` holds, as
+    vLLM splits them; raises ``UnsupportedModelError`` for a stage
+    without a layer."""
+    if pp_size == 1:
+        return spec
+    from vllm.distributed.utils import get_pp_indices
+
+    start, end = get_pp_indices(spec.num_layers, pp_rank, pp_size)
+    if end <= start:
+        raise UnsupportedModelError(
+            f"{spec.architecture}: {spec.num_layers} layers over {pp_size} "
+            f"pipeline stages leave stage {pp_rank} none"
+        )
+    moe = spec.moe
+    if moe is not None:
+        moe = dataclasses.replace(moe, sparse_layers=moe.sparse_layers[start:end])
+    return dataclasses.replace(
+        spec,
+        num_layers=end - start,
+        moe=moe,
+        pp_first=pp_rank == 0,
+        pp_last=pp_rank == pp_size - 1,
+    )
 
 
 def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
@@ -75,9 +105,17 @@ def shard_spec(spec: ModelSpec, tp: int) -> ModelSpec:
     )
 
 
-# vLLM pads the vocabulary to a multiple of this before splitting it
-# (``vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE``).
-VOCAB_PADDING = 64
+def rank_caches(
+    caches, spec: ModelSpec, tp: int, rank: int
+) -> tuple[torch.Tensor, ...]:
+    """A copy of the rank's own KV cache out of one-rank caches (``[blocks,
+    heads, ...]`` views, paged_kv.py): its kv heads of every layer (vLLM's
+    split, or its one replicated head), or the whole latent cache."""
+    if spec.mla is not None:
+        return tuple(c.clone() for c in caches)
+    nkv, n = spec.num_kv_heads, kv_heads_per_rank(spec.num_kv_heads, tp)
+    first = rank * n if nkv >= tp else rank // (tp // nkv)
+    return tuple(c[:, first : first + n].clone() for c in caches)
 
 
 def vocab_range(vocab_size: int, tp: int, rank: int) -> tuple[int, int]:
@@ -153,9 +191,15 @@ def shard_weights(weights, spec: ModelSpec, tp: int, rank: int):
             )
         )
     start, end = vocab_range(spec.vocab_size, tp, rank)
+    # The LM head's rows padded to the rank's share (zero rows past the
+    # vocabulary, as vLLM pads them).
+    rows = shard_spec(spec, tp).lm_head_rows
+    lm_head = weights.lm_head.new_zeros(rows, spec.hidden_size)
+    lm_head[: end - start] = weights.lm_head[start:end]
     return dataclasses.replace(
         weights,
         embed=weights.embed[start:end],
         layers=tuple(layers),
+        lm_head=lm_head,
         vocab_range=(start, end),
     )

@@ -38,6 +38,9 @@ class DecodeInputs:
     seq_lens: torch.Tensor  # [B] tokens in the sequence, the new one included
     slot_mapping: torch.Tensor  # [B] flat cache slot of each new token
     kv_caches: tuple[torch.Tensor, ...]  # per layer, see paged_kv
+    # Pipeline parallel, past the first stage: [B, hidden] the previous
+    # stage's residual stream (its hidden states plus residual).
+    hidden_in: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -58,6 +61,7 @@ def decode_inputs(batch: DecodeBatch, layer_names: tuple[str, ...]) -> DecodeInp
     n = batch.num_reqs
     (group,) = batch.kv_cache_groups  # refused otherwise at start-up
     caches = tuple(group.kv_caches[name] for name in layer_names)
+    stage_in = batch.intermediate_tensors
     if batch.max_query_len == 1:
         return DecodeInputs(
             input_ids=batch.input_ids[:n],
@@ -66,6 +70,7 @@ def decode_inputs(batch: DecodeBatch, layer_names: tuple[str, ...]) -> DecodeInp
             seq_lens=batch.seq_lens[:n],
             slot_mapping=group.slot_mapping[:n],
             kv_caches=caches,
+            hidden_in=_residual_stream(stage_in, n),
         )
     # A verify step: each token a row of its request. (The number of
     # tokens is read on the host: one sync a verify step.)
@@ -81,4 +86,15 @@ def decode_inputs(batch: DecodeBatch, layer_names: tuple[str, ...]) -> DecodeInp
         seq_lens=(positions + 1).to(batch.seq_lens.dtype),
         slot_mapping=group.slot_mapping[:tokens],
         kv_caches=caches,
+        hidden_in=_residual_stream(stage_in, tokens),
     )
+
+
+def _residual_stream(stage_in, rows: int) -> torch.Tensor | None:
+    """The previous pipeline stage's ``hidden_states + residual`` (vLLM's
+    decoder layers carry the residual stream in two parts), as the next
+    layer's fused add forms it; None on the first stage."""
+    if stage_in is None:
+        return None
+    hidden, residual = stage_in["hidden_states"][:rows], stage_in["residual"]
+    return hidden if residual is None else hidden + residual[:rows]

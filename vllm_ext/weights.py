@@ -76,10 +76,12 @@ class LayerWeights:
 
 @dataclass(frozen=True)
 class DecodeWeights:
-    embed: torch.Tensor  # [vocab, hidden]
-    layers: tuple[LayerWeights, ...]
-    final_norm: torch.Tensor  # [hidden]
-    lm_head: torch.Tensor  # [vocab, hidden]; the embedding when tied
+    # (A pipeline stage holds the embedding only if first, the final norm
+    # and LM head only if last: None elsewhere.)
+    embed: torch.Tensor | None  # [vocab, hidden]
+    layers: tuple[LayerWeights, ...]  # the stage's
+    final_norm: torch.Tensor | None  # [hidden]
+    lm_head: torch.Tensor | None  # [vocab, hidden]; the embedding when tied
     # [max_position, rotary dim] (head_dim; MLA: qk_rope_head_dim), cos half
     # then sin half (vLLM's ``cos_sin_cache``, YaRN's mscale included).
     cos_sin: torch.Tensor
@@ -90,11 +92,10 @@ class DecodeWeights:
 
     @classmethod
     def from_vllm_model(cls, model: torch.nn.Module, spec: ModelSpec) -> DecodeWeights:
-        inner = model.model
         if spec.mla is not None:
             return _from_vllm_mla_model(cls, model, spec)
         layers = []
-        for i, layer in enumerate(inner.layers):
+        for i, layer in enumerate(stage_layers(model)):
             attn = layer.self_attn
             # (Mixtral names its MLP block_sparse_moe.)
             mlp = getattr(layer, "mlp", None) or layer.block_sparse_moe
@@ -116,7 +117,7 @@ class DecodeWeights:
             )
             _check_layer(i, weights, spec)
             layers.append(weights)
-        rotary = inner.layers[0].self_attn.rotary_emb
+        rotary = stage_layers(model)[0].self_attn.rotary_emb
         if not rotary.is_neox_style or rotary.rotary_dim != spec.head_dim:
             raise ValueError("megakernel: only full NeoX-style rotary embedding")
         return _model_weights(cls, model, spec, layers)
@@ -128,11 +129,10 @@ def _from_vllm_mla_model(cls, model: torch.nn.Module, spec: ModelSpec):
     (q_a rows first): q_a and kv_a are views of it."""
     mla = spec.mla
     assert mla is not None
-    inner = model.model
     h, lat = spec.hidden_size, mla.latent_width
     q_rows = mla.num_heads * mla.qk_head_dim
     layers = []
-    for i, layer in enumerate(inner.layers):
+    for i, layer in enumerate(stage_layers(model)):
         attn = layer.self_attn
         if mla.q_lora_rank is not None:
             r = mla.q_lora_rank
@@ -183,29 +183,43 @@ def _from_vllm_mla_model(cls, model: torch.nn.Module, spec: ModelSpec):
                 ),
             )
         )
-    rotary = inner.layers[0].self_attn.rotary_emb
+    rotary = stage_layers(model)[0].self_attn.rotary_emb
     if rotary.is_neox_style or rotary.rotary_dim != mla.qk_rope_head_dim:
         raise ValueError("megakernel: MLA expects GPT-J-style rotary on the rope dims")
     return _model_weights(cls, model, spec, layers)
 
 
-def _model_weights(cls, model: torch.nn.Module, spec: ModelSpec, layers):
-    """The model-wide tensors around ``layers``, in place."""
+def stage_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers this rank holds: a pipeline stage's range
+    (vLLM's ``start_layer``/``end_layer``; the others are placeholders)."""
     inner = model.model
-    lm_head = inner.embed_tokens.weight if spec.tie_word_embeddings else None
-    if lm_head is None:
-        lm_head = model.lm_head.weight
+    start = getattr(inner, "start_layer", 0)
+    end = getattr(inner, "end_layer", len(inner.layers))
+    return list(inner.layers)[start:end]
+
+
+def _model_weights(cls, model: torch.nn.Module, spec: ModelSpec, layers):
+    """The model-wide tensors around ``layers``, in place (those the
+    pipeline stage holds)."""
+    inner = model.model
+    embed = inner.embed_tokens.weight if spec.pp_first else None
+    lm_head = None  # (vLLM's compute_logits applies it: the program never)
+    if spec.pp_last:
+        tied = spec.tie_word_embeddings and spec.pp_first
+        head = inner.embed_tokens if tied else model.lm_head
+        lm_head = getattr(head, "weight", None)
     vocab_range = None
-    if spec.tp_size > 1:
+    if spec.tp_size > 1 and spec.pp_first:
         shard = inner.embed_tokens.shard_indices
         vocab_range = (shard.org_vocab_start_index, shard.org_vocab_end_index)
+    first = stage_layers(model)[0].self_attn
     return cls(
-        embed=inner.embed_tokens.weight,
+        embed=embed,
         layers=tuple(layers),
-        final_norm=inner.norm.weight,
+        final_norm=inner.norm.weight if spec.pp_last else None,
         lm_head=lm_head,
-        cos_sin=inner.layers[0].self_attn.rotary_emb.cos_sin_cache,
-        attn_scale=float(inner.layers[0].self_attn.scaling),
+        cos_sin=first.rotary_emb.cos_sin_cache,
+        attn_scale=float(first.scaling),
         vocab_range=vocab_range,
     )
 

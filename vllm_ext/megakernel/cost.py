@@ -95,6 +95,12 @@ class Device:
     l2_bytes: int  # L2 cache, half of which weight prefetches may use
     dependency_latency_s: float = 1.0e-6
     instruction_overhead_s: float = 0.3e-6
+    # Tensor parallel (ALL_REDUCE): the GPU's NVLink bandwidth each way,
+    # bytes/s, shared by its SMs, and how much later than a local one a
+    # signal from another GPU is seen (neither measured here: datasheet
+    # bandwidth, an assumed latency; predictions only).
+    link_bytes_per_s: float = 450e9
+    peer_latency_s: float = 2.0e-6
     # (opcode name, seconds per byte): what executing an instruction of that
     # kind costs per byte it moves beyond the stream (``exec_s``); from
     # ``calibrate`` only, for the kernel and batch of the case it fitted.
@@ -126,6 +132,7 @@ DEVICES: dict[str, Device] = {
         ),
         Device(
             "b200", "sm_100a", 148, 7.2e12, 200 * 1024, 126 << 20,
+            link_bytes_per_s=900e9,
             source="not measured here: 90% of the 8 TB/s datasheet figure",
         ),
     )
@@ -143,6 +150,8 @@ class Cost:
     weight_bytes: int
     other_bytes: int
     early_bytes: int = 0
+    # Read from other GPUs over NVLink (an ALL_REDUCE's peers' partials).
+    link_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -164,6 +173,8 @@ def exec_s(device: Device, instr, cost: Cost) -> float:
     wait is met: the instruction overhead, its activation and KV bytes at the
     SM's share of bandwidth, and its kind's calibrated term per byte."""
     t = device.instruction_overhead_s + cost.other_bytes / device.sm_bytes_per_s
+    if cost.link_bytes:
+        t += cost.link_bytes / (device.link_bytes_per_s / device.num_sms)
     for name, per_byte in device.exec_s_per_byte:
         if name == instr.op.name:
             moved = cost.weight_bytes + cost.other_bytes + cost.early_bytes
@@ -209,6 +220,8 @@ def predict(
     # is met; instructions start in time order (ends are never earlier than
     # the start of the instruction that signalled them).
     need = {i.wait_counter: i.wait_count for q in queues for i in q}
+    # Counters other GPUs signal too: their waits see the last signal later.
+    peer = {i.signal_counter for q in queues for i in q if i.signal_ranks}
     # Per counter: the signals so far, and when the latest arrived.
     signals: dict[int, int] = {}
     latest: dict[int, float] = {}
@@ -240,6 +253,8 @@ def predict(
                 blocked.setdefault(instr.wait_counter, []).append(sm)
                 return
             ready = latest[instr.wait_counter] + device.dependency_latency_s
+            if instr.wait_counter in peer:
+                ready += device.peer_latency_s
         published[sm] = max(published[sm], ready, slot_free)
         weights_in = max(streams[sm].done(k), kv_in[sm].pop(k, 0.0))
         hints: list[tuple[int, float]] = []  # (instruction, hinted at)
@@ -431,6 +446,8 @@ def _critical_path(program, costs, routing, device: Device) -> float:
         if instr.wait_counter != NO_COUNTER:
             ready = max(ready, by_counter.get(instr.wait_counter, 0.0)
                         + device.dependency_latency_s)  # fmt: skip
+            if instr.op == Op.ALL_REDUCE:  # (its wait: on every rank's tiles)
+                ready += device.peer_latency_s
         end = ready + exec_s(device, instr, costs[sm][idx])
         end += routing[sm].get(idx, 0.0)
         c = instr.signal_counter

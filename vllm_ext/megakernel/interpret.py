@@ -99,7 +99,7 @@ class ProgramInterpreter:
 
     def _begin(self, inputs: DecodeInputs) -> None:
         s, b = self.program.spec, self.program.batch
-        dtype, dev = s.dtype, self.weights.embed.device
+        dtype, dev = s.dtype, self.weights.cos_sin.device
         layers, chunks = s.num_layers, self.program.attn_chunks
         group = s.num_q_heads // s.num_kv_heads
 
@@ -126,6 +126,10 @@ class ProgramInterpreter:
             ],
             "out": nan(b, s.hidden_size),
         }
+        if not s.pp_first:  # the previous pipeline stage's output
+            if inputs.hidden_in is None:
+                raise ValueError("a later pipeline stage needs the hidden states in")
+            self.buf["h"][0] = inputs.hidden_in.to(dtype)
         if s.tp_size > 1:
             # This rank's partial sums of each point (isa.py), per layer.
             self.buf["partial"] = {
@@ -172,7 +176,7 @@ class ProgramInterpreter:
         # that runs, as the kernel computes it once per SM and layer.
         self.tile_routing: list[topk.Routing | None] = [None] * layers
         if self.program.with_lm_head:
-            self.logits = nan(b, s.vocab_size, dt=torch.float32)
+            self.logits = nan(b, s.lm_head_rows, dt=torch.float32)
 
     # ------------------------------------------------------------ dispatch
 
@@ -452,7 +456,8 @@ def _run(
     if stuck:
         shown = [f"rank {k} SM {sm}: {queues[sm][pos[k][sm]]}" for k, sm in stuck[:4]]
         raise DeadlockError("no SM can proceed: " + "; ".join(shown))
-    return [it.buf["out"] for it in interps]
+    # A pipeline stage before the last hands on its residual stream.
+    return [it.buf["out"] if p.spec.pp_last else it.buf["h"][-1] for it in interps]
 
 
 class RankSetInterpreter:
@@ -566,4 +571,5 @@ def pad_inputs(inputs: DecodeInputs, batch: int) -> DecodeInputs:
         seq_lens=pad(inputs.seq_lens, 0),
         slot_mapping=pad(inputs.slot_mapping, -1),
         kv_caches=inputs.kv_caches,
+        hidden_in=None if inputs.hidden_in is None else pad(inputs.hidden_in, 0),
     )

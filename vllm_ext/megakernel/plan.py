@@ -27,6 +27,7 @@ from vllm_ext.megakernel.cost import DEFAULT_DEVICE, DEVICES, predict
 from vllm_ext.megakernel.planner import plan
 from vllm_ext.megakernel.verify import VerificationError, verify
 from vllm_ext.model_spec import ModelSpec, UnsupportedModelError
+from vllm_ext.parallel import rank_caches, shard_spec, shard_weights
 from vllm_ext.runner import MAX_QUERY_LEN
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -74,29 +75,43 @@ def print_summary(result: dict, as_json: bool) -> None:
         print(json.dumps(result))
 
 
-def check_interleavings(program, n: int, seed: int = 0) -> tuple[bool, float]:
-    """Interpret ``program`` (shrunk to INTERPRET_LAYERS layers) on random
-    weights under ``n`` interleavings; compare with ReferenceExecutor.
-    Returns (all bitwise-equal and close to the reference, max abs error)."""
+def check_interleavings(
+    program, n: int, full_spec: ModelSpec, seed: int = 0
+) -> tuple[bool, float]:
+    """Interpret ``program`` (shrunk to INTERPRET_LAYERS layers; with
+    tensor parallel, every rank of it) on random weights under ``n``
+    interleavings; compare with ReferenceExecutor of ``full_spec`` (the
+    whole model). Returns (all bitwise-equal and close to the reference,
+    max abs error)."""
     import dataclasses
 
-    from vllm_ext.megakernel.interpret import ProgramInterpreter
+    from vllm_ext.megakernel.interpret import RankSetInterpreter
     from vllm_ext.reference import ReferenceExecutor
     from vllm_ext.testing import random_decode_inputs, random_weights
 
     spec = dataclasses.replace(
-        program.spec.with_layers(min(program.spec.num_layers, INTERPRET_LAYERS)),
-        vocab_size=min(program.spec.vocab_size, INTERPRET_VOCAB),
+        full_spec.with_layers(min(full_spec.num_layers, INTERPRET_LAYERS)),
+        vocab_size=min(full_spec.vocab_size, INTERPRET_VOCAB),
     )
-    small = plan(spec, program.batch, program.device,
+    tp = program.spec.tp_size
+    small = plan(shard_spec(spec, tp), program.batch, program.device,
                  qkv_parts=program.qkv_parts,
                  combine_parts=program.combine_parts)  # fmt: skip
     verify(small)
     weights = random_weights(spec, seed=seed)
+    # Every rank (one, without tensor parallel) in one process, each on its
+    # shard of the weights and its copy of the cache (paged_kv: heads).
+    shards = [shard_weights(weights, spec, tp, r) for r in range(tp)]
     outs = []
     for k in range(n):
         inputs = random_decode_inputs(spec, program.batch, seed=seed)
-        outs.append(ProgramInterpreter(small, weights, seed=k).step(inputs))
+        ranks = [
+            dataclasses.replace(
+                inputs, kv_caches=rank_caches(inputs.kv_caches, spec, tp, r)
+            )
+            for r in range(tp)
+        ]
+        outs.append(RankSetInterpreter(small, shards, seed=k).step(ranks)[0])
     expected = ReferenceExecutor(spec, weights).step(
         random_decode_inputs(spec, program.batch, seed=seed)
     )
@@ -142,6 +157,12 @@ def main(argv: list[str] | None = None) -> int:
         help="query rows a request: 1 + the drafts of a speculative verify "
         "step (each token a row of the program: vllm_ext/runner.py)",
     )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks: plan one rank's program (vllm_ext/parallel.py)",
+    )
     parser.add_argument("--interleavings", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -160,7 +181,15 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         latency = args.dependency_us * 1e-6
         device = dataclasses.replace(device, dependency_latency_s=latency)
-    spec = spec_or_exit("plan", args.config, args.dtype, args.batch)
+    full = spec = spec_or_exit("plan", args.config, args.dtype, args.batch)
+    if args.tp < 1:
+        print("plan: --tp must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        spec = shard_spec(spec, args.tp)
+    except UnsupportedModelError as e:
+        print(f"plan: {e}", file=sys.stderr)
+        return 2
 
     parts = 1 if args.whole_heads else None
     rows = args.batch * args.tokens_per_request
@@ -185,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": device.name,
         "batch": args.batch,
         "tokens_per_request": args.tokens_per_request,
+        "tp": args.tp,
         "rows": rows,
         "dtype": args.dtype,
         "verified": verified,
@@ -222,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             weight_bytes_per_sm=[min(pred.sm_weight_bytes), max(pred.sm_weight_bytes)],
         )
     if args.interleavings and verified:
-        ok, err = check_interleavings(program, args.interleavings)
+        ok, err = check_interleavings(program, args.interleavings, full)
         result.update(interleavings_ok=ok, interleavings=args.interleavings)
         result["interleavings_max_abs_err"] = err
 

@@ -276,10 +276,11 @@ class Program:
         if instr.op == Op.FINAL_NORM:
             return Cost(h * e, b * h * e + b * (hi - lo) * e)
         if instr.op == Op.ALL_REDUCE:
-            # Every rank's partial of the columns (s.tp_size), the residual,
-            # the sum. (Over NVLink for the peers': not yet modelled.)
+            # Its own partial of the columns, the residual and the sum here;
+            # the other ranks' partials over NVLink.
             lo, hi = unpack_cols(instr.arg1)
-            return Cost(0, (s.tp_size + 2) * b * (hi - lo) * e)
+            cols = b * (hi - lo) * e
+            return Cost(0, 3 * cols, link_bytes=(s.tp_size - 1) * cols)
         if instr.op == Op.LM_HEAD:
             return Cost((hi - lo) * h * e, b * h * e + b * (hi - lo) * 4)
         moe = s.moe
@@ -683,7 +684,11 @@ def plan(
     if mla is not None:
         groups, chunks, v_parts = mla_split(spec, n_sm)
         chunks = min(chunks, max_attn_chunks)
-    prev = summed(Point.EMBED, 0, Op.EMBED, small, none, "embed")
+    # (A pipeline stage past the first starts from the previous stage's
+    # hidden states, in h[0] before the launch.)
+    prev = none
+    if spec.pp_first:
+        prev = summed(Point.EMBED, 0, Op.EMBED, small, none, "embed")
     for layer in range(spec.num_layers):
         if mla is not None:
             combined = latent_attention(layer, prev)
@@ -730,9 +735,11 @@ def plan(
             f"L{layer}.gate_up",
         )
         prev = summed(Point.MLP, layer, Op.DOWN, gemv_tiles(h), gu, f"L{layer}.down")
-    prev = phase(Op.FINAL_NORM, spec.num_layers, small, prev, "final_norm")
-    if with_lm_head:
-        phase(Op.LM_HEAD, spec.num_layers, gemv_tiles(spec.vocab_size), prev, "lm_head")
+    if spec.pp_last:
+        prev = phase(Op.FINAL_NORM, spec.num_layers, small, prev, "final_norm")
+    if with_lm_head and spec.pp_last:
+        lm_rows = gemv_tiles(spec.lm_head_rows)  # (a rank's, gathered by vLLM)
+        phase(Op.LM_HEAD, spec.num_layers, lm_rows, prev, "lm_head")
 
     program = Program(
         spec, batch, device, chunks, with_lm_head, (), tuple(counters), (),

@@ -1,27 +1,31 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Tensor-parallel programs (parallel.py, isa.py's ALL_REDUCE): every rank's
-program run together in one process equals the one-rank program; the
-verifier proves the rank set and catches a missing or short wait."""
+"""Parallel programs (parallel.py): tensor-parallel ranks (isa.py's
+ALL_REDUCE) run together in one process, and pipeline stages run one after
+the other, equal the one-rank program; the verifier proves the rank set and
+catches a missing or short wait."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
+from vllm.distributed.utils import get_pp_indices
 
 from tests.megakernel.test_interpret import make_spec
 from tests.megakernel.test_mla_program import mla_spec
 from tests.megakernel.test_moe_program import deepseek_routing, spec_of
-from vllm_ext.megakernel.cost import DEVICES
+from vllm_ext.megakernel.cost import DEVICES, predict
 from vllm_ext.megakernel.interpret import (
     DeadlockError,
     ProgramInterpreter,
     RankSetInterpreter,
 )
 from vllm_ext.megakernel.isa import NO_COUNTER, Op
+from vllm_ext.megakernel.plan import load_spec
 from vllm_ext.megakernel.planner import plan
 from vllm_ext.megakernel.verify import VerificationError, verify
 from vllm_ext.model_spec import UnsupportedModelError
-from vllm_ext.parallel import kv_heads_per_rank, shard_spec, shard_weights
+from vllm_ext.parallel import rank_caches, shard_spec, shard_weights, stage_spec
 from vllm_ext.testing import random_decode_inputs, random_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -53,14 +57,14 @@ def _specs():
 SPECS = _specs()
 
 
-def rank_caches(caches, spec, tp: int, rank: int) -> tuple[torch.Tensor, ...]:
-    """The rank's own KV cache (a copy): its kv heads of every layer, or
-    the whole latent cache."""
-    if spec.mla is not None:
-        return tuple(c.clone() for c in caches)
-    nkv, n = spec.num_kv_heads, kv_heads_per_rank(spec.num_kv_heads, tp)
-    first = rank * n if nkv >= tp else rank // (tp // nkv)
-    return tuple(c[:, first : first + n].clone() for c in caches)
+def per_rank(inputs, spec, tp: int) -> list:
+    """Each rank's inputs: its own copy of its part of the caches."""
+    return [
+        dataclasses.replace(
+            inputs, kv_caches=rank_caches(inputs.kv_caches, spec, tp, r)
+        )
+        for r in range(tp)
+    ]
 
 
 def run_rank_set(spec, tp: int, batch: int, seed: int = 0):
@@ -68,12 +72,7 @@ def run_rank_set(spec, tp: int, batch: int, seed: int = 0):
     weights = random_weights(spec, seed=1)
     one = ProgramInterpreter(plan(spec, batch, DEVICE), weights)
     inputs = random_decode_inputs(spec, batch, seed=7)
-    ranks = [
-        dataclasses.replace(
-            inputs, kv_caches=rank_caches(inputs.kv_caches, spec, tp, r)
-        )
-        for r in range(tp)
-    ]
+    ranks = per_rank(inputs, spec, tp)
     expected = one.step(inputs)
     rank_spec = shard_spec(spec, tp)
     program = plan(rank_spec, batch, DEVICE)
@@ -81,6 +80,25 @@ def run_rank_set(spec, tp: int, batch: int, seed: int = 0):
     shards = [shard_weights(weights, spec, tp, r) for r in range(tp)]
     outs = RankSetInterpreter(program, shards, seed=seed).step(ranks)
     return (expected, inputs.kv_caches), (outs, [x.kv_caches for x in ranks])
+
+
+def test_each_rank_computes_its_rows_of_the_logits():
+    # The LM head is vocab-parallel (vLLM gathers the logits): a rank's
+    # program computes its rows, padded as vLLM pads them.
+    spec, tp, batch = SPECS["llama"], 2, 2
+    weights = random_weights(spec, seed=1)
+    one = ProgramInterpreter(plan(spec, batch, DEVICE, with_lm_head=True), weights)
+    one.step(random_decode_inputs(spec, batch, seed=7))
+    inputs = random_decode_inputs(spec, batch, seed=7)
+    program = plan(shard_spec(spec, tp), batch, DEVICE, with_lm_head=True)
+    shards = [shard_weights(weights, spec, tp, r) for r in range(tp)]
+    rank_set = RankSetInterpreter(program, shards)
+    rank_set.step(per_rank(inputs, spec, tp))
+    logits = torch.cat([r.logits for r in rank_set.ranks], dim=1)
+    assert logits.shape[1] == tp * program.spec.lm_head_rows >= spec.vocab_size
+    torch.testing.assert_close(
+        logits[:, : spec.vocab_size], one.logits, rtol=0, atol=FP32_TOL
+    )
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))
@@ -210,3 +228,82 @@ def test_rank_spec_is_vllms_shard():
     mla = shard_spec(SPECS["mla"], 2)
     assert mla.mla.num_heads == 2 and mla.num_kv_heads == 1
     assert mla.mla.kv_lora_rank == SPECS["mla"].mla.kv_lora_rank
+
+
+def run_stages(spec, pp: int, batch: int, tp: int = 1):
+    """(one-rank output, the last stage's outputs): each stage's program
+    (of every tensor-parallel rank) on its layers, the next starting from
+    the previous stage's residual stream."""
+    weights = random_weights(spec, seed=1)
+    inputs = random_decode_inputs(spec, batch, seed=7)
+    expected = ProgramInterpreter(plan(spec, batch, DEVICE), weights).step(inputs)
+    hidden = None
+    inputs = random_decode_inputs(spec, batch, seed=7)  # fresh caches
+    for stage in range(pp):
+        stage_spec_ = stage_spec(shard_spec(spec, tp), stage, pp)
+        start, end = get_pp_indices(spec.num_layers, stage, pp)
+        program = plan(stage_spec_, batch, DEVICE)
+        verify(program)
+        layers = dataclasses.replace(weights, layers=weights.layers[start:end])
+        stage_in = dataclasses.replace(
+            inputs, kv_caches=inputs.kv_caches[start:end], hidden_in=hidden
+        )
+        shards = [shard_weights(layers, spec, tp, r) for r in range(tp)]
+        ranks = per_rank(stage_in, spec, tp)
+        outs = RankSetInterpreter(program, shards).step(ranks)
+        hidden = outs[0]
+    return expected, outs
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe", "mla"])
+def test_pipeline_stages_equal_the_one_rank_program(name):
+    # Two stages of one layer each: the same instructions on the same data,
+    # split at a layer boundary: the same bits.
+    expected, (out,) = run_stages(SPECS[name], 2, 3)
+    assert torch.equal(out, expected)
+
+
+def test_pipeline_and_tensor_parallel_together():
+    expected, outs = run_stages(SPECS["qwen3_moe"], 2, 3, tp=2)
+    for out in outs:
+        torch.testing.assert_close(out, expected, rtol=0, atol=FP32_TOL)
+
+
+def test_a_later_stage_has_no_embedding_nor_final_norm():
+    spec = SPECS["llama"]
+    first, last = (stage_spec(spec, r, 2) for r in range(2))
+    ops = [{i.op for q in plan(s, 1, DEVICE).queues for i in q} for s in (first, last)]
+    assert Op.EMBED in ops[0] and Op.FINAL_NORM not in ops[0]
+    assert Op.EMBED not in ops[1] and Op.FINAL_NORM in ops[1]
+    # The later stage reads h[0] as its input: no writer needed.
+    verify(plan(last, 1, DEVICE))
+    with pytest.raises(UnsupportedModelError, match="leave stage 2 none"):
+        stage_spec(spec, 2, 3)
+
+
+def test_plan_cli_plans_one_rank(capsys):
+    from vllm_ext.megakernel.plan import main
+
+    assert main(["--config", "llama-3.2-1b", "--batch", "1", "--tp", "2",
+                 "--json"]) == 0  # fmt: skip
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    spec = load_spec("llama-3.2-1b", torch.bfloat16)
+    one = plan(spec, 1, DEVICES["h200"], with_lm_head=True)
+    assert result["tp"] == 2 and result["verified"]
+    # A rank reads about half the weights (the norms whole, the LM head's
+    # padded half, the embedding's rows never: only the batch's rows).
+    assert result["weight_bytes"] < 0.6 * one.weight_bytes()
+    # 32 q heads, 8 kv heads: 3 ranks do not split them.
+    assert main(["--config", "llama-3.2-1b", "--batch", "1", "--tp", "3"]) == 2
+    assert "do not split over 3" in capsys.readouterr().err
+
+
+def test_the_cost_model_counts_the_links():
+    program = plan(shard_spec(load_spec("llama-3.2-1b", torch.bfloat16), 8), 1,
+                   DEVICES["h200"])  # fmt: skip
+    reduce = next(i for q in program.queues for i in q if i.op == Op.ALL_REDUCE)
+    cost = program.cost(reduce)
+    assert cost.link_bytes == 7 * cost.other_bytes // 3  # 7 peers' partials
+    free = dataclasses.replace(DEVICES["h200"], link_bytes_per_s=1e18,
+                               peer_latency_s=0.0)  # fmt: skip
+    assert predict(program).step_s > predict(program, free).step_s
