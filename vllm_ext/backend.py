@@ -143,9 +143,7 @@ class MegakernelDecodeBackend(DecodeBackend):
     def __init__(
         self, vllm_config: VllmConfig, model: torch.nn.Module, device: torch.device
     ) -> None:
-        from vllm.distributed import get_pp_group
-
-        self.spec = model_spec(vllm_config, get_pp_group().rank_in_group)
+        self.spec = model_spec(vllm_config, _pp_rank(vllm_config))
         self.vllm_config = vllm_config
         if self.spec.mla is not None:
             attentions = _mla_attention_layers(model, self.spec)
@@ -520,6 +518,16 @@ def _check_latent_caches(
             )
 
 
+def _pp_rank(vllm_config: VllmConfig) -> int:
+    # vLLM builds the PP group even at size 1, but tests (and tools) build the
+    # backend without one.
+    if vllm_config.parallel_config.pipeline_parallel_size == 1:
+        return 0
+    from vllm.distributed import get_pp_group
+
+    return get_pp_group().rank_in_group
+
+
 def _check_gpu_kernel(vllm_config: VllmConfig, spec: ModelSpec) -> None:
     """What the compiled kernel (not the reference) needs."""
     if spec.tp_size > 1:
@@ -528,7 +536,7 @@ def _check_gpu_kernel(vllm_config: VllmConfig, spec: ModelSpec) -> None:
             f"{spec.tp_size} ranks) in reference mode only: the kernel has no "
             "all-reduce device function yet. " + INTERPRET_HINT
         )
-    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+    if not (spec.pp_first and spec.pp_last):
         raise ValueError(
             "--decode-backend megakernel runs pipeline parallelism in reference "
             "mode only: the kernel does not yet start from a stage's hidden "

@@ -293,14 +293,17 @@ def _backend_log(monkeypatch, env: dict) -> tuple[object, list[str]]:
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: GPU)
     monkeypatch.setattr(build, "source_hash", lambda: SOURCES)
-    monkeypatch.setattr(backend, "model_spec", lambda config: _spec("llama-3.2-1b"))
+    spec = _spec("llama-3.2-1b")
+    monkeypatch.setattr(backend, "model_spec", lambda config, pp_rank: spec)
     monkeypatch.setattr(backend.MegakernelDecodeBackend, "_make_executor",
                         lambda self, model: "executor")  # fmt: skip
     attn = SimpleNamespace(sliding_window=None, layer_name="layers.0.attn")
     layer = SimpleNamespace(self_attn=SimpleNamespace(attn=attn))
     model = SimpleNamespace(model=SimpleNamespace(layers=[layer]))
     config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=512),
-                             cache_config=SimpleNamespace(block_size=16))  # fmt: skip
+                             cache_config=SimpleNamespace(block_size=16),
+                             parallel_config=SimpleNamespace(
+                                 pipeline_parallel_size=1))  # fmt: skip
     made = backend.MegakernelDecodeBackend(config, model, torch.device("cpu"))
     # What vLLM logs once, as "Decode backend 'megakernel' takes ...".
     return made, [made.describe()]

@@ -87,8 +87,9 @@ class ProgramInterpreter:
 
     def step(self, inputs: DecodeInputs) -> torch.Tensor:
         """One decode step of exactly ``program.batch`` rows; returns the
-        final-normed hidden states (and, with an LM head, sets
-        ``self.logits``). A tensor-parallel program needs a ``reducer``."""
+        final-normed hidden states (a pipeline stage before the last: its
+        residual stream) and, with an LM head, sets ``self.logits``. A
+        tensor-parallel program needs a ``reducer``."""
         return _run([self], [inputs], self.rng)[0]
 
     def _wait_met(self, instr: Instruction) -> bool:
