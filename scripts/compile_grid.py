@@ -17,11 +17,14 @@ build fails or breaks a rule.
 
     .venv/bin/python scripts/compile_grid.py [--batches 1,4,16,64]
         [--archs sm_90a,sm_100a] [--configs llama-3.2-1b,...] [--jobs 2]
-        [--whole-heads] [--wide-attn]
+        [--whole-heads] [--wide-attn] [--tp N] [--layers N]
 
 ``--whole-heads`` builds QKV in whole heads instead (the GPU check's
 comparison case), ``--wide-attn`` the experimental attention for many
-requests in flight, under the same rules.
+requests in flight, under the same rules. ``--tp N`` builds one rank's
+kernel of N (its partial sums' signals to every rank and ALL_REDUCE's
+acquire at system scope: checked), ``--layers N`` plans N layers only (the
+kernel is the same; a large model's program takes minutes to plan).
 
 About 3-30 s per build on two cores (the MoE and MLA models longest).
 """
@@ -40,10 +43,15 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "vllm_ext" / "configs"
 
 
-def rules(r: dict, moe: bool = False, mla: bool = False) -> list[str]:
+def rules(r: dict, moe: bool = False, mla: bool = False, tp: int = 1) -> list[str]:
     """What a default warp-role build must show in its SASS (empty: all),
-    with a mixture's (``moe``) and a latent attention's (``mla``) ops."""
+    with a mixture's (``moe``) and a latent attention's (``mla``) ops, and a
+    tensor-parallel rank's (``tp``) system-scope signals and acquire."""
     broken = []
+    sys_ops = (r["sys_release_atomics"], r["sys_fences"], r["sys_acquire_loads"])
+    if sys_ops != ((tp, 1, 1) if tp > 1 else (0, 0, 0)):
+        broken.append("system-scope adds, fences, acquires: "
+                      f"{sys_ops} at TP {tp}")  # fmt: skip
     if r["spill_bytes"]:
         broken.append(f"{r['spill_bytes']} B spilled")
     if r["local_loads"] or r["calls"]:
@@ -96,9 +104,14 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--whole-heads", action="store_true")
     parser.add_argument("--wide-attn", action="store_true")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--layers", type=int)
     args = parser.parse_args()
     flags = tuple(f for f, on in (("--whole-heads", args.whole_heads),
                                   ("--wide-attn", args.wide_attn)) if on)  # fmt: skip
+    flags += ("--tp", str(args.tp))
+    if args.layers:
+        flags += ("--layers", str(args.layers))
     grid = [(c, int(b), a) for c in args.configs.split(",")
             for b in args.batches.split(",")
             for a in args.archs.split(",")]  # fmt: skip
@@ -120,7 +133,7 @@ def main() -> int:
                 print(f"| {c} | {b} | {a} | | | | | | | | | build failed: "
                       f"{r['error']} |")  # fmt: skip
                 continue
-            broken = rules(r, **model_ops(c))
+            broken = rules(r, **model_ops(c), tp=args.tp)
             failed += bool(broken)
             print(f"| {c} | {b} | {a} | {r['max_register']} | {r['spill_bytes']} "
                   f"| {r['local_loads']} | {r['cta_barriers']} "

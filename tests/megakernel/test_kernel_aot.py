@@ -45,11 +45,16 @@ def demo_shape(arch: str, batch: int, **flags) -> KernelShape:
     return KernelShape.from_program(program, 16, **flags)
 
 
-def check_sass(built: BuildResult, legacy: bool = False) -> None:
+def check_sass(built: BuildResult, legacy: bool = False, tp: int = 1) -> None:
     # Spills live in the stack frame: a spill shows as a local load. The
     # kernel makes no call (nothing prints: an abort is recorded), so no
     # local load at all, and no stack kept across a call.
     assert built.spill_bytes == 0 and built.local_loads == 0, "register spills"
+    # System scope only in a tensor-parallel rank's kernel: a partial sum's
+    # signal to each rank after a system fence, ALL_REDUCE's acquire
+    # (test_parallel_kernel_aot.py).
+    sys_ops = (built.sys_release_atomics, built.sys_fences, built.sys_acquire_loads)
+    assert sys_ops == ((tp, 1, 1) if tp > 1 else (0, 0, 0))
     assert built.calls == 0
     assert 0 < built.registers <= (REGISTER_BUDGET if legacy else ROLES_BUDGET)
     assert built.ldg128 > 0, "the weight streams lost their 128-bit loads"

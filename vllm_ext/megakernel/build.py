@@ -37,6 +37,8 @@ from vllm_ext.megakernel.plan import print_summary, spec_or_exit
 from vllm_ext.megakernel.planner import plan, qkv_parts_to_fill
 from vllm_ext.megakernel.variants import Variants
 from vllm_ext.megakernel.verify import verify
+from vllm_ext.model_spec import UnsupportedModelError
+from vllm_ext.parallel import shard_spec
 
 KERNEL_DIR = Path(aot.__file__).resolve().parent
 # Under "vllm." as vLLM's init_logger names the backend's: vLLM's handlers
@@ -337,10 +339,43 @@ def main(argv: list[str] | None = None) -> int:
         "oob-store: a store one element past the end of the final-norm output). "
         "Never serve it",
     )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks: build one rank's kernel (vllm_ext/parallel.py)",
+    )
+    parser.add_argument(
+        "--one-gpu-ranks",
+        action="store_true",
+        help="for the GPU check only: every rank in one launch, the CTAs split "
+        "into rank groups (a single GPU runs the ranks' exchange)",
+    )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        help="plan only the first N layers: the kernel is the same for any "
+        "number (its table has a row a layer), and a large model's program "
+        "takes minutes to plan and verify",
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     spec = spec_or_exit("build", args.config, args.dtype, args.batch)
+    if args.tp < 1 or (args.one_gpu_ranks and args.tp == 1):
+        print("build: --tp must be at least 1 (2 with --one-gpu-ranks)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.layers is not None and not 1 <= args.layers <= spec.num_layers:
+        print(f"build: --layers must be 1 to {spec.num_layers}", file=sys.stderr)
+        return 2
+    try:
+        spec = shard_spec(spec, args.tp)
+    except UnsupportedModelError as e:
+        print(f"build: {e}", file=sys.stderr)
+        return 2
+    if args.layers is not None:
+        spec = spec.with_layers(args.layers)
     if spec.quant is not None:
         # The plan CLI counts its bytes; the kernel has no device functions
         # for it yet and would read the weights as the model dtype.
@@ -353,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = DEVICES[DEFAULT_DEVICE[args.arch]]
+    ranks = args.tp if args.one_gpu_ranks else 1
+    if ranks > 1:  # each rank's program on its group of the GPU's SMs
+        device = dataclasses.replace(device, num_sms=device.num_sms // ranks)
     variants = Variants.from_flags(args)
     try:
         # Not a variant (Variants cannot name it): only this flag sets it.
@@ -365,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         # (The legacy control is not a variant either: only this flag sets it.)
         shape = KernelShape.from_program(program, args.block_size,
                                          legacy_control=args.legacy_control,
+                                         ranks_in_launch=ranks,
                                          **variants.kernel_flags())  # fmt: skip
         if args.plant_bug:
             # Not a variant (Variants cannot name it): only this flag sets it.

@@ -77,6 +77,12 @@ class BuildResult:
     acquire_loads: int  # acquire = strong load + L1 invalidate (CCTL.IVALL)
     release_atomics: int  # strong GPU-scope adds on a counter
     release_fences: int  # MEMBAR.ALL.GPU before them
+    # Tensor parallel: the signals of a partial sum to every rank's counter
+    # (strong system-scope adds, each after a system-scope fence), and
+    # ALL_REDUCE's acquire at system scope (strong load, then CCTL.IVALL).
+    sys_release_atomics: int
+    sys_fences: int  # MEMBAR.ALL.SYS
+    sys_acquire_loads: int  # LDG.E.STRONG.SYS
     l2_prefetches: int  # bulk L2 prefetches of weight tiles (UBLKPF.L2)
     async_copies: int  # cp.async into shared memory (LDGSTS): weight staging
     mma_ops: int  # tensor-core MMAs (HMMA): the tensor-core GEMV
@@ -287,6 +293,11 @@ def build(arch: str, out: str | Path, shape: KernelShape) -> BuildResult:
             re.findall(r"(?:REDG|ATOMG)\.E\.ADD\S*\.STRONG\.GPU", sass)
         ),
         release_fences=sass.count("MEMBAR.ALL.GPU"),
+        sys_release_atomics=len(
+            re.findall(r"(?:REDG|ATOMG)\.E\.ADD\S*\.STRONG\.SYS", sass)
+        ),
+        sys_fences=sass.count("MEMBAR.ALL.SYS"),
+        sys_acquire_loads=len(re.findall(r"\bLDG\.E\S*\.STRONG\.SYS\b", sass)),
         l2_prefetches=sass.count("UBLKPF.L2"),
         async_copies=sass.count("LDGSTS"),
         mma_ops=sass.count("HMMA"),

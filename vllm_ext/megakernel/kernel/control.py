@@ -41,7 +41,9 @@ consumers' loads without a further fence.
   count is met.
 * ``signal_done`` (thread 0, after the consumers' barrier: every
   consumer's stores are issued): add 1 to the signal counter with a release
-  atomic at GPU scope.
+  atomic at GPU scope; a tensor-parallel partial sum's to every rank's
+  counter at system scope, which ALL_REDUCE's wait acquires at system scope
+  (ops/all_reduce.py).
 
 The legacy control (``KernelShape.legacy_control``) has no roles: thread 0
 fetches, waits and signals between CTA barriers (the consumers' barrier is
@@ -57,6 +59,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 
 from vllm_ext.megakernel.isa import WORDS, Op
+from vllm_ext.megakernel.kernel.ops.common import gmem
 from vllm_ext.megakernel.kernel.ops.expert_down import (
     prefetch_routed as prefetch_routed_down,
 )
@@ -65,6 +68,7 @@ from vllm_ext.megakernel.kernel.ops.kv_hint import hint_kv
 from vllm_ext.megakernel.kernel.ops.prefetch import prefetch_weights
 from vllm_ext.megakernel.kernel.ops.weight_pipe import instr_pages
 from vllm_ext.megakernel.kernel.queue import downs_end, fetch
+from vllm_ext.megakernel.kernel.shape import GlobalSlot
 from vllm_ext.megakernel.kernel.sync import (
     abort_set,
     nanosleep,
@@ -232,17 +236,48 @@ def wait_inputs(s: cutlass.Constexpr, counters: cute.Tensor, ins: cute.Tensor, e
             # Acquire: the producers' stores are visible from here on. (An
             # acquire load whose value is unused is dropped by the
             # compiler; a counter never goes back, so this one is met too.)
-            seen = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
+            # ALL_REDUCE's producers are every rank's: system scope, as
+            # their release.
+            if cutlass.const_expr(s.tp_size > 1):
+                if ins[0] == Op.ALL_REDUCE:
+                    seen = cute.arch.load(ptr, Int32, sem="acquire", scope="sys")
+                else:
+                    seen = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
+            else:
+                seen = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
             if seen - target < 0:
                 record_abort(ptrs, glob, "INPUTS", sm, pc, ins[4], target,
                              seen, s.batch)  # fmt: skip
 
 
 @cute.jit
-def signal_done(counters: cute.Tensor, ins: cute.Tensor):
+def signal_done(s: cutlass.Constexpr, counters: cute.Tensor, ins: cute.Tensor,
+                ptrs: cute.Tensor, glob):  # fmt: skip
     """Thread 0, after the consumers' barrier that ends the instruction:
-    signal its counter."""
+    signal its counter; a tensor-parallel partial sum's, on every rank
+    (isa.signal_ranks), in rank order, at system scope: the ranks'
+    ALL_REDUCE tiles read this rank's stores."""
     if ins[6] >= 0:
-        cute.arch.atomic_add(
-            counters.iterator + ins[6], Int32(1), sem="release", scope="gpu"
-        )
+        if cutlass.const_expr(s.tp_size > 1):
+            if ins[7] != 0:
+                # One fence for all the ranks' adds (a release pattern
+                # each), not a release fence an add, which would wait for the
+                # previous rank's add to complete.
+                peers = gmem(Int64, ptrs[glob, GlobalSlot.PEERS], (2, s.tp_size))
+                cute.arch.fence_acq_rel_sys()
+                for r in cutlass.range_constexpr(s.tp_size):
+                    ctr = cute.make_ptr(Int32, peers[0, r], cute.AddressSpace.gmem,
+                                        assumed_align=4)  # fmt: skip
+                    cute.arch.atomic_add(ctr + ins[6], Int32(1), sem="relaxed",
+                                         scope="sys")  # fmt: skip
+            else:
+                _signal_local(counters, ins)
+        else:
+            _signal_local(counters, ins)
+
+
+@cute.jit
+def _signal_local(counters: cute.Tensor, ins: cute.Tensor):
+    cute.arch.atomic_add(
+        counters.iterator + ins[6], Int32(1), sem="release", scope="gpu"
+    )

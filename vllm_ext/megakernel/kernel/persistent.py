@@ -48,6 +48,7 @@ from vllm_ext.megakernel.kernel.control import (
     wait_inputs,
     wait_instruction,
 )
+from vllm_ext.megakernel.kernel.ops.all_reduce import all_reduce
 from vllm_ext.megakernel.kernel.ops.attn import attn
 from vllm_ext.megakernel.kernel.ops.attn_wide import attn_wide
 from vllm_ext.megakernel.kernel.ops.combine import combine
@@ -273,6 +274,8 @@ class Megakernel:
         s = self.shape
         tidx, _, _ = cute.arch.thread_idx()
         sm, _, _ = cute.arch.block_idx()
+        if cutlass.const_expr(s.ranks_in_launch > 1):
+            ptrs, counters = rank_views(s, sm, queue.shape[0], ptrs, counters)
         glob = ptrs.shape[0] - 1  # the model-wide row of the table
         # The step number lives on the device, bumped by the host before each
         # launch, so a CUDA graph replays the same launch step after step.
@@ -386,6 +389,27 @@ class Megakernel:
                 _consumer_loop(s, q, lengths[sm], args, scratch, pipe, ring)
 
 
+def rank_views(
+    s: KernelShape, sm, num_sms, ptrs: cute.Tensor, counters: cute.Tensor
+) -> tuple[cute.Tensor, cute.Tensor]:
+    """The one-GPU check's ranks (``ranks_in_launch``): the CTAs split into
+    rank groups of ``num_sms / ranks`` in rank order; rank k's table and
+    counters are the k-th of ``ranks`` stacked ones, so a CTA sees its own
+    rank's as a TP deployment's kernel sees its GPU's."""
+    ranks = s.ranks_in_launch
+    rank = sm // (num_sms // ranks)
+    width = table_width(s)
+    rows = ptrs.shape[0] // ranks
+    ptrs = cute.make_tensor(
+        ptrs.iterator + rank * rows * width,
+        cute.make_layout((rows, width), stride=(width, 1)),
+    )
+    per = counters.shape[0] // ranks
+    counters = cute.make_tensor(counters.iterator + rank * per,
+                                cute.make_layout((per,)))  # fmt: skip
+    return ptrs, counters
+
+
 @dataclass(frozen=True)
 class _Scratch:
     """The consumers' shared buffers (trace time; None where compiled out)."""
@@ -443,7 +467,7 @@ def _consumer_loop(s: cutlass.Constexpr, q: cutlass.Constexpr, length,
         # the instruction's words) before the release below.
         consumer_sync()
         if tidx == 0:
-            signal_done(a.counters, ins)
+            signal_done(s, a.counters, ins, a.ptrs, a.glob)
             release_instruction(ring, pc)
         if cutlass.const_expr(paged):
             page = page + instr_pages(s, op, a0, a1)
@@ -474,7 +498,7 @@ def _legacy_loop(s: cutlass.Constexpr, q: cutlass.Constexpr, length,
         _execute(s, op, layer, a0, a1, a, m, w_stage, pc)
         consumer_sync()
         if tidx == 0:
-            signal_done(a.counters, ins)
+            signal_done(s, a.counters, ins, a.ptrs, a.glob)
 
 
 @cute.jit
@@ -488,17 +512,22 @@ def _execute(s: cutlass.Constexpr, op, layer, a0, a1, a: cutlass.Constexpr,
         else:
             _grouped_query_op(s, op, layer, a0, a1, a, m, w_stage)
     elif op == Op.O_PROJ:
-        o_proj(s, ptrs, layer, a0, a1, m.rstd, w_stage)
+        o_proj(s, ptrs, layer, glob, a0, a1, m.rstd, w_stage)
     elif op == Op.GATE_UP:
         gate_up(s, ptrs, layer, a0, a1, m.rstd, m.x_stage, w_stage)
     elif op == Op.DOWN:
-        down(s, ptrs, layer, a0, a1, m.rstd, w_stage)
+        down(s, ptrs, layer, glob, a0, a1, m.rstd, w_stage)
     elif op == Op.EMBED:
         embed(s, ptrs, glob, a0, a1)
     elif op == Op.FINAL_NORM:
         final_norm(s, ptrs, glob, a0, a1, m.rstd)
     elif op == Op.LM_HEAD:
         lm_head(s, ptrs, glob, a0, a1, m.rstd, w_stage)
+    elif op == Op.ALL_REDUCE:
+        if cutlass.const_expr(s.tp_size > 1):
+            all_reduce(s, ptrs, layer, glob, a0, a1 >> 16, a1 & 0xFFFF)
+        else:
+            _bad_opcode(s, op, a, pc)
     elif op != Op.NOP:
         if cutlass.const_expr(s.mla):
             if op == Op.MLA_QKV_A:
@@ -558,7 +587,7 @@ def _moe_op(s: cutlass.Constexpr, a: cutlass.Constexpr, op, layer, a0, a1, rstd,
             expert_up(s, a.queue, ptrs, layer, glob, a0, a1, rstd, x_stage, moe_i, pc,
                       a.lengths[sm])  # fmt: skip
         elif op == Op.EXPERT_DOWN:
-            expert_down(s, ptrs, layer, a0, a1, moe_i, moe_f)
+            expert_down(s, ptrs, layer, glob, a0, a1, moe_i, moe_f)
         else:
             _bad_opcode(s, op, a, pc)
     else:

@@ -90,6 +90,13 @@ class GlobalSlot(IntEnum):
     OUT = 11  # [B, hidden] bf16: final-normed hidden states
     LOGITS = 12  # [B, vocab] fp32
     ABORT = 13  # [ABORT_WORDS] int32: the abort record (AbortWord)
+    # Tensor parallel only (0 without): this rank's partial sums, the
+    # ranks' addresses, and a value, not an address.
+    PARTIALS = 14  # [partial_rows(L), B, hidden] bf16 (partial_row)
+    PEERS = 15  # [2, tp] int64: every rank's counters, then PARTIALS, as
+    # this GPU addresses them (symmetric memory; one GPU's own memory in
+    # the check's one-launch ranks)
+    VOCAB_START = 16  # the first vocabulary row of the rank's embedding shard
 
 
 class AbortWord(IntEnum):
@@ -127,6 +134,17 @@ ABORT_WORDS = len(AbortWord)
 NUM_SLOTS = 18
 MOE_SLOTS = 27
 MLA_SLOTS = 37
+
+
+def partial_rows(num_layers: int) -> int:
+    """Rows of a rank's partial sums: the embedding's, then two a layer."""
+    return 1 + 2 * num_layers
+
+
+def partial_row(point: int, layer: int) -> int:
+    """The row of point ``point`` (isa.Point: 0 EMBED, 1 ATTN, 2 MLP) of
+    ``layer`` (the kernel's ops/all_reduce.py computes the same)."""
+    return 0 if point == 0 else 2 * layer + point
 
 
 def table_width(shape: KernelShape) -> int:
@@ -234,6 +252,12 @@ class KernelShape:
     mla_scale: float = 0.0  # the softmax scale (the launch's attn_scale)
     mla_groups: int = 0  # MLA_ATTN's head groups (the program's)
     mla_v_parts: int = 0  # MLA_COMBINE's v parts per head (the program's)
+    # Tensor parallel (parallel.py): the program's ranks, and how many of
+    # them this launch runs (1 on a TP deployment, one kernel per GPU;
+    # tp_size for the one-GPU check, whose CTAs split into rank groups
+    # with one table, queue set and counter set each, stacked).
+    tp_size: int = 1
+    ranks_in_launch: int = 1
     # Test only, never served: "" or one of PLANTED_BUGS, a deliberately
     # wrong kernel the GPU check must reject. Only the build CLI's
     # --plant-bug sets it (not from_program, not VLLM_MEGAKERNEL_VARIANTS).
@@ -263,6 +287,12 @@ class KernelShape:
                              f"head_dim {self.head_dim}")  # fmt: skip
         if self.moe:
             self._check_moe()
+        if self.ranks_in_launch not in (1, self.tp_size):
+            raise ValueError(f"{self.ranks_in_launch} ranks in a launch: 1 or "
+                             f"tp_size ({self.tp_size})")  # fmt: skip
+        if self.tp_size > 1 and self._variants():
+            raise ValueError("tensor parallel runs in the default kernel only, "
+                             f"not with {', '.join(self._variants())}")  # fmt: skip
 
     def _variants(self) -> list[str]:
         return [name for name in ("legacy_control", "wide_attn") if getattr(self, name)]
@@ -429,6 +459,7 @@ class KernelShape:
         block_size: int,
         legacy_control: bool = False,
         wide_attn: bool = False,
+        ranks_in_launch: int = 1,
     ) -> KernelShape:
         s = program.spec
         gqa = dict(q_heads=s.num_q_heads, kv_heads=s.num_kv_heads,
@@ -467,7 +498,8 @@ class KernelShape:
         return cls(
             hidden=s.hidden_size,
             intermediate=s.intermediate_size,
-            vocab=s.vocab_size,
+            # A tensor-parallel rank's vocabulary shard (embedding and LM head).
+            vocab=s.lm_head_rows,
             batch=program.batch,
             block_size=block_size,
             attn_chunks=program.attn_chunks,
@@ -478,6 +510,8 @@ class KernelShape:
             wide_attn=wide_attn,
             qkv_parts=program.qkv_parts,
             combine_parts=program.combine_parts,
+            tp_size=s.tp_size,
+            ranks_in_launch=ranks_in_launch,
             **gqa,
             **moe,
             **mla,
@@ -501,6 +535,8 @@ def workspace_sizes(shape: KernelShape, num_layers: int) -> dict[str, tuple]:
         "out": (b, h),
         "logits": (b, shape.vocab),
     }
+    if shape.tp_size > 1:
+        sizes["partial"] = (partial_rows(num_layers), b, h)
     if shape.moe:
         # Per layer (unused in a dense layer of a mixed model, which the
         # table does not point them at): router logits, the routing, and

@@ -25,6 +25,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
+from vllm_ext.megakernel.isa import Point
+from vllm_ext.megakernel.kernel.ops.all_reduce import own_partials
 from vllm_ext.megakernel.kernel.ops.common import (
     BATCH_GROUP,
     NUM_THREADS,
@@ -76,7 +78,7 @@ def routing_table_experts(s: cutlass.Constexpr, ptrs: cute.Tensor, layer):
 
 
 @cute.jit
-def expert_down(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi,
+def expert_down(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, glob, lo, hi,
                 scratch: cute.Tensor, choice_w: cute.Tensor):  # fmt: skip
     shape: KernelShape = s
     b, h, k, inter = shape.batch, shape.hidden, shape.top_k, shape.expert_intermediate
@@ -110,6 +112,9 @@ def expert_down(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi,
 
     hmid = gmem(BFloat16, ptrs[layer, LayerSlot.HMID], (b, h))
     dst = gmem(BFloat16, ptrs[layer, LayerSlot.H_OUT], (b, h))
+    if cutlass.const_expr(shape.tp_size > 1):
+        # The rank's partial sum, no residual (ALL_REDUCE adds both).
+        dst = own_partials(shape, ptrs, glob, Int32(Point.MLP), layer)
     xact = ptrs[layer, LayerSlot.XACT]
     width = shape.xact_width
     group = min(b, BATCH_GROUP)
@@ -159,8 +164,11 @@ def expert_down(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi,
                 _shared(shape, ptrs, layer, col, b0, acc, lane, unroll)
             if lane == 0:
                 for i in cutlass.range_constexpr(group):
-                    y = round_bf16(acc[i]) + hmid[b0 + i, col].to(Float32)
-                    dst[b0 + i, col] = y.to(BFloat16)
+                    if cutlass.const_expr(shape.tp_size > 1):
+                        dst[b0 + i, col] = acc[i].to(BFloat16)
+                    else:
+                        y = round_bf16(acc[i]) + hmid[b0 + i, col].to(Float32)
+                        dst[b0 + i, col] = y.to(BFloat16)
 
 
 @cute.jit

@@ -6,9 +6,10 @@ share one module rather than four copies of the same call."""
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32
+from cutlass import BFloat16, Float32, Int32
 
-from vllm_ext.megakernel.isa import Op
+from vllm_ext.megakernel.isa import Op, Point
+from vllm_ext.megakernel.kernel.ops.all_reduce import own_partials
 from vllm_ext.megakernel.kernel.ops.common import (
     gmem,
     round_bf16,
@@ -24,22 +25,32 @@ from vllm_ext.megakernel.kernel.shape import GlobalSlot, KernelShape, LayerSlot
 
 @cute.jit
 def _residual_projection(
-    s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi, rstd, w_stage,
+    s: cutlass.Constexpr, ptrs: cute.Tensor, layer, glob, lo, hi, rstd, w_stage,
     weight: cutlass.Constexpr, x: cutlass.Constexpr, k: cutlass.Constexpr,
     res: cutlass.Constexpr, out: cutlass.Constexpr, op: cutlass.Constexpr,
+    point: cutlass.Constexpr,
 ):  # fmt: skip
     """table[out][:, lo:hi] = table[res][:, lo:hi] + table[x] @ W[lo:hi].T,
     W = table[weight] ``[hidden, k]``; the projection rounds to bf16, then
-    the add does."""
+    the add does. With tensor parallel, the rank's partial sum of ``point``
+    instead, rounded, no residual (ALL_REDUCE adds the ranks' and it)."""
     shape: KernelShape = s
     b, h = shape.batch, shape.hidden
     w = gmem(BFloat16, ptrs[layer, weight], (h, k))
     xs = gmem(BFloat16, ptrs[layer, x], (b, k))
-    residual = gmem(BFloat16, ptrs[layer, res], (b, h))
-    dst = gmem(BFloat16, ptrs[layer, out], (b, h))
+    if cutlass.const_expr(shape.tp_size > 1):
+        dst = own_partials(shape, ptrs, glob, Int32(point), layer)
 
-    def epilogue(row, i, s1, _):
-        dst[i, row] = (round_bf16(s1) + residual[i, row].to(Float32)).to(BFloat16)
+        def epilogue(row, i, s1, _):
+            dst[i, row] = s1.to(BFloat16)
+
+    else:
+        residual = gmem(BFloat16, ptrs[layer, res], (b, h))
+        dst = gmem(BFloat16, ptrs[layer, out], (b, h))
+
+        def epilogue(row, i, s1, _):
+            y = round_bf16(s1) + residual[i, row].to(Float32)
+            dst[i, row] = y.to(BFloat16)
 
     _plain_gemv(shape, w, xs, rstd, lo, hi, epilogue, w_stage, op)
 
@@ -59,19 +70,21 @@ def _plain_gemv(
 
 
 @cute.jit
-def o_proj(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi, rstd, w_stage):
+def o_proj(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, glob, lo, hi, rstd,
+           w_stage):  # fmt: skip
     """hmid[:, lo:hi] = h[:, lo:hi] + attn @ Wo[lo:hi].T"""
-    _residual_projection(s, ptrs, layer, lo, hi, rstd, w_stage, LayerSlot.O_PROJ,
-                         LayerSlot.ATTN, s.q_size, LayerSlot.H_IN,
-                         LayerSlot.HMID, Op.O_PROJ)  # fmt: skip
+    _residual_projection(s, ptrs, layer, glob, lo, hi, rstd, w_stage,
+                         LayerSlot.O_PROJ, LayerSlot.ATTN, s.q_size, LayerSlot.H_IN,
+                         LayerSlot.HMID, Op.O_PROJ, Point.ATTN)  # fmt: skip
 
 
 @cute.jit
-def down(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi, rstd, w_stage):
+def down(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, glob, lo, hi, rstd,
+         w_stage):  # fmt: skip
     """h_out[:, lo:hi] = hmid[:, lo:hi] + act @ Wd[lo:hi].T"""
-    _residual_projection(s, ptrs, layer, lo, hi, rstd, w_stage, LayerSlot.DOWN,
+    _residual_projection(s, ptrs, layer, glob, lo, hi, rstd, w_stage, LayerSlot.DOWN,
                          LayerSlot.ACT, s.intermediate, LayerSlot.HMID,
-                         LayerSlot.H_OUT, Op.DOWN)  # fmt: skip
+                         LayerSlot.H_OUT, Op.DOWN, Point.MLP)  # fmt: skip
 
 
 @cute.jit
