@@ -54,8 +54,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ext.megakernel.interpret import ProgramInterpreter
-from vllm_ext.megakernel.isa import NO_COUNTER
+from vllm_ext.megakernel.interpret import ProgramInterpreter, RankSetInterpreter, _run
+from vllm_ext.megakernel.isa import NO_COUNTER, Point
 from vllm_ext.megakernel.kernel.launcher import (  # noqa: F401 (tests)
     decode_route,
     w_uv_base,
@@ -67,6 +67,8 @@ from vllm_ext.megakernel.kernel.shape import (
     GlobalSlot,
     KernelShape,
     LayerSlot,
+    partial_row,
+    partial_rows,
     route_layout,
 )
 from vllm_ext.runner import DecodeInputs
@@ -96,6 +98,8 @@ class KernelStandIn:
         # launch, and the softmax scale the launch must pass.)
         self.interp = ProgramInterpreter(program, weights, seed=5)
         self.program, self.attn_scale = program, weights.attn_scale
+        # A tensor-parallel rank's vocabulary shard: which rank it is.
+        self.vocab_range = weights.vocab_range
         self.tensors: dict[int, torch.Tensor] = {}
         # Addresses of two tensors of different layouts: the table cannot
         # say which it means.
@@ -164,11 +168,20 @@ class KernelStandIn:
             self.launches += 1
             return
         assert torch.equal(queue, p.encode()[0]) or not self.aborts
+        inputs = self._inputs(table, bt_stride, kv_stride)
+        interp.weights = self._weights(table)
+        interp.step(inputs)
+        self._write(table)
+        self.launches += 1
+
+    def _inputs(self, table, bt_stride, kv_stride) -> DecodeInputs:
+        """The step's inputs and KV caches, from the table."""
+        layers, glob = self.program.spec.num_layers, table[-1]
         block_table = self._at(glob[GlobalSlot.BLOCK_TABLE])
         assert block_table.stride(0) == bt_stride
         kv = tuple(self._at(table[i][LayerSlot.KV_CACHE]) for i in range(layers))
         assert {c.stride(0) for c in kv} == {kv_stride}
-        inputs = DecodeInputs(
+        return DecodeInputs(
             input_ids=self._at(glob[GlobalSlot.INPUT_IDS]).long(),
             positions=self._at(glob[GlobalSlot.POSITIONS]).long(),
             block_table=block_table,
@@ -176,10 +189,6 @@ class KernelStandIn:
             slot_mapping=self._at(glob[GlobalSlot.SLOT_MAPPING]).long(),
             kv_caches=kv,
         )
-        interp.weights = self._weights(table)
-        interp.step(inputs)
-        self._write(table)
-        self.launches += 1
 
     # ------------------------------------------------------------ weights
 
@@ -195,14 +204,27 @@ class KernelStandIn:
             return self._weight(glob[slot], slot.name, shape, present, dtype,
                                 at_least)  # fmt: skip
 
+        # A tensor-parallel rank's shards: its vocabulary rows from
+        # VOCAB_START (a value), its LM head rows padded (parallel.py).
+        embed_rows = vocab
+        if s.tp_size > 1:
+            start, end = self.vocab_range
+            assert glob[GlobalSlot.VOCAB_START] == start, (
+                f"VOCAB_START {glob[GlobalSlot.VOCAB_START]}: the rank's "
+                f"vocabulary starts at {start}"
+            )
+            embed_rows = end - start
         # (vLLM may pad the vocabulary; cos/sin has a row per position.)
         return DecodeWeights(
-            embed=at(GlobalSlot.EMBED, (vocab, h), at_least=True),
+            embed=at(GlobalSlot.EMBED, (embed_rows, h), at_least=True),
             layers=tuple(self._layer(i, table[i]) for i in range(layers)),
             final_norm=at(GlobalSlot.FINAL_NORM, (h,)),
-            lm_head=at(GlobalSlot.LM_HEAD, (vocab, h), p.with_lm_head, at_least=True),
+            lm_head=at(
+                GlobalSlot.LM_HEAD, (s.lm_head_rows, h), p.with_lm_head, at_least=True
+            ),  # fmt: skip
             cos_sin=at(GlobalSlot.COS_SIN, (1, rotary), dtype=FP32, at_least=True),
             attn_scale=self.attn_scale,
+            vocab_range=self.vocab_range,
         )
 
     def _layer(self, i: int, row) -> LayerWeights:
@@ -308,6 +330,11 @@ class KernelStandIn:
         self._at(glob[GlobalSlot.OUT]).copy_(buf["out"])
         if p.with_lm_head:
             self._at(glob[GlobalSlot.LOGITS]).copy_(interp.logits)
+        if p.spec.tp_size > 1:  # the rank's partial sums, as the ranks read them
+            partials = self._at(glob[GlobalSlot.PARTIALS])
+            for point in Point:
+                for i in range(1 if point == Point.EMBED else layers):
+                    partials[partial_row(point, i)].copy_(interp.partial(point, i))
         # The residual stream crosses columns: what each reader finds there.
         for i in range(layers):
             assert bits_equal(self._at(table[i][LayerSlot.H_IN]), buf["h"][i]), (
@@ -331,6 +358,64 @@ class KernelStandIn:
         ints[lay.slots : lay.slots + n].copy_(routing.slots.flatten())
         ints[lay.experts : lay.experts + len(routing.experts)].copy_(routing.experts)
         self._at(row[LayerSlot.XACT]).copy_(xact)
+
+
+class RankSetStandIn:
+    """``OneLaunchRanks``' launch on CPU: the stacked queues, counters and
+    tables split into the ranks' blocks (as the kernel's ``rank_views``
+    does); each rank's PEERS checked to list every rank's counters block
+    and PARTIALS, in rank order; each rank's weights and inputs read through
+    its table (VOCAB_START included); the ranks run together under one
+    scheduler, ALL_REDUCE summing their partials
+    (``interpret.RankSetInterpreter``); each rank's buffers, its partial
+    sums too, written where its table says."""
+
+    def __init__(self, program, weights: list[DecodeWeights]) -> None:
+        self.program = program
+        self.ranks = [KernelStandIn(program, w) for w in weights]
+        for r in self.ranks[1:]:  # one registry: one memory
+            r.tensors, r.ambiguous = self.ranks[0].tensors, self.ranks[0].ambiguous
+        self.set = RankSetInterpreter(program, list(weights), seed=5)
+        for r, interp in zip(self.ranks, self.set.ranks, strict=True):
+            r.interp = interp  # (what _write reads)
+        self.launches = 0
+
+    def register(self, *tensors: torch.Tensor) -> None:
+        self.ranks[0].register(*tensors)
+
+    def __call__(self, queue, lengths, counters, ptrs, bt_stride, kv_stride,
+                 scale, max_spins, stream) -> None:  # fmt: skip
+        p, tp = self.program, len(self.ranks)
+        n_sm, rows = queue.shape[0] // tp, ptrs.shape[0] // tp
+        per = counters.shape[0] // tp
+        assert per == p.num_counters + 1 and rows == p.spec.num_layers + 1
+        assert all(r.attn_scale == scale for r in self.ranks)
+        own = p.encode()
+        tables = [ptrs[k * rows : (k + 1) * rows].tolist() for k in range(tp)]
+        word = counters.element_size()
+        blocks = [counters.data_ptr() + k * per * word for k in range(tp)]
+        partials = [t[-1][GlobalSlot.PARTIALS] for t in tables]
+        inputs = []
+        for k, (r, interp) in enumerate(zip(self.ranks, self.set.ranks, strict=True)):
+            table, glob = tables[k], tables[k][-1]
+            assert torch.equal(queue[k * n_sm : (k + 1) * n_sm], own[0])
+            assert torch.equal(lengths[k * n_sm : (k + 1) * n_sm], own[1])
+            assert int(counters[(k + 1) * per - 1]) == interp.epoch + 1, (
+                f"rank {k}: step number not bumped"
+            )
+            peers = r._weight(glob[GlobalSlot.PEERS], "PEERS", (2, tp),
+                              dtype=torch.int64).tolist()  # fmt: skip
+            assert peers[0] == blocks, f"rank {k}: PEERS does not list the counters"
+            assert peers[1] == partials, f"rank {k}: PEERS does not list PARTIALS"
+            r._weight(partials[k], "PARTIALS",
+                      (partial_rows(p.spec.num_layers), p.batch,
+                       p.spec.hidden_size))  # fmt: skip
+            interp.weights = r._weights(table)
+            inputs.append(r._inputs(table, bt_stride, kv_stride))
+        _run(self.set.ranks, inputs, self.set.rng)
+        for r, table in zip(self.ranks, tables, strict=True):
+            r._write(table)
+        self.launches += 1
 
 
 def _unmet_wait(queue: torch.Tensor, lengths: torch.Tensor) -> tuple | None:

@@ -165,10 +165,21 @@ class KernelExecutor:
         max_blocks: int,
         max_spins: int = DEFAULT_MAX_SPINS,
         abort: torch.Tensor | None = None,
+        counters: torch.Tensor | None = None,
+        ranks_in_launch: int = 1,
     ) -> None:
+        """``counters`` and ``ranks_in_launch``: a rank of ``OneLaunchRanks``
+        (its block of the stacked counters)."""
         self.program, self.weights, self.launch = program, weights, launch
         self.max_spins = max_spins
-        self.shape = shape = KernelShape.from_program(program, block_size)
+        self.shape = shape = KernelShape.from_program(
+            program, block_size, ranks_in_launch=ranks_in_launch
+        )
+        if shape.tp_size > 1 and weights.vocab_range is None:
+            raise MegakernelError(
+                "megakernel: a tensor-parallel rank's weights name its "
+                "vocabulary shard (vocab_range)"
+            )
         if shape.mla:
             _check_mla(shape, weights)
         dev = weights.embed.device
@@ -177,8 +188,10 @@ class KernelExecutor:
         queue, lengths = program.encode()
         self.queue, self.lengths = queue.to(dev), lengths.to(dev)
         # One cell per counter, then the step number (epoch).
-        self.counters = torch.zeros(program.num_counters + 1, dtype=torch.int32,
-                                    device=dev)  # fmt: skip
+        if counters is None:
+            counters = torch.zeros(program.num_counters + 1, dtype=torch.int32,
+                                   device=dev)  # fmt: skip
+        self.counters = counters
         # Where a step records that it aborted (new_abort_record).
         self.abort = new_abort_record(dev) if abort is None else abort
         layers = program.spec.num_layers
@@ -210,6 +223,7 @@ class KernelExecutor:
         self.ptrs = self.ptrs_host.to(dev)
         self.kv_caches: tuple[torch.Tensor, ...] | None = None
         self.kv_block_stride = 0
+        self.peers: torch.Tensor | None = None
 
     # ------------------------------------------------------------ table
 
@@ -269,10 +283,24 @@ class KernelExecutor:
             GlobalSlot.OUT: ws["out"],
             GlobalSlot.LOGITS: ws["logits"] if p.with_lm_head else None,
             GlobalSlot.ABORT: self.abort,
+            # (PEERS: set_peers, once every rank's addresses are known.)
+            GlobalSlot.PARTIALS: ws.get("partial"),
         }
         for slot, t in glob.items():
             table[layers, slot] = _address(t, slot.name.lower())
+        if self.shape.tp_size > 1:
+            table[layers, GlobalSlot.VOCAB_START] = w.vocab_range[0]
         return table
+
+    def set_peers(self, peers: torch.Tensor) -> None:
+        """A tensor-parallel rank: every rank's counters and partial sums
+        (``[2, tp]`` int64 on this device, as this GPU addresses them)."""
+        tp = self.shape.tp_size
+        if peers.dtype != torch.int64 or tuple(peers.shape) != (2, tp):
+            raise MegakernelError(f"megakernel: PEERS must be int64 [2, {tp}]")
+        self.peers = peers
+        self.ptrs_host[-1, GlobalSlot.PEERS] = _address(peers, "peers")
+        self.ptrs.copy_(self.ptrs_host)
 
     def _mla_row(self, i: int, m) -> dict:
         """A latent attention layer's weights and buffers (shape.py)."""
@@ -347,6 +375,21 @@ class KernelExecutor:
     # ------------------------------------------------------------ step
 
     def step(self, inputs: DecodeInputs) -> torch.Tensor:
+        """One decode step: this program's launch alone (no tensor
+        parallel: a TP deployment's ranks need their peers' symmetric
+        memory, not built yet; the one-GPU check runs ``OneLaunchRanks``)."""
+        if self.shape.tp_size > 1 and self.shape.ranks_in_launch == 1:
+            raise MegakernelError(
+                "megakernel: a tensor-parallel rank launches with its peers, "
+                "through their symmetric memory (not built yet)"
+            )
+        n = self.stage(inputs)
+        self.launch_staged()
+        return self.ws["out"][:n]
+
+    def stage(self, inputs: DecodeInputs) -> int:
+        """Copy the step's inputs in and bump the step number (``unstage``
+        takes it back if the launch is refused); returns the batch."""
         n, b = inputs.batch_size, self.shape.batch
         if not 1 <= n <= b:
             raise MegakernelError(f"batch {n} does not fit the bucket of {b}")
@@ -369,24 +412,31 @@ class KernelExecutor:
             dst[n:].fill_(pad)
         self.block_table[:n, :width].copy_(inputs.block_table[:n, :width])
         self.block_table[n:].zero_()  # never read (length 0), but valid ids
-        stream = 0  # a CPU stand-in launch in tests takes no stream
-        if self.device.type == "cuda":
-            stream = torch.cuda.current_stream(self.device).cuda_stream
         # The kernel's waits count in steps: bump the step number for this
         # launch, and take it back if the launch was refused (nothing ran),
         # or every later step of this bucket would wait one step too long
         # and abort.
         self.counters[-1:].add_(1)
+        return n
+
+    def unstage(self) -> None:
+        self.counters[-1:].sub_(1)
+
+    def stream(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.current_stream(self.device).cuda_stream
+        return 0  # a CPU stand-in launch in tests takes no stream
+
+    def launch_staged(self) -> None:
         try:
             self.launch(
                 self.queue, self.lengths, self.counters, self.ptrs,
                 self.block_table.stride(0), self.kv_block_stride,
-                self.weights.attn_scale, self.max_spins, stream,
+                self.weights.attn_scale, self.max_spins, self.stream(),
             )  # fmt: skip
         except Exception:
-            self.counters[-1:].sub_(1)
+            self.unstage()
             raise
-        return self.ws["out"][:n]
 
     @property
     def logits(self) -> torch.Tensor:
