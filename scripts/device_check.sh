@@ -2,7 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # The one-call GPU check. Here (no GPU needed): build the megakernel for the
 # H200 (sm_90a) for a 1B-class and an 8B-class Llama shape at batch 1, 4,
-# 16 and 64, Qwen2 (QKV bias) and Qwen3 (QK-norm) shapes at batch 1, the
+# 16 and 64, Qwen2 (QKV bias) and Qwen3 (QK-norm) shapes at batch 1, a
+# tensor-parallel case (every rank in one launch), the
 # variants and kernels with planted bugs that the check must reject (below), into
 # .device/ (git-ignored), with the programs, a manifest and FlashInfer's
 # decode for the baseline. On the GPU machine (Python, torch with CUDA; no
@@ -94,6 +95,12 @@ MOE=${DEVICE_CHECK_MOE-"qwen3-30b-a3b:1:8 qwen3-30b-a3b:16:8"}
 # interpreter's pass). Empty: none.
 MLA=${DEVICE_CHECK_MLA-"deepseek-v3:1:4 kimi-k2:1:2"}
 # ---- end MLA ----
+# Tensor parallel, MODEL:BATCH:TP: every rank of a TP program in one launch
+# on the one GPU (build.py --tp TP --one-gpu-ranks; device_ranks.py), built
+# into MODEL-bBATCH-tpTP and run after the defaults: the ranks' outputs
+# bit-equal, against the rank set interpreted and the one-rank program, the
+# step timed with and without the ALL_REDUCE work. Empty: none.
+RANKS=${DEVICE_CHECK_RANKS-"llama-3.2-1b:1:2"}
 rm -rf "$BUNDLE"
 mkdir -p "$BUNDLE"
 cd "$ROOT"
@@ -182,6 +189,12 @@ if ((${#moe_models[@]})); then
     "$VENV/bin/python" "$ROOT/scripts/baseline/moe_baseline.py" "$BUNDLE" \
         "${args[@]}" --batches "$batches" >/dev/null
 fi
+for triple in $RANKS; do
+    IFS=: read -r model batch tp <<<"$triple"
+    build_case "$model" "$batch" "$BUNDLE/$model-b$batch-tp$tp" --tp "$tp" \
+        --one-gpu-ranks
+    order="$order $model-b$batch-tp$tp"
+done
 planted=""
 for bug in $PLANTED; do
     build_case "$PLANTED_MODEL" 1 "$BUNDLE/$PLANTED_MODEL-b1-plant-$bug" \

@@ -36,6 +36,7 @@ alone, and the weight-read floor; then a breakdown of the step.
 A multi-head latent attention case (DeepSeek-V3, Kimi-K2: device_mla.py)
 has its own instructions checked, its attention held to the torch
 absorbed attention, and its per-op step from scripts/baseline/mla_per_op.py.
+A tensor-parallel case (device_ranks.py) runs every rank in one launch.
 Writes OUT_DIR/device_check.json and .md as each part ends, with a verdict:
 passed, incomplete (a required check did not run) or failed.
 """
@@ -59,6 +60,7 @@ sys.path.insert(0, str(ROOT / "scripts" / "baseline"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import device_mla  # noqa: E402
+import device_ranks  # noqa: E402
 import flashinfer_baseline  # noqa: E402
 import mla_per_op  # noqa: E402
 import torch  # noqa: E402
@@ -172,18 +174,21 @@ def saved_spec(meta: dict) -> ModelSpec:
     return ModelSpec(**fields)
 
 
+def case_layers(case_dir: Path) -> int | None:
+    """The layers the bundle runs a case with, where fewer than its model
+    has (device_check.sh: the mixtures' full depth is 61 GB of weights)."""
+    manifest = case_dir.parent / "manifest.json"
+    if not manifest.exists():
+        return None
+    return json.loads(manifest.read_text()).get("layers", {}).get(case_dir.name)
+
+
 def load_case(case_dir: Path, layers: int | None = None):
     """The case's model shape and program; with ``layers``, the program of
     that many layers instead (layers are data to the kernel: shape.py)."""
     meta = torch.load(case_dir / "program.pt")
     if layers is None:
-        # A case the bundle runs with fewer layers than its model has
-        # (device_check.sh: the mixtures' full depth is 61 GB of weights).
-        manifest = case_dir.parent / "manifest.json"
-        if manifest.exists():
-            layers = (
-                json.loads(manifest.read_text()).get("layers", {}).get(case_dir.name)
-            )
+        layers = case_layers(case_dir)
     spec = saved_spec(meta)
     if layers is not None:
         spec = spec.with_layers(layers)
@@ -240,7 +245,8 @@ def write_predictions(bundle: Path) -> None:
     """Every case's ``predictions`` into its folder (a planted bug's is its
     twin's: not written)."""
     for case in sorted(p for p in bundle.iterdir() if (p / "program.pt").exists()):
-        if not planted_bug(case):
+        # (The cost model has no one-GPU ranks: a TP case is not predicted.)
+        if not planted_bug(case) and not _ranks_case(case):
             (case / PREDICTED).write_text(json.dumps(predictions(case)))
 
 
@@ -1288,7 +1294,16 @@ def run_child(what: str, case: Path, timeout: int, prefix: list[str] | None = No
 def check_case(case: Path, timed: bool) -> None:
     """One process per case: its correctness, then (if correct) its timing,
     each printed as soon as it is known."""
-    for part, fn in (("correctness", correctness), ("timing", timing)):
+    parts = (("correctness", correctness), ("timing", timing))
+    if _ranks_case(case):  # every rank of a TP program in one launch
+        layers = case_layers(case)
+        parts = (
+            ("correctness",
+             lambda c: device_ranks.correctness(c, layers, saved_spec)),
+            ("timing",
+             lambda c: device_ranks.timing(c, layers, saved_spec, time_ms)),
+        )  # fmt: skip
+    for part, fn in parts:
         start = time.time()
         result = fn(case)
         result["seconds"] = round(time.time() - start, 1)
@@ -1411,6 +1426,7 @@ def markdown(report: dict) -> str:
                 cells.append(f(ms) + tbs)
             lines.append(f"| {variant} | " + " | ".join(cells) + " |")
     lines += device_mla.markdown_lines(report, bw)
+    lines += device_ranks.markdown_lines(report)
     attention = {
         c["timing"].get("per_op_attention")
         for c in report["cases"].values()
@@ -1455,6 +1471,10 @@ def _case_order(case: Path, variant_order: list[str]) -> tuple[int, int, int]:
         listed = case.name in variant_order
         rank = 1 + (variant_order.index(case.name) if listed else len(variant_order))
     return size, meta["batch"], rank
+
+
+def _ranks_case(case: Path) -> bool:
+    return device_ranks.is_ranks_case(torch.load(case / "program.pt"))
 
 
 def planted_bug(case: Path) -> str:

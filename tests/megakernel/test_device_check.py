@@ -80,8 +80,10 @@ def test_dry_run_builds_a_small_bundle():
     assert manifest["planted"] == planted
     # (No variant: each is a build of its own, and CI time is short; their
     # flags are test_build_cli.py's.)
+    # (The tensor-parallel case: DEVICE_CHECK_RANKS's default.)
+    tp_case = "llama-3.2-1b-b1-tp2"
     assert set(manifest["builds"]) == {"llama-3.2-1b-b1", "deepseek-v3-b1",
-                                       *planted}  # fmt: skip
+                                       tp_case, *planted}  # fmt: skip
     # The latent attention case runs its first four layers, its mixture
     # beside vLLM's fused-MoE kernel (copied from the installed vLLM, not
     # from this repository).
@@ -93,7 +95,7 @@ def test_dry_run_builds_a_small_bundle():
     # dim parts on the Llama shape; a latent attention has neither)
     flags = {"llama-3.2-1b-b1": (0, 0, 2, 4),
              "llama-3.2-1b-b1-plant-kv-slot": (0, 0, 2, 4),
-             "deepseek-v3-b1": (0, 0, 1, 1)}  # fmt: skip
+             "deepseek-v3-b1": (0, 0, 1, 1), tp_case: (0, 0, 2, 4)}  # fmt: skip
     for name, build in manifest["builds"].items():
         assert build["spill_bytes"] == 0 and build["arch"] == "sm_90a"
         meta = torch.load(bundle / name / "program.pt")
@@ -115,10 +117,22 @@ def test_dry_run_builds_a_small_bundle():
         "libmegakernel_sm_90a.so", "program.pt", "manifest.json", "build.json",
         "predicted.json",
     }  # fmt: skip
-    # The model's step beside each case (a planted bug's is its twin's).
+    # The model's step beside each case (a planted bug's is its twin's; the
+    # cost model has no one-GPU ranks).
     for name in builds_of(manifest):
         predicted = bundle / name / "predicted.json"
-        assert predicted.exists() == (name not in planted), name
+        assert predicted.exists() == (name not in {*planted, tp_case}), name
+    # Every rank of a TP 2 program in one launch: the rank's program on half
+    # the SMs, the unsharded model beside it, one system-scope add a rank
+    # after one system fence and ALL_REDUCE's system-scope acquire.
+    meta = torch.load(bundle / tp_case / "program.pt")
+    assert (meta["shape"]["tp_size"], meta["shape"]["ranks_in_launch"]) == (2, 2)
+    assert meta["full_spec"]["num_q_heads"] == 2 * meta["spec"]["num_q_heads"]
+    assert meta["queues"].shape[0] == DEVICES["h200"].num_sms // 2
+    built = manifest["builds"][tp_case]
+    sys_ops = (built["sys_release_atomics"], built["sys_fences"],
+               built["sys_acquire_loads"])  # fmt: skip
+    assert sys_ops == (2, 1, 1) and tp_case in manifest["variant_order"]
     mla = json.loads((bundle / "deepseek-v3-b1" / "predicted.json").read_text())
     assert mla["context"] == 4096 and set(mla["step_ms"]) == {"1", "2", "5"}
     size = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file())

@@ -282,18 +282,23 @@ def library_for(
     return library
 
 
-def save_program(path: Path, program, shape: KernelShape) -> None:
+def save_program(path: Path, program, shape: KernelShape, full=None) -> None:
     """What the GPU check needs to rebuild and run the program without
-    configs or vLLM: the encoded queues, the model shape, the bucket."""
+    configs or vLLM: the encoded queues, the model shape, the bucket; for a
+    tensor-parallel rank's program, the unsharded model (``full``) too."""
     table, lengths = program.encode()
-    spec = dataclasses.asdict(program.spec)
-    spec.pop("dtype")  # the kernel runs bf16
-    torch.save(
-        {"queues": table, "lengths": lengths, "batch": program.batch,
-         "num_counters": program.num_counters, "shape": shape.as_dict(),
-         "spec": spec},
-        path,
-    )  # fmt: skip
+
+    def fields(spec) -> dict:
+        out = dataclasses.asdict(spec)
+        out.pop("dtype")  # the kernel runs bf16
+        return out
+
+    meta = {"queues": table, "lengths": lengths, "batch": program.batch,
+            "num_counters": program.num_counters, "shape": shape.as_dict(),
+            "spec": fields(program.spec)}  # fmt: skip
+    if full is not None:
+        meta["full_spec"] = fields(full)
+    torch.save(meta, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -369,13 +374,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.layers is not None and not 1 <= args.layers <= spec.num_layers:
         print(f"build: --layers must be 1 to {spec.num_layers}", file=sys.stderr)
         return 2
+    if args.layers is not None:
+        spec = spec.with_layers(args.layers)
+    full = spec
     try:
         spec = shard_spec(spec, args.tp)
     except UnsupportedModelError as e:
         print(f"build: {e}", file=sys.stderr)
         return 2
-    if args.layers is not None:
-        spec = spec.with_layers(args.layers)
     if spec.quant is not None:
         # The plan CLI counts its bytes; the kernel has no device functions
         # for it yet and would read the weights as the model dtype.
@@ -413,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"build: {e}", file=sys.stderr)
         return 2
-    save_program(out / "program.pt", program, shape)
+    save_program(out / "program.pt", program, shape,
+                 full if args.tp > 1 else None)  # fmt: skip
     result = dataclasses.asdict(aot.build(args.arch, out, shape))
     result.update(
         cache_key=cache_key(shape, args.arch),
