@@ -176,7 +176,10 @@ def _nop_reduces(program: Program) -> Program:
     return dataclasses.replace(program, queues=queues)
 
 
-def timing(case_dir: Path, layers: int | None, saved_spec, time_ms) -> dict:
+def timing(case_dir: Path, layers: int | None, saved_spec, time_ms,
+           graphed) -> dict:  # fmt: skip
+    """device_run's ``time_ms`` and ``graphed``: each step a CUDA graph's
+    replay where it captures (the stacked table's copy included)."""
     full, program = load(case_dir, layers, saved_spec)
     tp, b = program.spec.tp_size, program.batch
     weights = random_weights(full, seed=1, device="cuda")
@@ -190,7 +193,13 @@ def timing(case_dir: Path, layers: int | None, saved_spec, time_ms) -> dict:
     for key, prog in (("one_launch_ms", program),
                       ("reduces_as_nops_ms", _nop_reduces(program))):  # fmt: skip
         ranks, _ = make_ranks(case_dir, prog, parts, max_blocks)
-        result[key] = time_ms(lambda r=ranks: r.step(per_rank))
+
+        def step(r=ranks):
+            r.step(per_rank)
+
+        replay = graphed(step)
+        result[key.removesuffix("_ms") + "_graph"] = replay is not None
+        result[key] = time_ms(replay or step)
     points = 2 * full.num_layers + 1
     result["reduce_us_per_point"] = (
         (result["one_launch_ms"] - result["reduces_as_nops_ms"]) * 1e3 / points

@@ -1301,7 +1301,8 @@ def check_case(case: Path, timed: bool) -> None:
             ("correctness",
              lambda c: device_ranks.correctness(c, layers, saved_spec)),
             ("timing",
-             lambda c: device_ranks.timing(c, layers, saved_spec, time_ms)),
+             lambda c: device_ranks.timing(c, layers, saved_spec, time_ms,
+                                           graphed)),
         )  # fmt: skip
     for part, fn in parts:
         start = time.time()
