@@ -3,10 +3,11 @@
 of EMBED, O_PROJ, DOWN and EXPERT_DOWN, the signals to every rank;
 kernel/ops/all_reduce.py, kernel/control.py).
 
-* Compiled ahead of time here at TP 2: the DeepSeek-V3 mixture demo
-  (latent attention, a dense and a sparse layer: every op with a partial
-  sum) at batch 4 on sm_100a as a TP deployment builds it. It has the SASS
-  facts of test_kernel_aot.py, and exactly the system-scope operations
+* Compiled ahead of time here at TP 2: the Qwen3-MoE demo (a dense layer,
+  then a sparse one: every op with a partial sum) at batch 4 on sm_100a as
+  a TP deployment builds it (latent attention's ops take a rank's heads
+  and nothing else of TP: its TP 8 builds are compile_grid.py's). It has
+  the SASS facts of test_kernel_aot.py, and exactly the system-scope operations
   the protocol needs: one strong system-scope add a rank after one
   system-scope fence (a partial sum's signal), one strong system-scope load
   (ALL_REDUCE's acquire); the local signal and the other waits stay at GPU
@@ -14,7 +15,7 @@ kernel/ops/all_reduce.py, kernel/control.py).
   check's build, Llama-3.2-1B with both ranks in one launch (the CTAs'
   rank views), is the dry run's (test_device_check.py), whose bundle
   records the same counts.
-  Real shapes (Llama-3.1-70B and DeepSeek-V3 at TP 8):
+  Real shapes (Llama-3.1-70B, DeepSeek-V3 and Kimi-K2 at TP 8):
   scripts/compile_grid.py --tp 8, recorded in docs/perf.md.
 * The partial sums' rows and the build CLI's refusals.
 
@@ -44,7 +45,7 @@ from vllm_ext.parallel import shard_spec
 H200 = DEVICES["h200"]
 TP = 2
 # (demo architecture, batch, arch, ranks in one launch): see the docstring.
-GRID = [("deepseek_v3_moe", 4, "sm_100a", 1)]
+GRID = [("qwen3_moe", 4, "sm_100a", 1)]
 
 
 def tp_shape(model: str, batch: int, ranks: int) -> KernelShape:
