@@ -7,6 +7,7 @@ layers (parallel.py), against vLLM's default decode with the same parallel
 configuration."""
 
 import pytest
+import torch
 
 from tests.test_e2e_offline import MAX_TOKENS, _generate
 
@@ -47,3 +48,27 @@ def test_parallel_matches_default(demo_model, monkeypatch, arch, parallel):
     # backend (vLLM's count, rank 0's), none declined.
     assert stats[:2] == (max(MAX_TOKENS) - 1, {})
     assert [ids for ids, _ in mega] == [ids for ids, _ in default]
+
+
+# Written for a CI with two GPUs (the series' multi-GPU jobs); it has not
+# run: no machine of this project has had two. On GPUs, reference mode's
+# ranks all-reduce through vLLM's NCCL group, and the compiled kernel is
+# refused at TP by name until its all-reduce has symmetric memory.
+two_gpus = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="needs two GPUs",
+)
+
+
+@two_gpus
+def test_tp2_on_two_gpus(demo_model, monkeypatch):
+    model = demo_model("llama")
+    tp2 = dict(tensor_parallel_size=2)
+    default, _ = _generate(model, "float32", **tp2)
+    monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
+    mega, stats = _generate(model, "float32", decode_backend="megakernel", **tp2)
+    assert stats[:2] == (max(MAX_TOKENS) - 1, {})
+    assert [ids for ids, _ in mega] == [ids for ids, _ in default]
+    monkeypatch.delenv("VLLM_MEGAKERNEL_INTERPRET")
+    with pytest.raises(Exception, match="tensor parallelism"):
+        _generate(model, "bfloat16", decode_backend="megakernel", **tp2)
