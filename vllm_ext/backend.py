@@ -286,8 +286,8 @@ class MegakernelDecodeBackend(DecodeBackend):
         )
 
 
-# What the backend declares beyond one GPU (reference mode; a GPU refuses
-# both at start-up, _check_gpu_kernel).
+# What the backend declares beyond one GPU (a GPU refuses tensor parallel
+# at start-up, _check_gpu_kernel).
 PARALLEL = dict(tensor_parallel=True, pipeline_parallel=True)
 
 
@@ -533,14 +533,9 @@ def _check_gpu_kernel(vllm_config: VllmConfig, spec: ModelSpec) -> None:
     if spec.tp_size > 1:
         raise ValueError(
             f"--decode-backend megakernel runs tensor parallelism (here "
-            f"{spec.tp_size} ranks) in reference mode only: the kernel has no "
-            "all-reduce device function yet. " + INTERPRET_HINT
-        )
-    if not (spec.pp_first and spec.pp_last):
-        raise ValueError(
-            "--decode-backend megakernel runs pipeline parallelism in reference "
-            "mode only: the kernel does not yet start from a stage's hidden "
-            "states. " + INTERPRET_HINT
+            f"{spec.tp_size} ranks) in reference mode only: the kernel's "
+            "all-reduce has no symmetric memory to reach the other ranks yet. "
+            + INTERPRET_HINT
         )
     if spec.quant is not None:
         raise ValueError(

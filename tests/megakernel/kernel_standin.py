@@ -175,8 +175,12 @@ class KernelStandIn:
         self.launches += 1
 
     def _inputs(self, table, bt_stride, kv_stride) -> DecodeInputs:
-        """The step's inputs and KV caches, from the table."""
+        """The step's inputs and KV caches, from the table (a later
+        pipeline stage's residual stream in: what H0 holds)."""
         layers, glob = self.program.spec.num_layers, table[-1]
+        hidden_in = None
+        if not self.program.spec.pp_first:
+            hidden_in = self._at(glob[GlobalSlot.H0]).clone()
         block_table = self._at(glob[GlobalSlot.BLOCK_TABLE])
         assert block_table.stride(0) == bt_stride
         kv = tuple(self._at(table[i][LayerSlot.KV_CACHE]) for i in range(layers))
@@ -188,6 +192,7 @@ class KernelStandIn:
             seq_lens=self._at(glob[GlobalSlot.SEQ_LENS]),
             slot_mapping=self._at(glob[GlobalSlot.SLOT_MAPPING]).long(),
             kv_caches=kv,
+            hidden_in=hidden_in,
         )
 
     # ------------------------------------------------------------ weights
@@ -215,12 +220,17 @@ class KernelStandIn:
             )
             embed_rows = end - start
         # (vLLM may pad the vocabulary; cos/sin has a row per position.)
+        # A pipeline stage: the embedding only on the first, the final norm
+        # (and LM head) only on the last.
         return DecodeWeights(
-            embed=at(GlobalSlot.EMBED, (embed_rows, h), at_least=True),
+            embed=at(GlobalSlot.EMBED, (embed_rows, h), s.pp_first, at_least=True),
             layers=tuple(self._layer(i, table[i]) for i in range(layers)),
-            final_norm=at(GlobalSlot.FINAL_NORM, (h,)),
+            final_norm=at(GlobalSlot.FINAL_NORM, (h,), s.pp_last),
             lm_head=at(
-                GlobalSlot.LM_HEAD, (s.lm_head_rows, h), p.with_lm_head, at_least=True
+                GlobalSlot.LM_HEAD,
+                (s.lm_head_rows, h),
+                p.with_lm_head and s.pp_last,
+                at_least=True,
             ),  # fmt: skip
             cos_sin=at(GlobalSlot.COS_SIN, (1, rotary), dtype=FP32, at_least=True),
             attn_scale=self.attn_scale,
@@ -328,7 +338,7 @@ class KernelStandIn:
                 self._write_moe(row, buf["router"][i], interp.routing[i],
                                 buf["xact"][i])  # fmt: skip
         self._at(glob[GlobalSlot.OUT]).copy_(buf["out"])
-        if p.with_lm_head:
+        if p.with_lm_head and p.spec.pp_last:
             self._at(glob[GlobalSlot.LOGITS]).copy_(interp.logits)
         if p.spec.tp_size > 1:  # the rank's partial sums, as the ranks read them
             partials = self._at(glob[GlobalSlot.PARTIALS])
@@ -452,8 +462,11 @@ def register_executor(standin: KernelStandIn, ex, kv_caches=()) -> None:
                              "q_pe")  # fmt: skip
         standin.register(*(t.unbind(0) if per_layer else (t,)))
     w = ex.weights
-    lm_head = (w.lm_head,) if ex.program.with_lm_head else ()
-    standin.register(w.embed, w.final_norm, *lm_head, ex.cos_sin)
+    lm_head = w.lm_head if ex.program.with_lm_head else None
+    # (A pipeline stage holds the embedding only if first, the final norm
+    # and LM head only if last.)
+    model_wide = (w.embed, w.final_norm, lm_head, ex.cos_sin)
+    standin.register(*(t for t in model_wide if t is not None))
     nope = ex.shape.qk_nope
     for lw, bias in zip(w.layers, ex.correction_bias, strict=True):
         dense = (lw.input_norm, lw.qkv, lw.qkv_bias, lw.q_norm, lw.k_norm,

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from kernel_standin import KernelStandIn, register_executor
+from kernel_standin import KernelStandIn, bits_equal, register_executor
 from test_interpret import SPECS, TOL, make_spec
 
 from vllm_ext.megakernel.cost import DEVICES
@@ -236,3 +236,49 @@ def test_gpu_executor_names_what_a_failed_build_needs(tmp_path, monkeypatch):
         gpu.GpuExecutor(spec, random_weights(spec, seed=1), torch.device("cpu"),
                         (1,), block_size=BLOCK_SIZE, max_blocks=4,
                         cache_dir=tmp_path)  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_pipeline_stages_through_the_table(arch):
+    """Two pipeline stages of a layer each, an executor and a stand-in each
+    with the stage's weights as vLLM's stage workers hold them (the first
+    embeds; the last has the final norm and LM head): the later stage starts
+    from the earlier one's residual stream (copied into H0, the padded rows
+    zero). The last stage's output and logits are the whole model's
+    executor's bit for bit; a later stage without hidden states is refused."""
+    from vllm.distributed.utils import get_pp_indices
+
+    from vllm_ext.parallel import stage_spec
+
+    spec, weights, whole, standin = executor(arch, bucket=4)
+    inputs = random_decode_inputs(spec, 3, seed=21)
+    ref = clone(inputs)
+    register_executor(standin, whole, ref.kv_caches)
+    want = whole.step(ref).clone()
+    hidden, max_blocks = None, -(-MAX_LEN // BLOCK_SIZE)
+    for stage in range(2):
+        first, last = stage == 0, stage == 1
+        start, end = get_pp_indices(spec.num_layers, stage, 2)
+        w = dataclasses.replace(
+            weights, layers=weights.layers[start:end],
+            embed=weights.embed if first else None,
+            final_norm=weights.final_norm if last else None,
+            lm_head=weights.lm_head if last else None,
+        )  # fmt: skip
+        program = plan(stage_spec(spec, stage, 2), 4, DEVICE, with_lm_head=True)
+        standin = KernelStandIn(program, w)
+        ex = KernelExecutor(program, w, standin, block_size=BLOCK_SIZE,
+                            max_blocks=max_blocks)  # fmt: skip
+        stage_in = dataclasses.replace(
+            inputs, kv_caches=inputs.kv_caches[start:end], hidden_in=hidden
+        )
+        register_executor(standin, ex, stage_in.kv_caches)
+        if last:
+            with pytest.raises(MegakernelError, match="previous stage's hidden"):
+                ex.step(dataclasses.replace(stage_in, hidden_in=None))
+        hidden = ex.step(stage_in)
+        assert hidden.shape == (3, spec.hidden_size)
+        if last:
+            assert ex.ws["h"][0][3:].eq(0).all()
+    assert bits_equal(hidden, want)
+    assert bits_equal(ex.logits[:3], whole.logits[:3])

@@ -182,7 +182,8 @@ class KernelExecutor:
             )
         if shape.mla:
             _check_mla(shape, weights)
-        dev = weights.embed.device
+        # (A later pipeline stage has no embedding.)
+        dev = weights.layers[0].input_norm.device
         self.device = dev
         _check_weights(weights)
         queue, lengths = program.encode()
@@ -385,7 +386,14 @@ class KernelExecutor:
             )
         n = self.stage(inputs)
         self.launch_staged()
-        return self.ws["out"][:n]
+        return self.output(n)
+
+    def output(self, n: int) -> torch.Tensor:
+        """The step's result rows: the final-normed hidden states, or on a
+        pipeline stage before the last its residual stream ``h[L]``."""
+        if self.program.spec.pp_last:
+            return self.ws["out"][:n]
+        return self.ws["h"][-1][:n]
 
     def stage(self, inputs: DecodeInputs) -> int:
         """Copy the step's inputs in and bump the step number (``unstage``
@@ -412,6 +420,17 @@ class KernelExecutor:
             dst[n:].fill_(pad)
         self.block_table[:n, :width].copy_(inputs.block_table[:n, :width])
         self.block_table[n:].zero_()  # never read (length 0), but valid ids
+        if not self.program.spec.pp_first:
+            # A later pipeline stage starts from the previous stage's
+            # residual stream (the program has no EMBED): h[0], its padded
+            # rows zero as the reference pads them.
+            if inputs.hidden_in is None:
+                raise MegakernelError(
+                    "megakernel: a later pipeline stage needs the previous "
+                    "stage's hidden states"
+                )
+            self.ws["h"][0][:n].copy_(inputs.hidden_in[:n])
+            self.ws["h"][0][n:].zero_()
         # The kernel's waits count in steps: bump the step number for this
         # launch, and take it back if the launch was refused (nothing ran),
         # or every later step of this bucket would wait one step too long

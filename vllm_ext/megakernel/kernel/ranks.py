@@ -107,4 +107,4 @@ class OneLaunchRanks:
             for ex in self.ranks:
                 ex.unstage()
             raise
-        return [ex.ws["out"][:n] for ex, n in zip(self.ranks, sizes, strict=True)]
+        return [ex.output(n) for ex, n in zip(self.ranks, sizes, strict=True)]
