@@ -49,12 +49,15 @@ ODD_MAX_LEN = 300
 
 
 def _generate(model: str, dtype: str, reload_weights_from: str | None = None,
-              prompt_lens: list[int] | None = None, **engine_kwargs):  # fmt: skip
+              prompt_lens: list[int] | None = None, spec_counts: dict | None = None,
+              **engine_kwargs):  # fmt: skip
     """Greedy tokens and logprobs of PROMPTS, and for a decode backend
     (vllm:decode_backend_steps ran, declined by reason, the programs
     reference mode ran). ``reload_weights_from``: a checkpoint of the same
     shapes whose weights vLLM loads in place before generating;
-    ``prompt_lens``: a list to fill with the prompts' lengths in tokens."""
+    ``prompt_lens``: a list to fill with the prompts' lengths in tokens;
+    ``spec_counts``: a dict to fill with vLLM's speculative decoding
+    counters (drafts, draft tokens, accepted tokens, accepted per position)."""
     from vllm import LLM, SamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
 
@@ -81,6 +84,14 @@ def _generate(model: str, dtype: str, reload_weights_from: str | None = None,
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)
         if prompt_lens is not None:
             prompt_lens.extend(len(o.prompt_token_ids) for o in outputs)
+        if spec_counts is not None:
+            from vllm.v1.metrics.reader import Vector
+
+            for metric in llm.get_metrics():
+                if metric.name.startswith("vllm:spec_decode_num_"):
+                    name = metric.name.removeprefix("vllm:spec_decode_num_")
+                    vector = isinstance(metric, Vector)
+                    spec_counts[name] = metric.values if vector else metric.value
         stats = None
         if "decode_backend" in engine_kwargs:
             ran, declined = decode_backend_steps(llm)
@@ -298,8 +309,9 @@ def test_speculative_verify_steps_run_through_the_backend(
     model = demo_model(arch)
     rows = _record_query_lens(monkeypatch)
     mega, (ran, declined, _) = _generate(
-        model, "float32", speculative_config=NGRAM, decode_backend="megakernel"
-    )
+        model, "float32", speculative_config=NGRAM, decode_backend="megakernel",
+        spec_counts=(ours := {}),
+    )  # fmt: skip
     assert declined == {} and ran == len(rows)
     verify = [lens for lens in rows if max(lens) > 1]
     assert verify and any(len(set(lens)) > 1 for lens in verify)  # ragged ones
@@ -313,8 +325,11 @@ def test_speculative_verify_steps_run_through_the_backend(
                 lp_plain[step][token], abs=1e-4
             )
     if arch == "llama":
-        ngram, _ = _generate(model, "float32", speculative_config=NGRAM)
+        ngram, _ = _generate(model, "float32", speculative_config=NGRAM,
+                             spec_counts=(theirs := {}))  # fmt: skip
         assert [ids for ids, _ in mega] == [ids for ids, _ in ngram]
+        # vLLM's own n-gram path is exact here: the same drafts accepted.
+        assert ours == theirs and theirs["accepted_tokens"] > 0
 
 
 def test_mtp_verify_steps_run_through_the_backend(demo_model, monkeypatch, tmp_path):
@@ -337,6 +352,33 @@ def test_mtp_verify_steps_run_through_the_backend(demo_model, monkeypatch, tmp_p
     assert any(max(lens) == 3 for lens in rows)
     plain = _default(base, "float32")
     assert [ids for ids, _ in mega] == [ids for ids, _ in plain]
+
+
+def test_eagle_verify_steps_run_through_the_backend(demo_model, monkeypatch, tmp_path):
+    """EAGLE (vLLM's EagleLlamaForCausalLM drafter, which reads the target's
+    hidden state of each token: the backend's output), 3 drafts a request:
+    every verify step, 4 rows a request, through the backend; greedy fp32
+    gives the tokens of the decode without speculation and of vLLM's own
+    EAGLE decode, with vLLM's acceptance counts (some drafts taken)."""
+    from vllm_ext.demo_models import eagle_drafter
+
+    monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
+    base = demo_model("llama")
+    eagle = {"method": "eagle", "num_speculative_tokens": 3,
+             "model": str(eagle_drafter(base, tmp_path / "llama_eagle"))}  # fmt: skip
+    rows = _record_query_lens(monkeypatch)
+    mega, (ran, declined, _) = _generate(
+        base, "float32", speculative_config=eagle, decode_backend="megakernel",
+        spec_counts=(ours := {}),
+    )  # fmt: skip
+    assert declined == {} and ran == len(rows)
+    assert any(max(lens) == 4 for lens in rows)
+    assert [ids for ids, _ in mega] == [ids for ids, _ in _default(base, "float32")]
+    theirs_out, _ = _generate(base, "float32", speculative_config=eagle,
+                              spec_counts=(theirs := {}))  # fmt: skip
+    assert [ids for ids, _ in mega] == [ids for ids, _ in theirs_out]
+    assert ours == theirs
+    assert 0 < theirs["accepted_tokens"] < theirs["draft_tokens"]
 
 
 def test_reload_weights_reaches_the_megakernel(demo_model, monkeypatch, tmp_path):
@@ -441,6 +483,24 @@ def test_startup_errors_are_clear(demo_model, monkeypatch, env, kwargs, message)
         EngineArgs(
             demo_model("llama"), max_model_len=512, **kwargs
         ).create_engine_config()
+
+
+def test_eagle3_is_refused_by_name(demo_model, monkeypatch, tmp_path):
+    """An EAGLE-3 drafter reads the target's auxiliary hidden states, which
+    the backend does not return: refused at start-up, named, where vLLM's
+    default path takes the same setup."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_ext.demo_models import eagle_drafter
+
+    monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
+    base = demo_model("llama")
+    eagle3 = {"method": "eagle3", "num_speculative_tokens": 1,
+              "model": str(eagle_drafter(base, tmp_path / "llama_eagle"))}  # fmt: skip
+    kwargs = {"dtype": "float32", "max_model_len": 512, "speculative_config": eagle3}
+    with pytest.raises(ValueError, match=r"'eagle3' \(auxiliary hidden states\)"):
+        EngineArgs(base, decode_backend="megakernel", **kwargs).create_engine_config()
+    EngineArgs(base, **kwargs).create_engine_config()
 
 
 @pytest.mark.parametrize(

@@ -336,6 +336,53 @@ def with_mtp_layer(src: str | Path, out: str | Path, seed: int = 1) -> Path:
     return out
 
 
+def eagle_drafter(target: str | Path, out: str | Path, seed: int = 2) -> Path:
+    """Write an EAGLE drafter for Llama demo model ``target`` to ``out``, as
+    EAGLE-1 checkpoints ship: the target's config with one decoder layer
+    (no input norm) and ``fc`` over [embedding | target hidden state]; no
+    embedding and no LM head, so vLLM shares the target's. Random weights
+    would propose tokens the target never takes; here ``fc`` passes the
+    target's hidden state on (plus a tenth of a random draw of the rest, as
+    do the layer's output projections), so the first draft is near the
+    target's last token and repeats get accepted: acceptance counts a test
+    can compare."""
+    import torch
+    from safetensors.torch import save_file
+
+    target, out = Path(target), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((target / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    gen = torch.Generator().manual_seed(seed)
+    std = config["initializer_range"]
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    layer = "layers.0."
+    tensors = {
+        "fc.weight": torch.cat(
+            [draw(hidden, hidden) / 10, torch.eye(hidden) + draw(hidden, hidden) / 10],
+            dim=1,
+        ),
+        layer + "self_attn.q_proj.weight": draw(heads * head_dim, hidden),
+        layer + "self_attn.k_proj.weight": draw(kv_heads * head_dim, hidden),
+        layer + "self_attn.v_proj.weight": draw(kv_heads * head_dim, hidden),
+        layer + "self_attn.o_proj.weight": draw(hidden, heads * head_dim) / 10,
+        layer + "post_attention_layernorm.weight": torch.rand(hidden, generator=gen)
+        + 0.5,
+        layer + "mlp.gate_proj.weight": draw(inter, hidden),
+        layer + "mlp.up_proj.weight": draw(inter, hidden),
+        layer + "mlp.down_proj.weight": draw(hidden, inter) / 10,
+    }
+    save_file(tensors, out / "model.safetensors")
+    config["num_hidden_layers"] = 1
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", choices=sorted(DEMO_ARCHS), default="llama")
