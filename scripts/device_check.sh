@@ -101,6 +101,13 @@ MLA=${DEVICE_CHECK_MLA-"deepseek-v3:1:4 kimi-k2:1:2"}
 # bit-equal, against the rank set interpreted and the one-rank program, the
 # step timed with and without the ALL_REDUCE work. Empty: none.
 RANKS=${DEVICE_CHECK_RANKS-"llama-3.2-1b:1:2"}
+# Speculative verify steps, MODEL:BATCH:TOKENS: the default kernel of that
+# bucket on verify-step inputs (requests of TOKENS rows at consecutive
+# positions, causal over the entries the step writes; the last request
+# fewer rows in later steps), built into MODEL-bBATCH-verifyTOKENS, each
+# instruction checked, the kernel's step timed beside its default twin's
+# decode step of as many rows. Empty: none.
+VERIFY=${DEVICE_CHECK_VERIFY-"llama-3.2-1b:16:4"}
 rm -rf "$BUNDLE"
 mkdir -p "$BUNDLE"
 cd "$ROOT"
@@ -195,6 +202,13 @@ for triple in $RANKS; do
         --one-gpu-ranks
     order="$order $model-b$batch-tp$tp"
 done
+verify=""
+for triple in $VERIFY; do
+    IFS=: read -r model batch tokens <<<"$triple"
+    build_case "$model" "$batch" "$BUNDLE/$model-b$batch-verify$tokens"
+    order="$order $model-b$batch-verify$tokens"
+    verify="$verify $model-b$batch-verify$tokens=$tokens"
+done
 planted=""
 for bug in $PLANTED; do
     build_case "$PLANTED_MODEL" 1 "$BUNDLE/$PLANTED_MODEL-b1-plant-$bug" \
@@ -210,7 +224,7 @@ wait_builds
 # shellcheck disable=SC2086  # the cases are words
 # "first": the case the GPU side runs first, with the abort and sanitizers on
 # its kernel: the planted bugs' correct twin.
-PLANTED_CASES=$planted CASE_LAYERS=$layers FIRST=$PLANTED_MODEL-b1 \
+PLANTED_CASES=$planted CASE_LAYERS=$layers VERIFY_CASES=$verify FIRST=$PLANTED_MODEL-b1 \
     "$VENV/bin/python" - "$BUNDLE" \
     "$(git -C "$ROOT" rev-parse --short HEAD)" $order <<'PY'
 import json, os, sys, pathlib
@@ -219,8 +233,11 @@ builds = {p.parent.name: json.loads(p.read_text()) for p in bundle.glob("*/build
 planted = dict(c.split("=", 1) for c in os.environ["PLANTED_CASES"].split())
 layers = {c.split("=")[0]: int(c.split("=")[1])
           for c in os.environ["CASE_LAYERS"].split()}
+verify = {c.split("=")[0]: int(c.split("=")[1])
+          for c in os.environ["VERIFY_CASES"].split()}
 manifest = {"commit": commit, "builds": builds, "variant_order": order,
-            "planted": planted, "layers": layers, "first": os.environ["FIRST"]}
+            "planted": planted, "layers": layers, "verify": verify,
+            "first": os.environ["FIRST"]}
 (bundle / "manifest.json").write_text(json.dumps(manifest))
 PY
 # The cost model's step for each case, written beside it: the report puts

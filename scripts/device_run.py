@@ -102,7 +102,12 @@ from vllm_ext.megakernel.planner import plan, qkv_parts_to_fill  # noqa: E402
 from vllm_ext.megakernel.variants import KERNEL  # noqa: E402
 from vllm_ext.model_spec import MlaSpec, ModelSpec, MoeSpec  # noqa: E402
 from vllm_ext.runner import DecodeInputs  # noqa: E402
-from vllm_ext.testing import BLOCK_SIZE, random_decode_inputs, random_weights  # noqa: E402
+from vllm_ext.testing import (  # noqa: E402
+    BLOCK_SIZE,
+    random_decode_inputs,
+    random_verify_inputs,
+    random_weights,
+)
 
 DEVICE = "cuda"  # the tests run the correctness path on "cpu" with a stand-in
 STEPS = 3
@@ -183,6 +188,25 @@ def case_layers(case_dir: Path) -> int | None:
     return json.loads(manifest.read_text()).get("layers", {}).get(case_dir.name)
 
 
+def case_verify_tokens(case_dir: Path) -> int | None:
+    """The rows a request of a speculative verify case (device_check.sh's
+    DEVICE_CHECK_VERIFY: 1 + the drafts), None for a decode case."""
+    manifest = case_dir.parent / "manifest.json"
+    if not manifest.exists():
+        return None
+    return json.loads(manifest.read_text()).get("verify", {}).get(case_dir.name)
+
+
+def case_inputs(case_dir: Path, spec: ModelSpec, rows: int, seed: int,
+                max_len: int) -> DecodeInputs:  # fmt: skip
+    """A step's random inputs: a decode step of ``rows`` requests, or for a
+    verify case requests of its tokens (the last one fewer: ragged)."""
+    tokens = case_verify_tokens(case_dir)
+    if tokens is None:
+        return random_decode_inputs(spec, rows, seed=seed, max_len=max_len)
+    return random_verify_inputs(spec, rows, tokens, seed=seed, max_len=max_len)
+
+
 def load_case(case_dir: Path, layers: int | None = None):
     """The case's model shape and program; with ``layers``, the program of
     that many layers instead (layers are data to the kernel: shape.py)."""
@@ -245,8 +269,9 @@ def write_predictions(bundle: Path) -> None:
     """Every case's ``predictions`` into its folder (a planted bug's is its
     twin's: not written)."""
     for case in sorted(p for p in bundle.iterdir() if (p / "program.pt").exists()):
-        # (The cost model has no one-GPU ranks: a TP case is not predicted.)
-        if not planted_bug(case) and not _ranks_case(case):
+        # (The cost model has no one-GPU ranks: a TP case is not predicted;
+        # nor a verify case, which it plans as its default twin.)
+        if not (planted_bug(case) or _ranks_case(case) or case_verify_tokens(case)):
             (case / PREDICTED).write_text(json.dumps(predictions(case)))
 
 
@@ -337,7 +362,8 @@ def correctness(case_dir: Path) -> dict:
     its default twin in the same call reports drift, greedy agreement and
     FlashInfer, which a variant (GEMVs, weight movement) does not change,
     and the call's time goes to timing it. So do default cases at batches
-    not in FULL_CHECK_BATCHES."""
+    not in FULL_CHECK_BATCHES and speculative verify cases (the default's
+    program on verify-step inputs)."""
     spec, program = load_case(case_dir)
     dev = DEVICE
     weights = random_weights(spec, seed=1, device=dev)
@@ -347,6 +373,7 @@ def correctness(case_dir: Path) -> dict:
     local = (
         is_variant(case_dir)
         or bool(planted_bug(case_dir))
+        or case_verify_tokens(case_dir) is not None
         or program.batch not in FULL_CHECK_BATCHES
     )
     interp = None if local else ProgramInterpreter(program, weights, seed=0)
@@ -355,7 +382,7 @@ def correctness(case_dir: Path) -> dict:
     for step in range(STEPS):
         # A full bucket, then fewer requests (padded rows) on later steps.
         n = program.batch if step == 0 else max(1, program.batch - step)
-        inputs = random_decode_inputs(spec, n, seed=100 + step, max_len=CONTEXT)
+        inputs = case_inputs(case_dir, spec, n, seed=100 + step, max_len=CONTEXT)
         inputs = _to(inputs, dev)
         mine = _to(inputs, dev, clone_kv=True)
         for t in ex.ws.values():
@@ -935,18 +962,23 @@ def timing(case_dir: Path) -> dict:
     context = bench_context(spec)
     max_blocks = (context + BLOCK_SIZE - 1) // BLOCK_SIZE
     ex, _ = make_executor(case_dir, program, weights, max_blocks)
-    # Every request attends to `context` tokens in shuffled blocks.
+    # Every request attends to `context` tokens in shuffled blocks; a verify
+    # case's requests are `tokens` rows each, the last at `context`.
     blocks = torch.randperm(b * max_blocks, device="cuda", dtype=torch.int32)
-    table = blocks.view(b, max_blocks)
-    last = context - 1
+    row = torch.arange(b, device="cuda")
+    tokens = case_verify_tokens(case_dir) or 1
+    first = row // tokens * tokens  # each row's request's first row
+    table = blocks.view(b, max_blocks)[first]
+    rows_of = torch.clamp(b - first, max=tokens)
+    positions = context - rows_of + (row - first)
     shape = (b * max_blocks, BLOCK_SIZE, spec.num_kv_heads, 2 * spec.head_dim)
     inputs = DecodeInputs(
         input_ids=torch.randint(0, spec.vocab_size, (b,), device="cuda"),
-        positions=torch.full((b,), last, device="cuda"),
+        positions=positions,
         block_table=table,
-        seq_lens=torch.full((b,), context, dtype=torch.int32, device="cuda"),
-        slot_mapping=table[:, last // BLOCK_SIZE].long() * BLOCK_SIZE
-        + last % BLOCK_SIZE,
+        seq_lens=(positions + 1).to(torch.int32),
+        slot_mapping=table[row, positions // BLOCK_SIZE].long() * BLOCK_SIZE
+        + positions % BLOCK_SIZE,
         kv_caches=tuple(
             torch.randn(shape, device="cuda", dtype=torch.bfloat16).permute(0, 2, 1, 3)
             for _ in range(spec.num_layers)
@@ -975,6 +1007,12 @@ def timing(case_dir: Path) -> dict:
     if spec.mla is not None:
         result.update(mla_timing(case_dir, spec, weights, inputs, ex, program, mk,
                                  result["megakernel_ms"]))  # fmt: skip
+        return result
+    if tokens > 1:
+        # The kernel alone: its default twin's decode step of as many rows
+        # is timed in the same call. (The per-op step's FlashInfer decode
+        # would read a request's cache once a row, where vLLM's attention
+        # reads it once a request: no fair baseline for a verify step.)
         return result
     if is_variant(case_dir):
         # The baselines are its default twin's (same shapes, same weights);
@@ -1468,7 +1506,7 @@ def _case_order(case: Path, variant_order: list[str]) -> tuple[int, int, int]:
     meta = torch.load(case / "program.pt")
     size = meta["spec"]["num_layers"] * meta["spec"]["hidden_size"]
     rank = 0
-    if is_variant(case):
+    if is_variant(case) or case_verify_tokens(case):
         listed = case.name in variant_order
         rank = 1 + (variant_order.index(case.name) if listed else len(variant_order))
     return size, meta["batch"], rank

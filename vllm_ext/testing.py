@@ -107,6 +107,54 @@ def random_decode_inputs(
     positions = seq_lens - 1
     slots = table[torch.arange(batch), positions // BLOCK_SIZE].long() * BLOCK_SIZE
     slots += positions % BLOCK_SIZE
+    caches = _random_caches(spec, num_blocks, gen)
+    return DecodeInputs(
+        input_ids=torch.randint(0, spec.vocab_size, (batch,), generator=gen),
+        positions=positions,
+        block_table=table,
+        seq_lens=seq_lens.to(torch.int32),
+        slot_mapping=slots,
+        kv_caches=caches,
+    )
+
+
+def random_verify_inputs(
+    spec: ModelSpec, rows: int, tokens: int, seed: int = 0,
+    max_len: int = 3 * BLOCK_SIZE + 5,
+) -> DecodeInputs:  # fmt: skip
+    """A speculative verify step over fresh caches, as ``runner.decode_inputs``
+    lays it out: requests of ``tokens`` rows (the last one fewer where
+    ``rows`` is not a multiple), a row per new token at consecutive
+    positions after a random history (up to ``max_len`` tokens in all), each
+    row on its request's block table with seq_len = position + 1 (causal
+    among the new tokens, whose entries the step writes)."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = [tokens] * (rows // tokens) + ([rows % tokens] if rows % tokens else [])
+    reqs = len(counts)
+    history = torch.randint(0, max_len - tokens + 1, (reqs,), generator=gen)
+    blocks_per_seq = (max_len + BLOCK_SIZE - 1) // BLOCK_SIZE
+    num_blocks = reqs * blocks_per_seq
+    table = torch.randperm(num_blocks, generator=gen).view(reqs, blocks_per_seq)
+    owner = torch.repeat_interleave(torch.arange(reqs), torch.tensor(counts))
+    offset = torch.cat([torch.arange(c) for c in counts])
+    positions = history[owner] + offset
+    block_table = table[owner].to(torch.int32)
+    slots = block_table[torch.arange(rows), positions // BLOCK_SIZE].long() * BLOCK_SIZE
+    slots += positions % BLOCK_SIZE
+    caches = _random_caches(spec, num_blocks, gen)
+    return DecodeInputs(
+        input_ids=torch.randint(0, spec.vocab_size, (rows,), generator=gen),
+        positions=positions,
+        block_table=block_table,
+        seq_lens=(positions + 1).to(torch.int32),
+        slot_mapping=slots,
+        kv_caches=caches,
+    )
+
+
+def _random_caches(
+    spec: ModelSpec, num_blocks: int, gen: torch.Generator
+) -> tuple[torch.Tensor, ...]:
     caches = []
     for _ in range(spec.num_layers):
         if spec.mla is not None:  # one latent row per token
@@ -118,11 +166,4 @@ def random_decode_inputs(
             num_blocks, BLOCK_SIZE, spec.num_kv_heads, 2 * spec.head_dim, generator=gen
         ).to(spec.dtype)
         caches.append(phys.permute(0, 2, 1, 3))
-    return DecodeInputs(
-        input_ids=torch.randint(0, spec.vocab_size, (batch,), generator=gen),
-        positions=positions,
-        block_table=table,
-        seq_lens=seq_lens.to(torch.int32),
-        slot_mapping=slots,
-        kv_caches=tuple(caches),
-    )
+    return tuple(caches)

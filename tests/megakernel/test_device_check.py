@@ -67,7 +67,9 @@ def test_dry_run_builds_a_small_bundle():
            # (CI time: the MLA case stands for the mixtures' too. Its first
            # four layers: three dense, then a sparse one, whose MoE baseline
            # shape the bundle carries.)
-           "DEVICE_CHECK_MOE": "", "DEVICE_CHECK_MLA": "deepseek-v3:1:4"}  # fmt: skip
+           "DEVICE_CHECK_MOE": "", "DEVICE_CHECK_MLA": "deepseek-v3:1:4",
+           # A verify step: requests of 2 rows on the batch-2 bucket's kernel.
+           "DEVICE_CHECK_VERIFY": "llama-3.2-1b:2:2"}  # fmt: skip
     proc = subprocess.run(
         [str(ROOT / "scripts" / "device_check.sh"), "--dry-run"],
         capture_output=True, text=True, timeout=600, env=env,
@@ -82,8 +84,11 @@ def test_dry_run_builds_a_small_bundle():
     # flags are test_build_cli.py's.)
     # (The tensor-parallel case: DEVICE_CHECK_RANKS's default.)
     tp_case = "llama-3.2-1b-b1-tp2"
+    verify_case = "llama-3.2-1b-b2-verify2"
     assert set(manifest["builds"]) == {"llama-3.2-1b-b1", "deepseek-v3-b1",
-                                       tp_case, *planted}  # fmt: skip
+                                       tp_case, verify_case, *planted}  # fmt: skip
+    assert manifest["verify"] == {verify_case: 2}
+    assert verify_case in manifest["variant_order"]
     # The latent attention case runs its first four layers, its mixture
     # beside vLLM's fused-MoE kernel (copied from the installed vLLM, not
     # from this repository).
@@ -95,7 +100,8 @@ def test_dry_run_builds_a_small_bundle():
     # dim parts on the Llama shape; a latent attention has neither)
     flags = {"llama-3.2-1b-b1": (0, 0, 2, 4),
              "llama-3.2-1b-b1-plant-kv-slot": (0, 0, 2, 4),
-             "deepseek-v3-b1": (0, 0, 1, 1), tp_case: (0, 0, 2, 4)}  # fmt: skip
+             "deepseek-v3-b1": (0, 0, 1, 1), tp_case: (0, 0, 2, 4),
+             verify_case: (0, 0, 2, 4)}  # fmt: skip
     for name, build in manifest["builds"].items():
         assert build["spill_bytes"] == 0 and build["arch"] == "sm_90a"
         meta = torch.load(bundle / name / "program.pt")
@@ -117,11 +123,11 @@ def test_dry_run_builds_a_small_bundle():
         "libmegakernel_sm_90a.so", "program.pt", "manifest.json", "build.json",
         "predicted.json",
     }  # fmt: skip
-    # The model's step beside each case (a planted bug's is its twin's; the
-    # cost model has no one-GPU ranks).
+    # The model's step beside each case (a planted bug's and a verify case's
+    # are their twins'; the cost model has no one-GPU ranks).
     for name in builds_of(manifest):
         predicted = bundle / name / "predicted.json"
-        assert predicted.exists() == (name not in {*planted, tp_case}), name
+        assert predicted.exists() == (name not in {*planted, tp_case, verify_case})
     # Every rank of a TP 2 program in one launch: the rank's program on half
     # the SMs, the unsharded model beside it, one system-scope add a rank
     # after one system fence and ALL_REDUCE's system-scope acquire.
@@ -185,6 +191,16 @@ def harness(request, tmp_path, monkeypatch):
         def launch(*args):
             register_executor(standin, ex, ex.kv_caches)
             kind = corrupt.get("kind", "buffer")
+            if kind == "noncausal":
+                # Every row of a request attends to all the step's new
+                # tokens (its request's last seq_len), not just its own.
+                lens = ex.seq_lens.clone()
+                req = ex.block_table[:, 0]
+                for r in range(len(lens)):
+                    ex.seq_lens[r] = lens[req == req[r]].max()
+                standin(*args)
+                ex.seq_lens.copy_(lens)
+                return
             if kind == "history":
                 # A stray write over each request's first token, before the
                 # step's attention reads it: the kernel and a reference
@@ -239,6 +255,21 @@ def test_harness_passes_a_correct_kernel(harness):
     )
     # And as vLLM's CUDA graphs run it: replays over fixed input buffers.
     assert result["graph"]["ok"] and len(result["graph"]["replays"]) == d.GRAPH_REPLAYS
+
+
+def test_harness_judges_a_verify_step(harness, monkeypatch):
+    """A speculative verify case (requests of 2 rows on the batch-2 kernel):
+    the harness passes a correct kernel on verify-step inputs, and fails
+    one whose rows attend to their request's later new tokens."""
+    d, case, corrupt = harness
+    monkeypatch.setattr(d, "case_verify_tokens", lambda case_dir: 2)
+    result = d.correctness(case)
+    assert result["ok"], result
+    assert {"QKV", "KV_APPEND", "ATTN"} <= set(result["steps"][0]["errors"])
+    corrupt.update(kind="noncausal")
+    errors = d.correctness(case)["steps"][0]["errors"]
+    assert not d.passes(errors["ATTN"])
+    assert d.passes(errors["KV_APPEND"]) and d.passes(errors["INPUTS"])
 
 
 def test_the_abort_check_passes_a_kernel_that_aborts(harness):

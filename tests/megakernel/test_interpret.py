@@ -23,7 +23,7 @@ from vllm_ext.megakernel.planner import (
 )
 from vllm_ext.model_spec import ModelSpec
 from vllm_ext.reference import ReferenceExecutor
-from vllm_ext.testing import random_decode_inputs, random_weights
+from vllm_ext.testing import random_decode_inputs, random_verify_inputs, random_weights
 
 # The demo architectures' features (MHA + bias, GQA + QK norm, head dims).
 SPECS = {
@@ -76,6 +76,39 @@ def test_interleavings_agree_bitwise_and_match_reference(arch, dtype, batch):
     # fp32 logits over the final norm's output.
     lm = outs[0].float() @ weights.lm_head.float().t()
     torch.testing.assert_close(logits[0], lm, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_verify_step_is_its_tokens_decoded_one_at_a_time(arch):
+    """A speculative verify step (rows of a request at consecutive
+    positions, each causal over what the step writes) through the program
+    gives, row for row, what the plain forward gives decoding the same
+    tokens one step at a time, and leaves the same cache."""
+    spec = make_spec(arch, torch.float32)
+    weights = random_weights(spec, seed=1)
+    device = dataclasses.replace(DEVICES["h200"], num_sms=16)
+    rows, tokens = 5, 3  # requests of 3 and 2 rows
+    program = plan(spec, rows, device, with_lm_head=True)
+    verify = random_verify_inputs(spec, rows, tokens, seed=3)
+    assert verify.block_table[0].equal(verify.block_table[2])
+    assert verify.positions[:3].diff().eq(1).all()
+    out = ProgramInterpreter(program, weights, seed=0).step(verify)
+
+    one = random_verify_inputs(spec, rows, tokens, seed=3)  # fresh caches
+    ref = ReferenceExecutor(spec, weights)
+    first = torch.tensor([0, 0, 0, 3, 3])  # each row's request's first row
+    expected = torch.empty_like(out)
+    for j in range(tokens):
+        (idx,) = (torch.arange(rows) - first == j).nonzero(as_tuple=True)
+        step = dataclasses.replace(
+            one, **{f: getattr(one, f)[idx] for f in
+                    ("input_ids", "positions", "block_table", "seq_lens",
+                     "slot_mapping")},
+        )  # fmt: skip
+        expected[idx] = ref.step(step)
+    torch.testing.assert_close(out, expected, rtol=0, atol=TOL[torch.float32])
+    for got, want in zip(verify.kv_caches, one.kv_caches, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=TOL[torch.float32])
 
 
 @pytest.mark.parametrize("arch", sorted(SPECS))
