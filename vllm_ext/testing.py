@@ -98,24 +98,8 @@ def random_decode_inputs(
 ) -> DecodeInputs:
     """A decode step over fresh caches: each request has a random history of
     1..max_len tokens (crossing blocks), in shuffled physical blocks."""
-    gen = torch.Generator().manual_seed(seed)
-    seq_lens = torch.randint(1, max_len + 1, (batch,), generator=gen)
-    blocks_per_seq = (max_len + BLOCK_SIZE - 1) // BLOCK_SIZE
-    num_blocks = batch * blocks_per_seq
-    table = torch.randperm(num_blocks, generator=gen).view(batch, blocks_per_seq)
-    table = table.to(torch.int32)
-    positions = seq_lens - 1
-    slots = table[torch.arange(batch), positions // BLOCK_SIZE].long() * BLOCK_SIZE
-    slots += positions % BLOCK_SIZE
-    caches = _random_caches(spec, num_blocks, gen)
-    return DecodeInputs(
-        input_ids=torch.randint(0, spec.vocab_size, (batch,), generator=gen),
-        positions=positions,
-        block_table=table,
-        seq_lens=seq_lens.to(torch.int32),
-        slot_mapping=slots,
-        kv_caches=caches,
-    )
+    # (A verify step of one token a request: the same draws.)
+    return random_verify_inputs(spec, batch, 1, seed, max_len)
 
 
 def random_verify_inputs(
