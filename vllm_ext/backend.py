@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import vllm.envs as vllm_envs
@@ -33,6 +34,9 @@ from vllm_ext.parallel import shard_spec, stage_spec
 from vllm_ext.plugin import ATTENTION_BACKEND
 from vllm_ext.runner import MAX_QUERY_LEN, DecodeExecutor, decode_inputs
 from vllm_ext.weights import DecodeWeights, stage_layers
+
+if TYPE_CHECKING:
+    from vllm.sequence import IntermediateTensors
 
 # Under "vllm." so records go through vLLM's handlers, level and format.
 logger = init_logger(f"vllm.{__name__}")
@@ -79,9 +83,13 @@ class MegakernelDecodeBackend(DecodeBackend):
             return DecodeBackendCapabilities(**PARALLEL)
         # (More drafts than MAX_QUERY_LEN - 1: vLLM refuses them, named.)
         rows = min(1 + spec.num_speculative_tokens, MAX_QUERY_LEN)
+        # EAGLE-3's auxiliary hidden states are residual streams the program
+        # keeps anyway (h[l]: forward); DFlash, which reads them too, is
+        # untested, so vLLM refuses it by name.
         return DecodeBackendCapabilities(
-            max_query_len=rows, ragged_query_lens=True, **PARALLEL
-        )
+            max_query_len=rows, ragged_query_lens=True,
+            aux_hidden_states=spec.method == "eagle3", **PARALLEL,
+        )  # fmt: skip
 
     @classmethod
     def verify_and_update_config(cls, vllm_config: VllmConfig) -> None:
@@ -251,7 +259,9 @@ class MegakernelDecodeBackend(DecodeBackend):
             return False
         return True
 
-    def forward(self, batch: DecodeBatch) -> torch.Tensor:
+    def forward(
+        self, batch: DecodeBatch
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]] | IntermediateTensors:
         # The caches vLLM bound to the layers come with the step: they are
         # allocated after the backend is made.
         inputs = decode_inputs(batch, self.layer_names)
@@ -261,6 +271,10 @@ class MegakernelDecodeBackend(DecodeBackend):
             )
             self._caches_checked = True
         hidden = self.executor.step(inputs)
+        # EAGLE-3: the residual streams entering those layers, which the
+        # program keeps (h[l]; the number of layers: before the final norm).
+        aux = [self.executor.residual_stream(layer)
+               for layer in batch.aux_hidden_state_layers]  # fmt: skip
         if not self._ran_a_step:
             # vLLM counts the steps (vllm:decode_backend_steps).
             logger.info(
@@ -271,10 +285,17 @@ class MegakernelDecodeBackend(DecodeBackend):
             )
             self._ran_a_step = True
         num_tokens = batch.positions.shape[-1]
-        out = hidden
-        if hidden.shape[0] != num_tokens:
-            out = hidden.new_zeros(num_tokens, hidden.shape[1])
-            out[: hidden.shape[0]] = hidden
+
+        def padded(rows: torch.Tensor) -> torch.Tensor:
+            if rows.shape[0] == num_tokens:
+                return rows
+            out = rows.new_zeros(num_tokens, rows.shape[1])
+            out[: rows.shape[0]] = rows
+            return out
+
+        out = padded(hidden)
+        if aux:
+            return out, [padded(rows) for rows in aux]
         if self.spec.pp_last:
             return out
         # A stage before the last: its residual stream, as vLLM's layers
@@ -569,6 +590,8 @@ def _check_deployment(vllm_config: VllmConfig, spec: ModelSpec) -> None:
     layout = vllm_envs.VLLM_KV_CACHE_LAYOUT
     moe = spec.moe is not None and any(spec.moe.sparse_layers)
     moe_backend = getattr(vllm_config.kernel_config, "moe_backend", "auto")
+    speculative = vllm_config.speculative_config
+    aux_drafter = speculative is not None and speculative.method == "eagle3"
     unsupported = {
         # vLLM shards a mixture's experts over the data-parallel ranks and
         # exchanges tokens between them in each MoE layer; the kernel runs
@@ -594,6 +617,11 @@ def _check_deployment(vllm_config: VllmConfig, spec: ModelSpec) -> None:
         # (Not yet checked against vLLM's sharded scales.)
         f"{spec.quant and spec.quant.name} checkpoints with tensor parallelism": (
             spec.quant is not None and spec.tp_size > 1
+        ),
+        # (A stage's streams are its own layers', which vLLM relays between
+        # stages; not built, nor checked at TP.)
+        "EAGLE-3 with tensor or pipeline parallelism": (
+            aux_drafter and (spec.tp_size > 1 or not (spec.pp_first and spec.pp_last))
         ),
     }
     named = [name for name, present in unsupported.items() if present]

@@ -336,16 +336,25 @@ def with_mtp_layer(src: str | Path, out: str | Path, seed: int = 1) -> Path:
     return out
 
 
-def eagle_drafter(target: str | Path, out: str | Path, seed: int = 2) -> Path:
+def eagle_drafter(
+    target: str | Path, out: str | Path, seed: int = 2,
+    aux_layers: tuple[int, ...] | None = None,
+) -> Path:  # fmt: skip
     """Write an EAGLE drafter for Llama demo model ``target`` to ``out``, as
-    EAGLE-1 checkpoints ship: the target's config with one decoder layer
-    (no input norm) and ``fc`` over [embedding | target hidden state]; no
-    embedding and no LM head, so vLLM shares the target's. Random weights
-    would propose tokens the target never takes; here ``fc`` passes the
-    target's hidden state on (plus a tenth of a random draw of the rest, as
-    do the layer's output projections), so the first draft is near the
-    target's last token and repeats get accepted: acceptance counts a test
-    can compare."""
+    the checkpoints ship: the target's config with one decoder layer and
+    ``fc`` over what it reads of the target; no embedding and no LM head,
+    so vLLM shares the target's. EAGLE-1 (``aux_layers`` None): the layer
+    has no input norm, ``fc`` reads [embedding | target hidden state].
+    EAGLE-3: ``fc`` reads the target's residual streams at ``aux_layers``
+    (``eagle_aux_hidden_state_layer_ids``; 0 is the embedding, the number
+    of layers the stream before the final norm), the layer's attention
+    [embedding | hidden state] (``midlayer``), with a final norm.
+
+    Random weights would propose tokens the target never takes; here ``fc``
+    passes the last stream it reads on (plus a tenth of a random draw of the
+    rest, as do the layer's output projections), so the first draft is near
+    the target's last token and repeats get accepted: acceptance counts a
+    test can compare."""
     import torch
     from safetensors.torch import save_file
 
@@ -361,22 +370,31 @@ def eagle_drafter(target: str | Path, out: str | Path, seed: int = 2) -> Path:
     def draw(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * std
 
-    layer = "layers.0."
+    def norm() -> torch.Tensor:
+        return torch.rand(hidden, generator=gen) + 0.5
+
+    eagle3 = aux_layers is not None
+    inputs = len(aux_layers) if eagle3 else 2  # fc's inputs, each [hidden]
+    qkv_in = 2 * hidden if eagle3 else hidden
+    fc = [draw(hidden, hidden) / 10 for _ in range(inputs)]
+    fc[-1] += torch.eye(hidden)
+    layer = "midlayer." if eagle3 else "layers.0."
     tensors = {
-        "fc.weight": torch.cat(
-            [draw(hidden, hidden) / 10, torch.eye(hidden) + draw(hidden, hidden) / 10],
-            dim=1,
-        ),
-        layer + "self_attn.q_proj.weight": draw(heads * head_dim, hidden),
-        layer + "self_attn.k_proj.weight": draw(kv_heads * head_dim, hidden),
-        layer + "self_attn.v_proj.weight": draw(kv_heads * head_dim, hidden),
+        "fc.weight": torch.cat(fc, dim=1),
+        layer + "self_attn.q_proj.weight": draw(heads * head_dim, qkv_in),
+        layer + "self_attn.k_proj.weight": draw(kv_heads * head_dim, qkv_in),
+        layer + "self_attn.v_proj.weight": draw(kv_heads * head_dim, qkv_in),
         layer + "self_attn.o_proj.weight": draw(hidden, heads * head_dim) / 10,
-        layer + "post_attention_layernorm.weight": torch.rand(hidden, generator=gen)
-        + 0.5,
+        layer + "post_attention_layernorm.weight": norm(),
         layer + "mlp.gate_proj.weight": draw(inter, hidden),
         layer + "mlp.up_proj.weight": draw(inter, hidden),
         layer + "mlp.down_proj.weight": draw(hidden, inter) / 10,
     }
+    if eagle3:
+        tensors[layer + "input_layernorm.weight"] = norm()
+        tensors[layer + "hidden_norm.weight"] = norm()
+        tensors["norm.weight"] = norm()
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layers)}
     save_file(tensors, out / "model.safetensors")
     config["num_hidden_layers"] = 1
     (out / "config.json").write_text(json.dumps(config, indent=2))

@@ -52,6 +52,12 @@ class DecodeExecutor(Protocol):
         """Run one decode step; return ``[B, hidden]`` final hidden states."""
         ...
 
+    def residual_stream(self, layer: int) -> torch.Tensor:
+        """``[B, hidden]`` of the last step: the residual stream entering
+        ``layer`` (0: the embedding; the number of layers: before the final
+        norm), as vLLM's models return it for an EAGLE-3 drafter."""
+        ...
+
 
 def decode_inputs(batch: DecodeBatch, layer_names: tuple[str, ...]) -> DecodeInputs:
     """The executor's inputs for the batch's real tokens (padding rows

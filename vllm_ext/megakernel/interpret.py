@@ -551,7 +551,12 @@ class ProgramExecutor:
     def step(self, inputs: DecodeInputs) -> torch.Tensor:
         batch = inputs.batch_size
         interp = self.interpreter(batch)
+        self._last = interp, batch
         return interp.step(pad_inputs(inputs, interp.program.batch))[:batch]
+
+    def residual_stream(self, layer: int) -> torch.Tensor:
+        interp, batch = self._last
+        return interp.buf["h"][layer][:batch].clone()
 
 
 def pad_inputs(inputs: DecodeInputs, batch: int) -> DecodeInputs:

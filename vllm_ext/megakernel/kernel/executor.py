@@ -123,4 +123,9 @@ class GpuExecutor:
         bucket = next((b for b in self.executors if b >= n), None)
         if bucket is None:
             raise MegakernelError(f"batch {n} is above the largest bucket")
+        self._last = self.executors[bucket], n
         return self.executors[bucket].step(inputs)
+
+    def residual_stream(self, layer: int) -> torch.Tensor:
+        executor, n = self._last
+        return executor.ws["h"][layer][:n].clone()
