@@ -1395,11 +1395,12 @@ def markdown(report: dict) -> str:
             f"| {f(ga)} | {f(floor)} | {ratio(floor, mk)} | {ratio(po, mk)} "
             f"| {ratio(ga, mk)} | {f'{err:.1e}' if err is not None else '-'} |"
         )
+    verify = report["manifest"].get("verify", {})
     # A variant's case is its default's name and "-VARIANT" (device_check.sh).
     variants = [
         (n, n.rsplit("-", 1)[0])
         for n in report["cases"]
-        if n.rsplit("-", 1)[0] in report["cases"]
+        if n.rsplit("-", 1)[0] in report["cases"] and n not in verify
     ]
     if variants:
         lines += [
@@ -1415,6 +1416,31 @@ def markdown(report: dict) -> str:
             ok = report["cases"][name]["correctness"].get("ok")
             lines.append(
                 f"| {name} | {ok} | {f(ref)} | {f(mine)} | {ratio(ref, mine)} |"
+            )
+    verified = [n for n in report["cases"] if n in verify]
+    if verified:
+        lines += [
+            "",
+            "Speculative verify steps (requests of 1 + k rows) against the "
+            "model's decode step at batch 1 and its decode step of as many rows "
+            "(same call):",
+            "",
+            "| case | correct | rows a request | verify ms | batch-1 decode ms "
+            "| verify / batch 1 | same-rows decode ms |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name in verified:
+            model, rows = re.fullmatch(r"(.*)-b(\d+)-verify\d+", name).groups()
+
+            def step_ms(case: str) -> float | None:
+                timing = report["cases"].get(case, {}).get("timing") or {}
+                return timing.get("megakernel_ms")
+
+            mine, one = step_ms(name), step_ms(f"{model}-b1")
+            ok = report["cases"][name]["correctness"].get("ok")
+            lines.append(
+                f"| {name} | {ok} | {verify[name]} | {f(mine)} | {f(one)} "
+                f"| {ratio(mine, one)} | {f(step_ms(f'{model}-b{rows}'))} |"
             )
     modelled = {
         n: c["timing"]

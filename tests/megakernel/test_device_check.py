@@ -531,7 +531,14 @@ def test_report_table():
     staged = {"correctness": {"ok": True}, "timing": {"megakernel_ms": 0.8}}
     report["cases"]["llama-3.2-1b-b1-split"] = staged
     report["cases"]["llama-3.2-1b-b1-legacy"] = {"correctness": {"ok": False}}
+    # A verify step of one request of 4 rows on the batch-4 kernel, against
+    # the batch-1 step (and the batch-4 decode step, not in this report).
+    report["manifest"]["verify"] = {"llama-3.2-1b-b4-verify4": 4}
+    report["cases"]["llama-3.2-1b-b4-verify4"] = {
+        "correctness": {"ok": True}, "timing": {"megakernel_ms": 1.1}}  # fmt: skip
     table = d.markdown(report)
+    assert "| llama-3.2-1b-b4-verify4 | True | 4 | 1.100 | 1.000 | 1.100 | - |" in table
+    assert "| llama-3.2-1b-b4-verify4 | True | 1.000 |" not in table  # (a variant)
     assert "| llama-3.2-1b-b1-split | True | 1.000 | 0.800 | 1.250 |" in table
     assert "| llama-3.2-1b-b1-legacy | False | 1.000 | - | - |" in table
     # floor = 2 GB at 4 TB/s = 0.5 ms: 0.5 of the floor, 1.5x the per-op step.
