@@ -199,11 +199,10 @@ def case_verify_tokens(case_dir: Path) -> int | None:
 
 def case_inputs(case_dir: Path, spec: ModelSpec, rows: int, seed: int,
                 max_len: int) -> DecodeInputs:  # fmt: skip
-    """A step's random inputs: a decode step of ``rows`` requests, or for a
-    verify case requests of its tokens (the last one fewer: ragged)."""
-    tokens = case_verify_tokens(case_dir)
-    if tokens is None:
-        return random_decode_inputs(spec, rows, seed=seed, max_len=max_len)
+    """A step's random inputs: a decode step of ``rows`` requests (one token
+    each), or for a verify case requests of its tokens (the last one fewer:
+    ragged)."""
+    tokens = case_verify_tokens(case_dir) or 1
     return random_verify_inputs(spec, rows, tokens, seed=seed, max_len=max_len)
 
 
@@ -1429,13 +1428,13 @@ def markdown(report: dict) -> str:
             "| verify / batch 1 | same-rows decode ms |",
             "|---|---|---|---|---|---|---|",
         ]
+
+        def step_ms(case: str) -> float | None:
+            timing = report["cases"].get(case, {}).get("timing") or {}
+            return timing.get("megakernel_ms")
+
         for name in verified:
             model, rows = re.fullmatch(r"(.*)-b(\d+)-verify\d+", name).groups()
-
-            def step_ms(case: str) -> float | None:
-                timing = report["cases"].get(case, {}).get("timing") or {}
-                return timing.get("megakernel_ms")
-
             mine, one = step_ms(name), step_ms(f"{model}-b1")
             ok = report["cases"][name]["correctness"].get("ok")
             lines.append(
