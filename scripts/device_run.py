@@ -75,7 +75,7 @@ from vllm_ext.megakernel.calibrate import (  # noqa: E402
 )
 from vllm_ext.megakernel.cost import DEVICES, predict  # noqa: E402
 from vllm_ext.megakernel.interpret import ProgramInterpreter, pad_inputs  # noqa: E402
-from vllm_ext.megakernel.isa import NO_COUNTER, Op  # noqa: E402
+from vllm_ext.megakernel.isa import NO_COUNTER, Instruction, Op  # noqa: E402
 from vllm_ext.megakernel.kernel.launcher import (  # noqa: E402
     KernelExecutor,
     KernelLibrary,
@@ -100,6 +100,7 @@ from vllm_ext.megakernel.ops import (  # noqa: E402
 )
 from vllm_ext.megakernel.planner import plan, qkv_parts_to_fill  # noqa: E402
 from vllm_ext.megakernel.variants import KERNEL  # noqa: E402
+from vllm_ext.megakernel.verify import stuck_heads  # noqa: E402
 from vllm_ext.model_spec import MlaSpec, ModelSpec, MoeSpec  # noqa: E402
 from vllm_ext.runner import DecodeInputs  # noqa: E402
 from vllm_ext.testing import (  # noqa: E402
@@ -377,8 +378,10 @@ def correctness(case_dir: Path) -> dict:
     )
     interp = None if local else ProgramInterpreter(program, weights, seed=0)
     flashinfer = None if local else FlashInferDecode.load(case_dir.parent)
+    progress(f"{case_dir.name}: weights and executor ready")
     steps = []
     for step in range(STEPS):
+        progress(f"{case_dir.name}: step {step}")
         # A full bucket, then fewer requests (padded rows) on later steps.
         n = program.batch if step == 0 else max(1, program.batch - step)
         inputs = case_inputs(case_dir, spec, n, seed=100 + step, max_len=CONTEXT)
@@ -390,13 +393,16 @@ def correctness(case_dir: Path) -> dict:
         ex.step(mine)
         sync()
         counters_ok = bool(ex.counters[-1].item() == step + 1)
+        progress(f"{case_dir.name}: step {step} ran")
         errs = local_errors(ex, spec, mine, n, before)
+        progress(f"{case_dir.name}: step {step} judged")
         if local:
             ok = all(passes(v) for v in errs.values())
             steps.append({"batch": n, "errors": errs, "ok": ok,
                           "counters_ok": counters_ok})  # fmt: skip
             continue
         interp.step(pad_inputs(inputs, program.batch))
+        progress(f"{case_dir.name}: step {step} interpreted")
         ref = interp.buf
         drift = {}
         for name in DRIFT_BUFFERS:
@@ -1228,10 +1234,11 @@ def read_bandwidth() -> float:
 
 def abort_check(case_dir: Path) -> dict:
     """A program with one wait that can never be met: the step ends (every
-    CTA leaves: no hang, no trap), its abort record names that wait (SM,
-    instruction, counter), and the CUDA context survives: a fresh executor
-    of the correct program, in this process, runs a step whose logits match
-    the program interpreter's (what the server does next: vLLM's decode)."""
+    CTA leaves: no hang, no trap), its abort record names a wait that this
+    hang starves (starved_wait), and the CUDA context survives: a fresh
+    executor of the correct program, in this process, runs a step whose
+    logits match the program interpreter's (what the server does next:
+    vLLM's decode)."""
     spec, program = load_case(case_dir)
     weights = random_weights(spec, seed=1, device=DEVICE)
     ex, _ = make_executor(case_dir, program, weights, 8)
@@ -1256,7 +1263,13 @@ def abort_check(case_dir: Path) -> dict:
         AbortWord.FLAG: 1, AbortWord.SM: sm, AbortWord.INDEX: idx,
         AbortWord.COUNTER: counter, AbortWord.WHAT: AbortWhat.INPUTS,
     }  # fmt: skip
-    named = all(record[w] == v for w, v in expected.items())
+    stuck = stuck_heads(
+        [
+            [Instruction.from_words(w) for w in queue[s, : int(n)].tolist()]
+            for s, n in enumerate(ex.lengths.tolist())
+        ]
+    )
+    named = starved_wait(record, stuck, queue)
     # The context is alive: the correct program, from a fresh executor.
     fresh, _ = make_executor(case_dir, program, weights, 8)
     inputs = _to(random_decode_inputs(spec, program.batch, seed=4, max_len=40), DEVICE)
@@ -1267,8 +1280,39 @@ def abort_check(case_dir: Path) -> dict:
     after = rel_err(fresh.logits[: program.batch], interp.logits)
     clean = fresh.abort.cpu().tolist()[AbortWord.FLAG] == 0
     return {"ok": named and clean and after < ALIVE_TOL, "seconds": seconds,
-            "record": record, "expected": {int(k): int(v) for k, v in expected.items()},
+            "record": record, "planted": {int(k): int(v) for k, v in expected.items()},
+            "names_planted": all(record[w] == v for w, v in expected.items()),
+            "starved_sms": len(stuck), "names_starved": named,
             "logits_rel_err_after": after, "fresh_record_clear": clean}  # fmt: skip
+
+
+# The waits of a CTA's own pipeline (controller, producer, consumers): each
+# is starved when the CTA's queue is held by an unmet input wait.
+PIPELINE_WAITS = (
+    AbortWhat.INSTRUCTION,
+    AbortWhat.INSTRUCTION_SLOT,
+    AbortWhat.WEIGHT_SLOT,
+    AbortWhat.WEIGHT_PAGE,
+)
+
+
+def starved_wait(record: list[int], stuck: dict[int, int], queue) -> bool:
+    """Whether an abort record names a wait the planted hang starves. Every
+    CTA's waits share one spin bound, and the one that expires first need
+    not be the planted wait (on an H200 a producer downstream of it expired
+    first), so the record is right if it names an SM that cannot finish
+    (``stuck``: verify.stuck_heads of the planted queues) and, for an
+    input wait, the very instruction and counter that hold it there."""
+    if record[AbortWord.FLAG] != 1 or record[AbortWord.SM] not in stuck:
+        return False
+    sm, what = record[AbortWord.SM], record[AbortWord.WHAT]
+    if what == AbortWhat.INPUTS:
+        idx = stuck[sm]
+        return (record[AbortWord.INDEX], record[AbortWord.COUNTER]) == (
+            idx,
+            int(queue[sm, idx, 4]),
+        )
+    return what in PIPELINE_WAITS
 
 
 # Layers of the program run under compute-sanitizer: every instruction kind
@@ -1288,7 +1332,8 @@ def sanitize_step(case_dir: Path) -> dict:
         case_dir, program, weights, (CONTEXT + BLOCK_SIZE - 1) // BLOCK_SIZE
     )
     ex.max_spins = 1 << 30
-    for step in range(2):
+    for step in range(int(os.environ.get("DEVICE_SANITIZE_STEPS", "2"))):
+        progress(f"sanitize: step {step}")
         n = max(1, program.batch - step)
         ex.step(_to(random_decode_inputs(spec, n, seed=7 + step, max_len=CONTEXT),
                     DEVICE))  # fmt: skip
@@ -1300,7 +1345,17 @@ def sanitize_step(case_dir: Path) -> dict:
 # ---------------------------------------------------------------- driver
 
 
-def run_child(what: str, case: Path, timeout: int, prefix: list[str] | None = None):
+LOG_CHARS = 200_000
+
+
+def progress(what: str) -> None:
+    """A child's progress line on stderr: kept in the report's tail when the
+    child times out, so it says where."""
+    print(f"[{time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
+
+
+def run_child(what: str, case: Path, timeout: int, prefix: list[str] | None = None,
+              log: Path | None = None):  # fmt: skip
     """A child process's verdict: its last JSON line (a wrapper such as
     compute-sanitizer prints its summary after it), with the JSON lines that
     name a ``part`` under ``parts`` (a ``case`` child reports correctness,
@@ -1313,15 +1368,21 @@ def run_child(what: str, case: Path, timeout: int, prefix: list[str] | None = No
         out, rc, why = proc.stdout + proc.stderr, proc.returncode, None
         stdout = proc.stdout
     except subprocess.TimeoutExpired as e:
-        # (Captured output comes as bytes here, text=True or not.)
+        # (Captured output comes as bytes here, text=True or not.) stderr
+        # holds the child's progress lines: where a timeout struck.
         stdout = (e.stdout or b"").decode(errors="replace")
-        out, rc, why = stdout, None, f"timeout after {timeout} s"
+        out = stdout + (e.stderr or b"").decode(errors="replace")
+        rc, why = None, f"timeout after {timeout} s"
     found = [json.loads(ln) for ln in stdout.splitlines() if ln.startswith("{")]
     result = dict(found[-1]) if found else {"ok": False}
     if rc != 0:
         result.update(ok=False, **({"rc": rc} if rc is not None else {"why": why}))
     result["seconds"] = round(time.time() - t0, 1)
     result["tail"] = out[-1500:]
+    if log is not None:  # the whole output (a sanitizer's report), capped
+        if len(out) > 2 * LOG_CHARS:
+            out = out[:LOG_CHARS] + "\n[...]\n" + out[-LOG_CHARS:]
+        log.write_text(out)
     parts = {d.pop("part"): d for d in found if "part" in d}
     if parts:
         result["parts"] = parts
@@ -1546,11 +1607,18 @@ def planted_bug(case: Path) -> str:
     return torch.load(case / "program.pt")["shape"].get("planted_bug", "")
 
 
-# compute-sanitizer tools and their arguments: memcheck (global memory) and
-# racecheck (shared memory only). Each must pass for a passed verdict.
+# compute-sanitizer tools: their arguments, kernel steps and time limit (s).
+# memcheck (global memory) on two steps (the second reuses the first's
+# counters); racecheck (shared memory only) on one: two did not end in
+# 120 s on an H200. Each must pass for a passed verdict; each one's whole
+# output is kept beside the report (OUT/<tool>.log).
 SANITIZERS = {
-    "memcheck": ["--tool", "memcheck"],
-    "racecheck": ["--tool", "racecheck", "--racecheck-report", "hazard"],
+    "memcheck": (["--tool", "memcheck"], 2, 120),
+    "racecheck": (
+        ["--tool", "racecheck", "--racecheck-report", "hazard", "--print-limit", "100"],
+        1,
+        240,
+    ),
 }
 # What compute-sanitizer prints when it cannot run on the machine at all
 # (gVisor: KINDS.md), as opposed to finding an error.
@@ -1613,14 +1681,14 @@ def main() -> int:
     # planted in.
     cases.sort(key=lambda case: case.name != manifest.get("first"))
 
-    def run(what: str, case: Path, limit: int, prefix=None) -> dict:
+    def run(what: str, case: Path, limit: int, prefix=None, log=None) -> dict:
         """A child run, or a skip when the call's time is nearly spent (the
         whole check must end inside one device call)."""
         left = int(deadline - time.time())
         if left < 30:
             report["skipped"].append(f"{what} {case.name}")
             return {"ok": None, "why": "skipped: out of time"}
-        result = run_child(what, case, min(limit, left), prefix)
+        result = run_child(what, case, min(limit, left), prefix, log)
         parts = result.get("parts") or {what: result}
         verdicts = ", ".join(f"{p} ok={r.get('ok', True)}" for p, r in parts.items())
         print(f"[device_run] {what} {case.name}: {verdicts} in "
@@ -1690,13 +1758,14 @@ def main() -> int:
         )  # fmt: skip
         save()
     if sanitizer:
-        for tool, args in SANITIZERS.items():
-            limit = 120
+        for tool, (args, steps, limit) in SANITIZERS.items():
             # Without torch's caching allocator every buffer is its own
             # allocation, so memcheck sees a store past its end.
-            prefix = ["env", "PYTORCH_NO_CUDA_MEMORY_CACHING=1", sanitizer, *args,
+            prefix = ["env", "PYTORCH_NO_CUDA_MEMORY_CACHING=1",
+                      f"DEVICE_SANITIZE_STEPS={steps}", sanitizer, *args,
                       "--error-exitcode", "3"]  # fmt: skip
-            result = run("sanitize", cases[0], limit, prefix)
+            result = run("sanitize", cases[0], limit, prefix,
+                         log=out / f"{tool}.log")  # fmt: skip
             report["sanitizer"][tool] = {"case": cases[0].name,
                                          **sanitizer_status(result, limit)}  # fmt: skip
             save()

@@ -154,10 +154,10 @@ class KernelStandIn:
                               dtype=torch.int32)  # fmt: skip
         unmet = _unmet_wait(queue, lengths) if self.aborts else None
         if unmet is not None and not record[AbortWord.FLAG]:
-            sm, pc, counter, count, sent = unmet
+            sm, pc, counter, count, sent, what = unmet
             epoch = interp.epoch + 1
             record.copy_(torch.tensor([1, sm, pc, counter, epoch * count, epoch * sent,
-                                       AbortWhat.INPUTS, p.batch],
+                                       what, p.batch],
                                       dtype=torch.int32))  # fmt: skip
         if record[AbortWord.FLAG]:
             # Every CTA ran through its queue without waiting: garbage.
@@ -429,8 +429,9 @@ class RankSetStandIn:
 
 
 def _unmet_wait(queue: torch.Tensor, lengths: torch.Tensor) -> tuple | None:
-    """(sm, pc, counter, count awaited, signals sent) of the first wait in
-    queue order that the step's signals cannot meet, or None."""
+    """(sm, pc, counter, count awaited, signals sent, AbortWhat.INPUTS) of
+    the first wait in queue order that the step's signals cannot meet, or
+    None."""
     live = [queue[sm, : int(n)] for sm, n in enumerate(lengths.tolist())]
     sent: dict[int, int] = {}
     for words in live:
@@ -440,7 +441,7 @@ def _unmet_wait(queue: torch.Tensor, lengths: torch.Tensor) -> tuple | None:
     for sm, words in enumerate(live):
         for pc, (counter, count) in enumerate(words[:, 4:6].tolist()):
             if counter != NO_COUNTER and count > sent.get(counter, 0):
-                return sm, pc, counter, count, sent.get(counter, 0)
+                return sm, pc, counter, count, sent.get(counter, 0), AbortWhat.INPUTS
     return None
 
 

@@ -24,13 +24,19 @@ from vllm_ext.demo_models import hf_config
 from vllm_ext.megakernel.build import save_program
 from vllm_ext.megakernel.calibrate import probe
 from vllm_ext.megakernel.cost import DEVICES, predict
-from vllm_ext.megakernel.isa import NO_COUNTER, Op
+from vllm_ext.megakernel.isa import NO_COUNTER, Instruction, Op
 from vllm_ext.megakernel.kernel.launcher import KernelExecutor
 from vllm_ext.megakernel.kernel.ops.prefetch import PREFETCH_BYTES
 from vllm_ext.megakernel.kernel.ops.weight_pipe import L2_AHEAD_PAGES
 from vllm_ext.megakernel.kernel.persistent import ring_slots
-from vllm_ext.megakernel.kernel.shape import PAGE_BYTES, KernelShape
+from vllm_ext.megakernel.kernel.shape import (
+    PAGE_BYTES,
+    AbortWhat,
+    AbortWord,
+    KernelShape,
+)
 from vllm_ext.megakernel.planner import plan
+from vllm_ext.megakernel.verify import stuck_heads
 from vllm_ext.model_spec import ModelSpec
 from vllm_ext.testing import BLOCK_SIZE, random_weights
 
@@ -291,6 +297,53 @@ def test_the_abort_check_fails_a_kernel_that_does_not_say(harness, monkeypatch):
     d, case, _ = harness
     result = d.abort_check(case)
     assert not result["ok"] and result["record"][0] == 0
+
+
+@pytest.mark.parametrize("harness", [MOE], ids=["moe"], indirect=True)
+@pytest.mark.parametrize(
+    "which, ok",
+    [("downstream", True), ("producer", True), ("unstarved", False),
+     ("bad_opcode", False)],
+)  # fmt: skip
+def test_the_abort_check_takes_any_wait_the_hang_starves(harness, monkeypatch,
+                                                         which, ok):  # fmt: skip
+    """The first wait to expire need not be the planted one (on an H200 a
+    producer's wait for a free weight page on another SM expired first):
+    the check takes a record naming a wait the hang starves, an input wait
+    at a stuck SM's head or a pipeline wait of a stuck SM, and fails one
+    naming an SM that finishes, or no wait at all."""
+    import kernel_standin
+
+    planted_wait = kernel_standin._unmet_wait
+
+    def unmet(queue, lengths):
+        found = planted_wait(queue, lengths)
+        if found is None:
+            return None
+        queues = [[Instruction.from_words(w) for w in queue[s, : int(n)].tolist()]
+                  for s, n in enumerate(lengths.tolist())]  # fmt: skip
+        stuck = stuck_heads(queues)
+        free = [sm for sm in range(len(queues)) if sm not in stuck]
+        later = [sm for sm in stuck if sm != found[0]]
+        assert later and free  # a hang on one SM starves others, not all
+        sm = {"downstream": later[-1], "producer": later[0],
+              "unstarved": free[0], "bad_opcode": later[0]}[which]  # fmt: skip
+        pc = stuck[sm] if which != "unstarved" else 0
+        counter = int(queue[sm, pc, 4])
+        what = {
+            "producer": AbortWhat.WEIGHT_SLOT,
+            "bad_opcode": AbortWhat.BAD_OPCODE,
+        }.get(which, AbortWhat.INPUTS)
+        record.update(sm=sm)
+        return sm, pc, counter, 1, 0, what
+
+    record: dict = {}
+    monkeypatch.setattr(kernel_standin, "_unmet_wait", unmet)
+    d, case, _ = harness
+    result = d.abort_check(case)
+    assert result["record"][AbortWord.SM] == record["sm"]
+    assert not result["names_planted"]
+    assert result["names_starved"] is ok and result["ok"] is ok, result
 
 
 @pytest.mark.parametrize("harness", [{}, HEADS], ids=["plain", "heads"],
@@ -672,7 +725,7 @@ def _driver(d, tmp_path, monkeypatch, outcomes: dict):
     runs, and for the sanitizer by its tool): correct and clean unless told."""
     calls = []
 
-    def run_child(what, case, timeout, prefix=None):
+    def run_child(what, case, timeout, prefix=None, log=None):
         tool = prefix[prefix.index("--tool") + 1] if prefix else None
         calls.append((what, case.name, tool))
         if what == "abort":

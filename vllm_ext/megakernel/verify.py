@@ -323,13 +323,10 @@ def _check_counting(ranks: _RankSet, queues) -> None:
                 )
 
 
-def _simulate(queues, where=lambda sm: f"SM {sm}") -> list[tuple[int, int]]:
-    """One maximal run; raise if it gets stuck."""
-    need = defaultdict(int)
-    for q in queues:
-        for instr in q:
-            if instr.signal_counter != NO_COUNTER:
-                need[instr.signal_counter] += 1
+def _run(queues):
+    """One maximal run of the queues, every instruction as soon as its wait
+    is met: the order they ran in, where each queue stopped, and the counts
+    reached."""
     count: dict[int, int] = defaultdict(int)
     pos = [0] * len(queues)
     blocked: dict[int, list[int]] = defaultdict(list)
@@ -353,6 +350,21 @@ def _simulate(queues, where=lambda sm: f"SM {sm}") -> list[tuple[int, int]]:
                 if woken:
                     blocked[s] = [w for w in blocked[s] if w not in woken]
                     ready.extend(woken)
+    return schedule, pos, count
+
+
+def stuck_heads(queues) -> dict[int, int]:
+    """Each queue that cannot finish, and the instruction whose wait holds
+    it: {queue: index}. Empty for a program that runs through. The GPU
+    check's abort case uses it to tell which waits a planted hang starves
+    (any of them may be the first whose bounded wait expires)."""
+    _, pos, _ = _run(queues)
+    return {sm: p for sm, p in enumerate(pos) if p < len(queues[sm])}
+
+
+def _simulate(queues, where=lambda sm: f"SM {sm}") -> list[tuple[int, int]]:
+    """One maximal run; raise if it gets stuck."""
+    schedule, pos, count = _run(queues)
     stuck = [
         f"{where(sm)} #{pos[sm]} {queues[sm][pos[sm]]} (counter at "
         f"{count[queues[sm][pos[sm]].wait_counter]})"
