@@ -398,6 +398,7 @@ def correctness(case_dir: Path) -> dict:
         progress(f"{case_dir.name}: step {step} judged")
         if local:
             ok = all(passes(v) for v in errs.values())
+            progress(f"{case_dir.name}: step {step} ok={ok}")
             steps.append({"batch": n, "errors": errs, "ok": ok,
                           "counters_ok": counters_ok})  # fmt: skip
             continue
@@ -436,6 +437,7 @@ def correctness(case_dir: Path) -> dict:
             errs["flashinfer_vs_reference"]["counted"] = False
         ok = all(passes(v) for v in errs.values() if v.get("counted", True))
         ok = ok and all(a or not c for a, c in zip(agree, clear, strict=True))
+        progress(f"{case_dir.name}: step {step} ok={ok}")
         steps.append({
             "batch": n, "errors": errs, "drift": drift,
             "greedy_agree": f"{sum(agree)}/{n}",
