@@ -3,17 +3,29 @@
 machine's build lacks or runs with other numerics (test code only).
 
 - INT4 W4A16: vLLM's x86 CPU wheel loads one of three op libraries by the
-  CPU's ISA; the AVX2 one has no ``cpu_gemm_wna16``, so vLLM cannot serve
-  an INT4 checkpoint there. ``install`` puts in its place a PyTorch GEMM
-  over the same packed operands, with vLLM's GPU numerics (Marlin's: a
-  weight is ``bf16((q - 8) * s)``, products summed in fp32, the output
-  rounded to the activations' dtype); where the op exists it is used.
+  CPU's ISA, and its ``cpu_gemm_wna16`` differs with them: absent from the
+  AVX2 one, without fp32 where the CPU has AMX (and there, in bf16, vLLM
+  runs W4A8 instead unless ``VLLM_CPU_INT4_W4A8=0``, which ``install``
+  sets). Always replaced, by a PyTorch GEMM over the same packed operands
+  with vLLM's GPU numerics (Marlin's: a weight is ``bf16((q - 8) * s)``,
+  products summed in fp32, the output rounded to the activations' dtype).
 - FP8 with 128x128 blocks: vLLM's CPU kernel needs AMX, and runs W8A16
   where a GPU runs W8A8 (activations quantized per token in groups of
   128). Always replaced, by the GPU's numerics (vLLM's Triton
   ``w8a8_block_fp8_matmul``: per K block, the e4m3 products summed in fp32,
   times the token group's and the weight block's scales, accumulated in
   fp32), the weights kept as loaded.
+
+- INT4 W4A16 mixtures of experts: vLLM's CPU experts (``CPUExpertsInt4``)
+  need AMX, take only scales of a whole row (no CPU backend of vLLM's
+  serves a checkpoint's groups of 32), and compute W4A8 (activations
+  quantized to int8) where a GPU's Marlin MoE computes W4A16. Always
+  replaced, by Marlin's numerics over
+  the checkpoint's packed experts kept as loaded (``[E, N, K / 8]`` int32,
+  scales ``[E, N, K / group]``): a weight ``(q - 8) * s`` rounded to the
+  activations' dtype, each GEMM summed in fp32 and rounded to it, SiLU of
+  the gate times the up rounded to it, the top-k outputs weighted and
+  summed in fp32.
 
 So prefill and vLLM's default decode run on every machine of the project's
 kind, with the numerics a GPU serves the checkpoint with.
@@ -22,13 +34,6 @@ kind, with the numerics a GPU serves the checkpoint with.
 from __future__ import annotations
 
 import torch
-
-
-def has_op(name: str) -> bool:
-    from vllm.platforms import current_platform
-
-    current_platform.import_kernels()
-    return hasattr(torch.ops._C, name)
 
 
 def unpack_cpu_wna16(q_weight: torch.Tensor, input_size: int) -> torch.Tensor:
@@ -116,14 +121,74 @@ def _install_fp8_blocks(monkeypatch) -> None:
     monkeypatch.setattr(Kernel, "apply_weights", apply_weights)
 
 
+def unpack_int4_experts(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors ``pack-quantized`` experts ``[E, N, K / 8]`` int32
+    and their scales ``[E, N, K / group]`` -> weights ``[E, N, K]`` in the
+    scales' dtype, ``q * s`` rounded once (compressed-tensors' own
+    unpacking: its codes are the signed values)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import (
+        unpack_from_int32,
+    )
+
+    e, n, words = packed.shape
+    codes = unpack_from_int32(packed, 4, torch.Size((e, n, words * 8)))
+    group = codes.shape[-1] // scales.shape[-1]
+    return codes.to(scales.dtype) * scales.repeat_interleave(group, dim=-1)
+
+
+def int4_fused_experts(x, w13, w2, s13, s2, topk_weights, topk_ids) -> torch.Tensor:
+    """Marlin's W4A16 mixture over packed experts, in PyTorch."""
+    dtype = x.dtype
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32)
+    for e in topk_ids.unique().tolist():
+        tokens, slot = (topk_ids == e).nonzero(as_tuple=True)
+        up = unpack_int4_experts(w13[e : e + 1], s13[e : e + 1])[0].to(dtype)
+        down = unpack_int4_experts(w2[e : e + 1], s2[e : e + 1])[0].to(dtype)
+        h = (x[tokens].float() @ up.float().t()).to(dtype)
+        gate, val = h.chunk(2, dim=-1)
+        act = (torch.nn.functional.silu(gate.float()) * val.float()).to(dtype)
+        y = (act.float() @ down.float().t()).to(dtype)
+        out.index_add_(0, tokens, y.float() * topk_weights[tokens, slot, None].float())
+    return out.to(dtype)
+
+
+def _install_int4_experts(monkeypatch) -> None:
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUExpertsInt4
+    from vllm.model_executor.layers.fused_moe.oracle import int_wna16
+    from vllm.scalar_type import scalar_types
+
+    def keep_as_loaded(quant_config, w13, w2, w13_scale, w2_scale, *args, **kw):
+        # (The method then registers zero points for the CPU backend.)
+        zeros = [torch.zeros(1, dtype=torch.int32) for _ in range(2)]
+        return (w13, w2, w13_scale, w2_scale, *zeros, None, None, None, None)
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids,
+              *args, **kwargs):  # fmt: skip
+        q = self.quant_config
+        out = int4_fused_experts(hidden_states, w1, w2, q.w1_scale, q.w2_scale,
+                                 topk_weights, topk_ids)  # fmt: skip
+        output.copy_(out)
+
+    def int4_groups(weight_key, activation_key):
+        # vLLM's CPU experts take kInt4Static (scales of a whole row) only:
+        # a checkpoint's groups of 32 meet no CPU backend of vLLM's.
+        return activation_key is None and weight_key.dtype == scalar_types.uint4b8
+
+    monkeypatch.setattr(CPUExpertsInt4, "_supports_current_device",
+                        staticmethod(lambda: True))  # fmt: skip
+    monkeypatch.setattr(CPUExpertsInt4, "_supports_quant_scheme",
+                        staticmethod(int4_groups))  # fmt: skip
+    monkeypatch.setattr(int_wna16, "_process_weights_cpu", keep_as_loaded)
+    monkeypatch.setattr(CPUExpertsInt4, "apply", apply)
+
+
 def install(monkeypatch) -> list[str]:
     """Put the stand-ins in (the engine must run in this process); returns
     what they replace."""
     from vllm import _custom_ops as ops
 
-    swapped = ["CPUFp8BlockScaledMMKernel"]
     _install_fp8_blocks(monkeypatch)
-    if not has_op("cpu_gemm_wna16"):
-        monkeypatch.setattr(ops, "cpu_gemm_wna16", gemm_wna16)
-        swapped.append("cpu_gemm_wna16")
-    return swapped
+    _install_int4_experts(monkeypatch)
+    monkeypatch.setenv("VLLM_CPU_INT4_W4A8", "0")
+    monkeypatch.setattr(ops, "cpu_gemm_wna16", gemm_wna16)
+    return ["CPUFp8BlockScaledMMKernel", "CPUExpertsInt4", "cpu_gemm_wna16"]

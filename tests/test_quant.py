@@ -172,14 +172,68 @@ def test_int4_runs_in_reference_mode_only():
         backend._check_gpu_kernel(None, spec)
 
 
-def test_int4_mixtures_are_refused_by_name():
+@pytest.mark.parametrize(
+    "config, refused",
+    [
+        (_ct({"group_size": 32}), None),  # Kimi-K2-Thinking's experts' format
+        ({"quant_method": "gptq", "bits": 4, "group_size": 64, "sym": True,
+          "desc_act": False}, "int4-w4a16 \\(gptq\\) mixtures"),
+        (_ct(FP8_CHANNEL, FP8_TOKEN, "float-quantized"), "fp8-w8a8 .* mixtures"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128]},
+         "fp8-block128 .* mixtures"),
+    ],
+    ids=["pack-quantized", "gptq", "fp8-channel", "fp8-block"],
+)  # fmt: skip
+def test_quantized_mixtures_taken_and_refused_by_name(config, refused):
     from vllm_ext.demo_models import hf_config
     from vllm_ext.model_spec import ModelSpec, UnsupportedModelError
 
-    config = hf_config("qwen3_moe")
-    config.quantization_config = _ct({"group_size": 32})
-    with pytest.raises(UnsupportedModelError, match="int4-w4a16 mixtures"):
-        ModelSpec.from_hf_config(config, torch.bfloat16, 512)
+    hf = hf_config("qwen3_moe")
+    hf.quantization_config = config
+    if refused is not None:
+        with pytest.raises(UnsupportedModelError, match=refused):
+            ModelSpec.from_hf_config(hf, torch.bfloat16, 512)
+        return
+    spec = ModelSpec.from_hf_config(hf, torch.bfloat16, 512)
+    assert spec.moe is not None and spec.quant == quant_format(config)
+
+
+def _int4_experts(e: int, n: int, k: int, group: int = 32):
+    """Random experts packed as compressed-tensors packs them, and their
+    weights ``[E, N, K]`` dequantized by compressed-tensors' own unpacking
+    (tests/cpu_quant_ops.py)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from tests.cpu_quant_ops import unpack_int4_experts
+
+    torch.manual_seed(0)
+    drawn = [quantize_int4(torch.randn(n, k), group) for _ in range(e)]
+    packed = torch.stack([pack_to_int32(codes, 4) for codes, _ in drawn])
+    scales = torch.stack([s for _, s in drawn])
+    return packed, scales, unpack_int4_experts(packed, scales)
+
+
+def test_int4_experts_read_as_compressed_tensors_unpacks_them():
+    """The backend's reading of vLLM's loaded INT4 experts (its own
+    unpacking) equals compressed-tensors' dequantization bit for bit, for
+    gate/up and down alike; a layout vLLM repacked is refused by name."""
+    from types import SimpleNamespace
+
+    from vllm_ext.quant import int4_experts
+
+    e, h, inter = 3, 64, 96
+    w13p, w13s, w13 = _int4_experts(e, 2 * inter, h)
+    w2p, w2s, w2 = _int4_experts(e, h, inter)
+    experts = SimpleNamespace(
+        w13_weight_packed=w13p, w13_weight_scale=w13s,
+        w2_weight_packed=w2p, w2_weight_scale=w2s, quant_method=object(),
+    )  # fmt: skip
+    up, down = int4_experts(experts, e, h, inter)
+    assert torch.equal(up.dequantize().view(e, 2 * inter, h), w13)
+    assert torch.equal(down.dequantize().view(e, h, inter), w2)
+    experts.w2_weight_packed = w2p.transpose(1, 2).contiguous()  # K-first
+    with pytest.raises(ValueError, match="INT4 w2 experts are held as"):
+        int4_experts(experts, e, h, inter)
 
 
 def test_fp8_per_channel_is_taken():
@@ -284,3 +338,33 @@ def test_weight_bytes_count_codes_and_scales():
     assert int4.weight_bytes(rows, cols, 2) == rows * cols // 2 + rows * 112 * 2
     assert channel.weight_bytes(rows, cols, 2) == rows * cols + rows * 4
     assert blocks.weight_bytes(rows, cols, 2) == rows * cols + 32 * 112 * 4
+
+
+def test_planner_counts_int4_experts():
+    """A pack-quantized Qwen3-MoE's step: the experts' bytes in the floor
+    are their codes and group scales (the embedding, norms and router stay
+    bf16)."""
+    from vllm_ext.demo_models import hf_config
+    from vllm_ext.megakernel.cost import DEVICES
+    from vllm_ext.megakernel.isa import Op
+    from vllm_ext.megakernel.planner import plan
+    from vllm_ext.model_spec import ModelSpec
+
+    hf = hf_config("qwen3_moe")
+    dense = ModelSpec.from_hf_config(hf, torch.bfloat16, 512)
+    hf.quantization_config = _ct({"group_size": 32})
+    int4 = ModelSpec.from_hf_config(hf, torch.bfloat16, 512)
+    bf16_plan, int4_plan = (plan(s, 1, DEVICES["h200"]) for s in (dense, int4))
+
+    def experts(p, op: Op) -> int:
+        """The routed experts' weight bytes of ``op``, less the RMSNorm
+        weight each EXPERT_UP tile reads in the model dtype."""
+        tiles = [i for q in p.queues for i in q if i.op == op]
+        norms = len(tiles) * dense.hidden_size * 2 if op == Op.EXPERT_UP else 0
+        return sum(p.routed_weight_bytes(i) for i in tiles) - norms
+
+    # Half a byte a weight plus a bf16 scale a group of 32: 9/32 of bf16's 2.
+    for op in (Op.EXPERT_UP, Op.EXPERT_DOWN):
+        assert experts(bf16_plan, op) > 0
+        assert experts(int4_plan, op) * 32 == experts(bf16_plan, op) * 9
+    assert int4_plan.weight_bytes() < bf16_plan.weight_bytes()

@@ -29,6 +29,10 @@ FORMATS = ("pack-quantized", "gptq", "fp8-channel", "fp8-block")
 GROUP_SIZE = {"pack-quantized": 32, "gptq": 64}  # as the real checkpoints
 # Weights left unquantized: vLLM's loaders keep these in the model dtype.
 KEEP = ("embed_tokens", "lm_head", "norm", "mlp.gate.", "e_score_correction_bias")
+# compressed-tensors' names of those layers: the LM head, and in a mixture
+# the router (a Linear too).
+IGNORE = ["lm_head"]
+ROUTER = "re:.*mlp[.]gate$"
 
 
 def quantize_int4(
@@ -101,7 +105,7 @@ def _fp8_block(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
     return {name: codes.view(n, k), name.replace(".weight", ".weight_scale_inv"): scale}
 
 
-def quantization_config(fmt: str) -> dict:
+def quantization_config(fmt: str, mixture: bool = False) -> dict:
     if fmt == "fp8-block":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": [128, 128]}  # fmt: skip
@@ -111,7 +115,7 @@ def quantization_config(fmt: str) -> dict:
             "quant_method": "compressed-tensors",
             "format": "float-quantized",
             "quantization_status": "compressed",
-            "ignore": ["lm_head"],
+            "ignore": IGNORE + [ROUTER] * mixture,
             "config_groups": {
                 "group_0": {
                     "targets": ["Linear"],
@@ -129,7 +133,7 @@ def quantization_config(fmt: str) -> dict:
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
         "quantization_status": "compressed",
-        "ignore": ["lm_head"],
+        "ignore": IGNORE + [ROUTER] * mixture,
         "config_groups": {
             "group_0": {
                 "targets": ["Linear"],
@@ -174,7 +178,9 @@ def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str) -> Path:
             tensors[name] = t
     save_file(tensors, out / "model.safetensors")
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = quantization_config(fmt)
+    mixture = any(k in config for k in ("num_experts", "num_local_experts",
+                                        "n_routed_experts"))  # fmt: skip
+    config["quantization_config"] = quantization_config(fmt, mixture)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     meta = json.loads((src / "demo_model.json").read_text()) | {"quant": fmt}
     (out / "demo_model.json").write_text(json.dumps(meta))

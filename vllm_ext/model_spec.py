@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from vllm_ext.quant import QuantFormat, quant_format
+from vllm_ext.quant import PACK_QUANTIZED, QuantFormat, quant_format
 
 # Architecture -> (has QKV bias, has per-head QK RMSNorm).
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
@@ -225,7 +225,12 @@ class ModelSpec:
             "partial rotary embedding",
         )
         moe = _moe_spec(arch, hf_config, need) if arch in MOE_ARCHITECTURES else None
-        need(quant is None or moe is None, f"{quant and quant.name} mixtures (yet)")
+        # Mixtures: INT4 experts as compressed-tensors packs them (Kimi-K2-
+        # Thinking's format); GPTQ's and FP8's experts not yet.
+        need(
+            quant is None or moe is None or quant.checkpoint == PACK_QUANTIZED,
+            f"{quant and quant.name} ({quant and quant.checkpoint}) mixtures (yet)",
+        )
         return cls(
             architecture=arch,
             dtype=dtype,

@@ -55,6 +55,9 @@ class QuantFormat:
 
 
 INT4_W4A16 = "int4-w4a16"
+# compressed-tensors' INT4 checkpoints: the one format whose mixtures the
+# backend reads (``int4_experts``).
+PACK_QUANTIZED = "compressed-tensors pack-quantized"
 FP8_W8A8 = "fp8-w8a8"
 FP8_BLOCK = "fp8-block128"  # DeepSeek-V3's: 128x128 weight blocks
 # How activations are quantized as they enter a quantized layer.
@@ -143,7 +146,7 @@ def _compressed_tensors(cfg: dict) -> QuantFormat:
     if strategy not in ("group", "channel"):
         raise ValueError(f"compressed-tensors INT4 with strategy {strategy!r}")
     size = int(weights.get("group_size") or -1) if strategy == "group" else -1
-    return QuantFormat(INT4_W4A16, "compressed-tensors pack-quantized", 4, size)
+    return QuantFormat(INT4_W4A16, PACK_QUANTIZED, 4, size)
 
 
 def _compressed_tensors_fp8(cfg: dict, weights: dict, acts: dict | None):
@@ -268,3 +271,46 @@ def int4_weight(
             "cannot read them"
         )
     return weight
+
+
+def int4_experts(
+    experts: torch.nn.Module, num_experts: int, hidden: int, inter: int
+) -> tuple[Int4Weight, Int4Weight]:
+    """A W4A16 mixture's experts as vLLM holds them: ``w13`` (gate rows,
+    then up rows; ``[E * 2I, H]`` codes) and ``w2`` (``[E * H, I]``), from
+    the packed words (``[E, N, K / 8]`` int32, code ``i`` of a word in bits
+    ``4i`` to ``4i + 3``, the value plus 8) and group scales
+    (``[E, N, K / group]``). A layout other than that (a kernel's repacked
+    tiles) is refused by name."""
+    out = []
+    for name, n, k in (("w13", 2 * inter, hidden), ("w2", hidden, inter)):
+        packed = getattr(experts, f"{name}_weight_packed", None)
+        scales = getattr(experts, f"{name}_weight_scale", None)
+        if (
+            packed is None
+            or scales is None
+            or packed.dtype != torch.int32
+            or tuple(packed.shape) != (num_experts, n, k // 8)
+            or scales.dim() != 3
+            or tuple(scales.shape[:2]) != (num_experts, n)
+            or k % scales.shape[2]
+        ):
+            layout = (
+                "no packed weights" if packed is None
+                else f"{packed.dtype} {tuple(packed.shape)}"
+            )  # fmt: skip
+            raise ValueError(
+                f"megakernel: {type(experts).__name__}'s INT4 {name} experts are "
+                f"held as {layout} (repacked by vLLM's "
+                f"{type(experts.quant_method).__name__} for its kernel?); the "
+                f"backend reads [E, N, K / 8] int32 words as loaded"
+            )
+        shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+        codes = (packed.detach().unsqueeze(-1) >> shifts) & 0xF
+        out.append(
+            Int4Weight(
+                codes.view(num_experts * n, k).to(torch.uint8),
+                scales.detach().reshape(num_experts * n, -1),
+            )
+        )
+    return out[0], out[1]

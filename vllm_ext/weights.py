@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_ext.model_spec import ModelSpec, UnsupportedModelError
-from vllm_ext.quant import fp8_weight, int4_scales, int4_weight
+from vllm_ext.quant import fp8_weight, int4_experts, int4_scales, int4_weight
 
 
 @dataclass(frozen=True)
@@ -241,6 +241,13 @@ def linear_weight(layer: torch.nn.Module, shape: tuple[int, int]) -> torch.Tenso
         weight = getattr(layer, "weight", None)
         if weight is not None and weight.dtype == torch.float8_e4m3fn:
             return fp8_weight(layer, shape)
+        if getattr(layer, "use_w4a8", False):
+            # vLLM's CPU INT4 kernel on an AMX CPU in bf16: int8 activations.
+            raise UnsupportedModelError(
+                "vLLM runs this INT4 checkpoint W4A8 on this CPU (AMX, bf16), "
+                "where a GPU runs W4A16, the numerics reference mode follows; "
+                "set VLLM_CPU_INT4_W4A8=0"
+            )
         scales = int4_scales(layer, n)
         dense = _read_back(
             lambda x: layer.quant_method.apply(layer, x), k, scales.dtype,
@@ -283,6 +290,16 @@ def moe_weights(block: torch.nn.Module, spec: ModelSpec) -> MoeWeights:
     h, inter = spec.hidden_size, moe.expert_intermediate
     router = linear_weight(block.gate, (moe.num_experts, h))
     experts = getattr(block.experts, "routed_experts", block.experts)
+    if spec.quant is not None:
+        # Reference mode multiplies by the dequantized experts (quant.py).
+        e = moe.num_experts
+        w13, w2 = int4_experts(experts, e, h, inter)
+        return MoeWeights(
+            router=router,
+            correction_bias=getattr(block.gate, "e_score_correction_bias", None),
+            w13=w13.dequantize().view(e, 2 * inter, h),
+            w2=w2.dequantize().view(e, h, inter),
+        )
     if (refusal := moe_layout_refusal(experts)) is not None:
         raise UnsupportedModelError(refusal)
     w13, w2 = experts.w13_weight, experts.w2_weight

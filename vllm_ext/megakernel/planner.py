@@ -209,13 +209,12 @@ class Program:
         moe = self.spec.moe
         if moe is None or instr.op not in (Op.EXPERT_UP, Op.EXPERT_DOWN):
             return 0
-        e = self.spec.dtype.itemsize
         if instr.op == Op.EXPERT_UP:
             if instr.arg0 == self.shared_slot:
                 return 0
             return self.cost(instr).weight_bytes
         lo, hi = instr.arg0, instr.arg1
-        return self.num_slots * (hi - lo) * moe.expert_intermediate * e
+        return self.num_slots * self._linear_bytes(hi - lo, moe.expert_intermediate)
 
     @cached_property
     def _costs(self) -> dict[Instruction, Cost]:
@@ -292,11 +291,13 @@ class Program:
         # expected occupancy).
         if instr.op == Op.EXPERT_UP and moe is not None:
             lo, hi = unpack_cols(instr.arg1)
-            w = 2 * (hi - lo) * h * e + h * e
+            w = self._linear_bytes(2 * (hi - lo), h) + h * e
             return Cost(w, b * h * e + b * (hi - lo) * e)
         if instr.op == Op.EXPERT_DOWN and moe is not None:
             inter, shared = moe.expert_intermediate, moe.shared_intermediate
-            w = (self.num_slots * inter + shared) * (hi - lo) * e
+            w = self.num_slots * self._linear_bytes(hi - lo, inter)
+            if shared:
+                w += self._linear_bytes(hi - lo, shared)
             acts = b * (moe.top_k * inter + shared) * e
             return Cost(w, acts + 2 * b * (hi - lo) * e)
         raise ValueError(f"no cost for {instr}")
