@@ -596,6 +596,26 @@ def test_mla_startup_errors_are_clear(demo_model, monkeypatch, env, kwargs, amx,
                **kwargs).create_engine_config()  # fmt: skip
 
 
+def test_mla_drafter_on_amx_is_told_its_backend(demo_model, monkeypatch, tmp_path):
+    """With an MTP drafter on a CPU with AMX the refusal names the
+    speculative config's backend too: vLLM checks the drafter's config
+    apart and never passes the target's attention backend on to it."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    import vllm_ext.backend as backend
+    from vllm_ext.demo_models import with_mtp_layer
+
+    monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
+    monkeypatch.setattr(backend, "_cpu_has_amx", lambda: True)
+    model = with_mtp_layer(demo_model("deepseek_v3_moe"), tmp_path / "mtp")
+    args = EngineArgs(str(model), decode_backend="megakernel", max_model_len=512,
+                      dtype="float32",
+                      speculative_config={"method": "mtp",
+                                          "num_speculative_tokens": 1})  # fmt: skip
+    with pytest.raises(ValueError, match='"attention_backend": "CPU_MLA" in --spec'):
+        args.create_engine_config()
+
+
 @pytest.mark.parametrize("amx", [False, True])
 def test_mla_pins_vllms_cpu_mla_backend(demo_model, monkeypatch, amx):
     """Reference mode keeps vLLM's CPU_MLA backend (blocks of 16), whose

@@ -447,10 +447,18 @@ def _mla_attention_refusal(
         # vLLM prefers AMX_MLA there (bf16 only, blocks of 32): not checked
         # against the program; the platform decided its block size and
         # scheduling before this hook, so only the user can pin CPU_MLA.
+        # A drafter's config is checked too, and vLLM never passes the
+        # target's attention backend on to it.
+        spec_config = vllm_config.speculative_config
+        drafter = (
+            f', and "attention_backend": "{name}" in --speculative-config'
+            if getattr(spec_config, "draft_model_config", None) is not None
+            else ""
+        )
         return (
             "on a CPU with AMX vLLM picks its AMX_MLA attention backend, whose "
             "cache the backend does not read; pass --attention-backend "
-            f"{name} (its block size {latent.blocks[0]} is then forced)"
+            f"{name} (its block size {latent.blocks[0]} is then forced){drafter}"
         )
     cache = vllm_config.cache_config
     if cache.user_specified_block_size and not latent.takes(cache.block_size):
