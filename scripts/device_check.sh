@@ -108,10 +108,10 @@ RANKS=${DEVICE_CHECK_RANKS-"llama-3.2-1b:1:2"}
 # positions, causal over the entries the step writes; the last request
 # fewer rows in later steps), built into MODEL-bBATCH-verifyTOKENS, each
 # instruction checked, the kernel's step timed beside the model's batch-1
-# decode step and its decode step of as many rows. Default: Llama-3.1-8B,
-# one request of 1 + 3 tokens (issue 41's target: at most 1.15x the
-# one-token step). Empty: none.
-VERIFY=${DEVICE_CHECK_VERIFY-"llama-3.1-8b:4:4"}
+# decode step, its decode step of as many rows and a per-op verify step.
+# Default: Llama-3.1-8B, one request of 1 + k tokens for k = 3 (issue 41's
+# target: at most 1.15x the one-token step), 1 and 7. Empty: none.
+VERIFY=${DEVICE_CHECK_VERIFY-"llama-3.1-8b:4:4 llama-3.1-8b:2:2 llama-3.1-8b:8:8"}
 rm -rf "$BUNDLE"
 mkdir -p "$BUNDLE"
 cd "$ROOT"

@@ -740,7 +740,7 @@ def _mixture_errors(ex, spec: ModelSpec, i: int, n: int, note) -> dict:
              expert_up.reference(hmid, lw, spec, None, rows, 0, width))  # fmt: skip
     note("EXPERT_DOWN", i, ws["h"][i + 1][:n],
          expert_down.reference(xact[:, :n], hmid, lw, routing, 0, spec.hidden_size,
-                               spec.dtype))  # fmt: skip
+                               spec.dtype, spec.quant))  # fmt: skip
     return {"TOPK": check}
 
 

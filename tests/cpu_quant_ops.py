@@ -27,6 +27,13 @@ machine's build lacks or runs with other numerics (test code only).
   the gate times the up rounded to it, the top-k outputs weighted and
   summed in fp32.
 
+- FP8 128x128-block mixtures: vLLM's CPU experts (``CPUExpertsFp8``) need
+  AMX and run W8A16. Always replaced, by the GPU's block-FP8 fused MoE
+  numerics (vLLM's Triton ``fused_moe`` with block quantization): each
+  GEMM as ``block_fp8_matmul`` (inputs per token in groups of 128) rounded
+  to the activations' dtype, SiLU-mul rounded to it, the top-k outputs
+  weighted and summed in fp32; the experts kept as loaded.
+
 So prefill and vLLM's default decode run on every machine of the project's
 kind, with the numerics a GPU serves the checkpoint with.
 """
@@ -182,6 +189,41 @@ def _install_int4_experts(monkeypatch) -> None:
     monkeypatch.setattr(CPUExpertsInt4, "apply", apply)
 
 
+def fp8_block_fused_experts(x, w13, w2, s13, s2, topk_weights, topk_ids):
+    """The GPU's block-FP8 mixture over experts as loaded (e4m3
+    ``[E, N, K]``, scales ``[E, N / 128, K / 128]``), in PyTorch."""
+    dtype = x.dtype
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32)
+    for e in topk_ids.unique().tolist():
+        tokens, slot = (topk_ids == e).nonzero(as_tuple=True)
+        h = block_fp8_matmul(x[tokens], w13[e], s13[e], dtype)
+        gate, up = h.chunk(2, dim=-1)
+        act = (torch.nn.functional.silu(gate.float()) * up.float()).to(dtype)
+        y = block_fp8_matmul(act, w2[e], s2[e], dtype)
+        out.index_add_(0, tokens, y.float() * topk_weights[tokens, slot, None].float())
+    return out.to(dtype)
+
+
+def _install_fp8_block_experts(monkeypatch) -> None:
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids,
+              *args, **kwargs):  # fmt: skip
+        q = self.quant_config
+        out = fp8_block_fused_experts(hidden_states, w1, w2, q.w1_scale,
+                                      q.w2_scale, topk_weights, topk_ids)  # fmt: skip
+        output.copy_(out)
+
+    # (The W8A8 AMX-FP8 experts are tried first: keep them out.)
+    monkeypatch.setattr(cpu_moe.CPUExpertsFp8W8A8, "_supports_current_device",
+                        staticmethod(lambda: False))  # fmt: skip
+    monkeypatch.setattr(cpu_moe.CPUExpertsFp8, "_supports_current_device",
+                        staticmethod(lambda: True))  # fmt: skip
+    monkeypatch.setattr(cpu_moe, "prepare_fp8_moe_layer_for_cpu",
+                        lambda w13, w2: (w13, w2))  # fmt: skip
+    monkeypatch.setattr(cpu_moe.CPUExpertsFp8, "apply", apply)
+
+
 def install(monkeypatch) -> list[str]:
     """Put the stand-ins in (the engine must run in this process); returns
     what they replace."""
@@ -189,6 +231,8 @@ def install(monkeypatch) -> list[str]:
 
     _install_fp8_blocks(monkeypatch)
     _install_int4_experts(monkeypatch)
+    _install_fp8_block_experts(monkeypatch)
     monkeypatch.setenv("VLLM_CPU_INT4_W4A8", "0")
     monkeypatch.setattr(ops, "cpu_gemm_wna16", gemm_wna16)
-    return ["CPUFp8BlockScaledMMKernel", "CPUExpertsInt4", "cpu_gemm_wna16"]
+    return ["CPUFp8BlockScaledMMKernel", "CPUExpertsInt4", "CPUExpertsFp8",
+            "cpu_gemm_wna16"]  # fmt: skip

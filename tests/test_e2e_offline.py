@@ -217,15 +217,17 @@ def test_megakernel_matches_default(demo_model, monkeypatch, arch, dtype):
 # elsewhere tests/cpu_quant_ops.py stands in, with Marlin's numerics.
 # (GPTQ in fp32: vLLM refuses the dtype. INT4 in bf16 through GPTQ only, for
 # CI time: pack-quantized reads the same codes, exact in fp32.)
-# Qwen3-MoE's experts in INT4 (Kimi-K2-Thinking's format): no CPU backend
-# of vLLM's serves them here, so tests/cpu_quant_ops.py stands in for its
-# experts, with Marlin's MoE numerics.
+# Qwen3-MoE's experts in INT4 (Kimi-K2-Thinking's format) and in FP8 blocks
+# (Qwen3's FP8 checkpoints, DeepSeek-V3's experts): no CPU backend of
+# vLLM's serves them here with a GPU's numerics, so tests/cpu_quant_ops.py
+# stands in for its experts (Marlin's MoE, the block-FP8 fused MoE).
 @pytest.mark.parametrize(
     "arch, fmt, dtype",
     [("llama", "pack-quantized", "float32"), ("llama", "gptq", "bfloat16"),
      ("llama", "fp8-channel", "float32"), ("llama", "fp8-channel", "bfloat16"),
      ("llama", "fp8-block", "bfloat16"),
-     ("qwen3_moe", "pack-quantized", "float32")],
+     ("qwen3_moe", "pack-quantized", "float32"),
+     ("qwen3_moe", "fp8-block", "bfloat16")],
 )  # fmt: skip
 def test_quantized_checkpoint_matches_default(
     demo_model, monkeypatch, tmp_path, arch, fmt, dtype

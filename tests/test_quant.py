@@ -179,8 +179,8 @@ def test_int4_runs_in_reference_mode_only():
         ({"quant_method": "gptq", "bits": 4, "group_size": 64, "sym": True,
           "desc_act": False}, "int4-w4a16 \\(gptq\\) mixtures"),
         (_ct(FP8_CHANNEL, FP8_TOKEN, "float-quantized"), "fp8-w8a8 .* mixtures"),
-        ({"quant_method": "fp8", "weight_block_size": [128, 128]},
-         "fp8-block128 .* mixtures"),
+        # DeepSeek-V3's and Qwen3's FP8 experts.
+        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, None),
     ],
     ids=["pack-quantized", "gptq", "fp8-channel", "fp8-block"],
 )  # fmt: skip
@@ -326,6 +326,51 @@ def test_fp8_block_reference_is_the_gpu_block_gemm():
     ours = linear(quantize_input(x, quant_format(DEEPSEEK_FP8)), w_eff)
     gpu = block_fp8_matmul(x, t["w.weight"], t["w.weight_scale_inv"], torch.float32)
     assert torch.allclose(ours, gpu, rtol=1e-5, atol=1e-6)
+
+
+def test_fp8_block_experts_are_the_gpu_fused_moe():
+    """FP8-block experts read as vLLM loads them (``fp8_block_experts``:
+    each code times its block's scale, equal to the writer's blocks), and
+    the reference's expert MLP on them (inputs quantized per token group as
+    they enter each GEMM) against the GPU's block-FP8 fused MoE
+    (tests/cpu_quant_ops.py) with every token routed to that expert: the
+    same quantized operands, apart only by fp32 and bf16 rounding. A
+    repacked layout is refused by name."""
+    from types import SimpleNamespace
+
+    from tests.cpu_quant_ops import fp8_block_fused_experts
+    from vllm_ext.demo_quant import _fp8_block
+    from vllm_ext.quant import fp8_block_experts
+    from vllm_ext.reference import swiglu_mlp
+
+    e, h, inter = 2, 256, 128
+    gen = torch.Generator().manual_seed(5)
+    packed = {}
+    for name, shape in (("w13", (2 * inter, h)), ("w2", (h, inter))):
+        drawn = [_fp8_block("w.weight", torch.randn(*shape, generator=gen) * 0.05)
+                 for _ in range(e)]  # fmt: skip
+        packed[f"{name}_weight"] = torch.stack([t["w.weight"] for t in drawn])
+        packed[f"{name}_weight_scale_inv"] = torch.stack(
+            [t["w.weight_scale_inv"] for t in drawn]
+        )
+    experts = SimpleNamespace(**packed)
+    w13, w2 = fp8_block_experts(experts, e, h, inter)
+    blocks = packed["w2_weight_scale_inv"].repeat_interleave(128, 1)
+    assert torch.equal(w2, packed["w2_weight"].float() * blocks)
+    x = torch.randn(5, h, generator=gen).to(torch.bfloat16)
+    quant = quant_format(DEEPSEEK_FP8)
+    for expert in range(e):
+        ours = swiglu_mlp(x, w13[expert], w2[expert], quant).to(torch.bfloat16)
+        ids = torch.full((5, 1), expert)
+        gpu = fp8_block_fused_experts(
+            x, packed["w13_weight"], packed["w2_weight"],
+            packed["w13_weight_scale_inv"], packed["w2_weight_scale_inv"],
+            torch.ones(5, 1), ids,
+        )  # fmt: skip
+        assert (ours.float() - gpu.float()).abs().max() <= 2**-6 * gpu.abs().max()
+    experts.w2_weight = experts.w2_weight.transpose(1, 2)  # a kernel's layout
+    with pytest.raises(ValueError, match="FP8 w2 experts are held as"):
+        fp8_block_experts(experts, e, h, inter)
 
 
 def test_weight_bytes_count_codes_and_scales():

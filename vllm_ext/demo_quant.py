@@ -105,10 +105,15 @@ def _fp8_block(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
     return {name: codes.view(n, k), name.replace(".weight", ".weight_scale_inv"): scale}
 
 
-def quantization_config(fmt: str, mixture: bool = False) -> dict:
+def quantization_config(fmt: str, layers: int = 0, mixture: bool = False) -> dict:
     if fmt == "fp8-block":
-        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                "weight_block_size": [128, 128]}  # fmt: skip
+        config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                  "weight_block_size": [128, 128]}  # fmt: skip
+        if mixture:  # vLLM's fp8 method names its layers exactly
+            config["modules_to_not_convert"] = [
+                f"model.layers.{i}.mlp.gate" for i in range(layers)
+            ]
+        return config
     if fmt == "fp8-channel":
         fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
         return {
@@ -180,7 +185,9 @@ def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str) -> Path:
     config = json.loads((src / "config.json").read_text())
     mixture = any(k in config for k in ("num_experts", "num_local_experts",
                                         "n_routed_experts"))  # fmt: skip
-    config["quantization_config"] = quantization_config(fmt, mixture)
+    config["quantization_config"] = quantization_config(
+        fmt, config["num_hidden_layers"], mixture
+    )
     (out / "config.json").write_text(json.dumps(config, indent=2))
     meta = json.loads((src / "demo_model.json").read_text()) | {"quant": fmt}
     (out / "demo_model.json").write_text(json.dumps(meta))

@@ -314,3 +314,39 @@ def int4_experts(
             )
         )
     return out[0], out[1]
+
+
+def fp8_block_experts(
+    experts: torch.nn.Module, num_experts: int, hidden: int, inter: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8-block mixture's experts as vLLM holds them, dequantized in
+    fp32: ``w13`` ``[E, 2I, H]`` (gate rows, then up rows) and ``w2``
+    ``[E, H, I]``, each e4m3 code times its 128x128 block's scale
+    (``w13_weight_scale_inv`` ``[E, 2I / 128, H / 128]``). A layout a
+    kernel repacked is refused by name."""
+    out = []
+    for name, n, k in (("w13", 2 * inter, hidden), ("w2", hidden, inter)):
+        codes = getattr(experts, f"{name}_weight", None)
+        scale = getattr(experts, f"{name}_weight_scale_inv", None)
+        blocks = (num_experts, -(-n // BLOCK), -(-k // BLOCK))
+        if (
+            codes is None
+            or scale is None
+            or codes.dtype != torch.float8_e4m3fn
+            or tuple(codes.shape) != (num_experts, n, k)
+            or tuple(scale.shape) != blocks
+        ):
+            layout = (
+                "no FP8 weights" if codes is None or scale is None
+                else f"{codes.dtype} {tuple(codes.shape)}, scales "
+                f"{tuple(scale.shape)}"
+            )  # fmt: skip
+            raise ValueError(
+                f"megakernel: {type(experts).__name__}'s FP8 {name} experts are "
+                f"held as {layout} (repacked for vLLM's kernel?); the backend "
+                f"reads [E, N, K] e4m3 with [E, N / 128, K / 128] block scales"
+            )
+        full = scale.detach().float().repeat_interleave(BLOCK, 1)[:, :n]
+        full = full.repeat_interleave(BLOCK, 2)[:, :, :k]
+        out.append(codes.detach().float() * full)
+    return out[0], out[1]

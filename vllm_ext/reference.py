@@ -72,7 +72,9 @@ def swiglu_mlp(
     return linear(quantize_input(act, quant), down)
 
 
-def moe_mlp(x: torch.Tensor, w: MoeWeights, moe: MoeSpec) -> torch.Tensor:
+def moe_mlp(
+    x: torch.Tensor, w: MoeWeights, moe: MoeSpec, quant: QuantFormat | None = None
+) -> torch.Tensor:
     """A sparse layer's mixture on ``x`` ``[B, hidden]`` (normed, model
     dtype) -> ``[B, hidden]`` in the model dtype. Router logits rounded to
     the model dtype (what vLLM's ``GateLinear`` returns in its generic path,
@@ -86,11 +88,11 @@ def moe_mlp(x: torch.Tensor, w: MoeWeights, moe: MoeSpec) -> torch.Tensor:
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for expert in ids.unique().tolist():
         rows, slot = (ids == expert).nonzero(as_tuple=True)
-        y = swiglu_mlp(x[rows], w.w13[expert], w.w2[expert])
+        y = swiglu_mlp(x[rows], w.w13[expert], w.w2[expert], quant)
         out.index_add_(0, rows, y * weights[rows, slot, None])
     if w.shared_gate_up is not None:
         assert w.shared_down is not None
-        out += swiglu_mlp(x, w.shared_gate_up, w.shared_down)
+        out += swiglu_mlp(x, w.shared_gate_up, w.shared_down, quant)
     return out.to(dtype)
 
 
@@ -275,6 +277,6 @@ class ReferenceExecutor:
         x = rms_norm(residual, layer.post_norm, spec.rms_norm_eps).to(dtype)
         if layer.moe is not None:
             assert spec.moe is not None
-            return residual, moe_mlp(x, layer.moe, spec.moe)
+            return residual, moe_mlp(x, layer.moe, spec.moe, spec.quant)
         mlp = swiglu_mlp(x, layer.gate_up, layer.down, spec.quant)
         return residual, mlp.to(dtype)

@@ -16,7 +16,14 @@ from dataclasses import dataclass
 import torch
 
 from vllm_ext.model_spec import ModelSpec, UnsupportedModelError
-from vllm_ext.quant import fp8_weight, int4_experts, int4_scales, int4_weight
+from vllm_ext.quant import (
+    FP8_BLOCK,
+    fp8_block_experts,
+    fp8_weight,
+    int4_experts,
+    int4_scales,
+    int4_weight,
+)
 
 
 @dataclass(frozen=True)
@@ -293,12 +300,17 @@ def moe_weights(block: torch.nn.Module, spec: ModelSpec) -> MoeWeights:
     if spec.quant is not None:
         # Reference mode multiplies by the dequantized experts (quant.py).
         e = moe.num_experts
-        w13, w2 = int4_experts(experts, e, h, inter)
+        if spec.quant.name == FP8_BLOCK:
+            w13, w2 = fp8_block_experts(experts, e, h, inter)
+        else:
+            up, down = int4_experts(experts, e, h, inter)
+            w13 = up.dequantize().view(e, 2 * inter, h)
+            w2 = down.dequantize().view(e, h, inter)
         return MoeWeights(
             router=router,
             correction_bias=getattr(block.gate, "e_score_correction_bias", None),
-            w13=w13.dequantize().view(e, 2 * inter, h),
-            w2=w2.dequantize().view(e, h, inter),
+            w13=w13,
+            w2=w2,
         )
     if (refusal := moe_layout_refusal(experts)) is not None:
         raise UnsupportedModelError(refusal)

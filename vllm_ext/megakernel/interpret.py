@@ -303,7 +303,14 @@ class ProgramInterpreter:
             assert routing is not None, "EXPERT_DOWN ran before its TOPK"
             out, residual = self._mlp_out(layer)
             out[:, a:b] = expert_down.reference(
-                buf["xact"][layer], residual, w.layers[layer], routing, a, b, dtype
+                buf["xact"][layer],
+                residual,
+                w.layers[layer],
+                routing,
+                a,
+                b,
+                dtype,
+                s.quant,
             )
         elif i.op in _MLA_OPS:
             self._execute_mla(i)

@@ -6,6 +6,7 @@ accumulated in fp32 and rounded once, plus the residual."""
 
 import torch
 
+from vllm_ext.quant import QuantFormat, quantize_input
 from vllm_ext.reference import linear
 
 
@@ -17,9 +18,12 @@ def reference(
     lo: int,
     hi: int,
     dtype,
+    quant: QuantFormat | None = None,
 ) -> torch.Tensor:
     """``xact`` ``[slots (+1 shared), B, width]``; ``routing``: ops/topk.py's;
-    no residual (``hmid`` None): a tensor-parallel rank's partial sum."""
+    no residual (``hmid`` None): a tensor-parallel rank's partial sum;
+    ``quant``: the checkpoint's (FP8: each input row quantized as it
+    enters)."""
     batch, moe = xact.shape[1], layer.moe
     inter = moe.w2.shape[-1]
     out = torch.zeros(batch, hi - lo, dtype=torch.float32, device=xact.device)
@@ -27,11 +31,12 @@ def reference(
         if expert < 0:
             break
         rows, choice = (routing.slots == slot).nonzero(as_tuple=True)
-        y = linear(xact[slot, rows, :inter], moe.w2[expert][lo:hi])
+        x = quantize_input(xact[slot, rows, :inter], quant)
+        y = linear(x, moe.w2[expert][lo:hi])
         out.index_add_(0, rows, y * routing.weights[rows, choice, None])
     if moe.shared_down is not None:
         shared = xact[len(routing.experts), :, : moe.shared_down.shape[-1]]
-        out += linear(shared, moe.shared_down[lo:hi])
+        out += linear(quantize_input(shared, quant), moe.shared_down[lo:hi])
     if hmid is None:
         return out.to(dtype)
     return (out.to(dtype) + hmid[:, lo:hi]).to(dtype)
