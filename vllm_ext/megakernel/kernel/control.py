@@ -70,6 +70,7 @@ from vllm_ext.megakernel.kernel.ops.weight_pipe import instr_pages
 from vllm_ext.megakernel.kernel.queue import downs_end, fetch
 from vllm_ext.megakernel.kernel.shape import GlobalSlot
 from vllm_ext.megakernel.kernel.sync import (
+    ABORT_POLL,
     abort_set,
     nanosleep,
     record_abort,
@@ -77,10 +78,6 @@ from vllm_ext.megakernel.kernel.sync import (
 )
 
 POLL_NS = 32
-# Polls of a counter between two reads of the abort record: a wait that
-# lasts this long (about 2 us) is rare; a read on every poll would put
-# every waiting CTA on one L2 line.
-ABORT_POLL = 64
 # Instructions the controller may run ahead of the consumers (one being
 # executed, the next ones fetched and awaited).
 QUEUE_SLOTS = 4

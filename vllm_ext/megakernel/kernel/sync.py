@@ -8,9 +8,9 @@ its bound expires (``record_abort``, ``abort_set``).
 A wait past its bound never traps (a trap kills the CUDA context, and vLLM
 with it): it records where it waited, if no wait did before it, and stops
 waiting. The other CTAs' waits on counters see the record and stop waiting
-too (control.wait_inputs), so every CTA runs through its queue without
-waiting on another and leaves; the waits inside a CTA (its rings) complete
-as its roles go on. The host reads the record after the step (the backend's
+too (control.wait_inputs), and so do the waits inside a CTA (its rings,
+``wait_mbarrier``), so every CTA runs through its queue without waiting
+and leaves. The host reads the record after the step (the backend's
 ``step_status``) and fails the step: its results are garbage."""
 
 import cutlass
@@ -51,6 +51,10 @@ def prefetch_l2(addr: Int64, size: Int32, *, loc=None, ip=None) -> None:
 
 # Between non-blocking tests of an mbarrier (as between counter polls).
 MBAR_POLL_NS = 32
+# Polls of a wait between two reads of the abort record: a wait that lasts
+# this long (about 2 us) is rare; a read on every poll would put every
+# waiting CTA on one L2 line.
+ABORT_POLL = 64
 
 
 def abort_record(ptrs: cute.Tensor, glob) -> cute.Tensor:
@@ -96,11 +100,13 @@ def wait_mbarrier(mbar, parity, max_spins, speak, what: cutlass.Constexpr, sm, i
     suspend for a system-dependent time, which would leave the bound
     unknown; and cutlass.pipeline's waits have no bound at all). Past
     ``max_spins`` the thread with ``speak`` records the abort (``what``: an
-    ``AbortWhat`` name, the SM and index); every thread stops waiting.
-    (These are waits inside one CTA: they complete as its roles go on,
-    after an abort too; one expires only in a broken kernel.) Nothing
-    prints: the host reads the record, and the kernel keeps no call (a
-    printf's ABI call kept loop values in the stack)."""
+    ``AbortWhat`` name, the SM and index); every thread stops waiting. It
+    stops too once another wait's abort is recorded (read every
+    ``ABORT_POLL`` polls): a CTA whose consumers wait on a hung counter
+    holds its producer's waits for free pages, and without the read each
+    of those would run to its own bound in turn. Nothing prints: the host
+    reads the record, and the kernel keeps no call (a printf's ABI call
+    kept loop values in the stack)."""
     spins = Int32(0)
     done = cute.arch.mbarrier_test_wait(mbar, parity)
     while not done:
@@ -113,3 +119,5 @@ def wait_mbarrier(mbar, parity, max_spins, speak, what: cutlass.Constexpr, sm, i
         else:
             nanosleep(Int32(MBAR_POLL_NS))
             done = cute.arch.mbarrier_test_wait(mbar, parity)
+            if (not done) & (spins % ABORT_POLL == 0):
+                done = abort_set(ptrs, glob)
