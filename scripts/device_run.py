@@ -1808,6 +1808,21 @@ def main() -> int:
             report["sanitizer"][tool] = {"case": cases[0].name,
                                          **sanitizer_status(result, limit)}  # fmt: skip
             save()
+        # Racecheck on other kernels too, reported apart, not in the verdict:
+        # DEVICE_CHECK_RACECHECK_ALSO="llama-3.2-1b-b1-legacy" (no weight
+        # ring) tells whether a hazard site is the ring's.
+        args, steps, limit = SANITIZERS["racecheck"]
+        for name in os.environ.get("DEVICE_CHECK_RACECHECK_ALSO", "").split():
+            case = bundle / name
+            prefix = ["env", "PYTORCH_NO_CUDA_MEMORY_CACHING=1",
+                      f"DEVICE_SANITIZE_STEPS={steps}", sanitizer, *args,
+                      "--error-exitcode", "3"]  # fmt: skip
+            result = run("sanitize", case, limit, prefix,
+                         log=out / f"racecheck-{name}.log")  # fmt: skip
+            report.setdefault("racecheck_also", {})[name] = sanitizer_status(
+                result, limit
+            )
+            save()
     for case in cases[1:]:
         check(case)
     save()

@@ -816,6 +816,32 @@ def test_verdict_fails_or_is_incomplete(tmp_path, monkeypatch, outcomes, verdict
     assert report["verdict"] == verdict and why in report["why"]
 
 
+def test_racecheck_on_other_kernels_is_reported_apart(tmp_path, monkeypatch):
+    """DEVICE_CHECK_RACECHECK_ALSO: racecheck on another kernel of the bundle
+    (the legacy control, which has no weight ring), its hazards reported
+    apart: the verdict stays the first case's sanitizers'."""
+    d = _device_run()
+    monkeypatch.setattr(d.shutil, "which", lambda name: "/bin/compute-sanitizer")
+    monkeypatch.setenv("DEVICE_CHECK_RACECHECK_ALSO", "m-b1-legacy")
+    hazard = {"ok": False, "rc": 3, "tail": "RACECHECK SUMMARY: 1 hazard"}
+    rc, report, calls = _driver(d, tmp_path, monkeypatch, {})
+    assert ("sanitize", "m-b1-legacy", "racecheck") in calls
+    assert report["racecheck_also"]["m-b1-legacy"]["status"] == "passed"
+    assert report["sanitizer"]["racecheck"]["case"] == "m-b1"
+
+    def only_legacy_races(what, case, timeout, prefix=None, log=None):
+        if what == "sanitize" and case.name == "m-b1-legacy":
+            return {"seconds": 0.0, **hazard}
+        return answer(what, case, timeout, prefix, log)
+
+    answer = d.run_child
+    monkeypatch.setattr(d, "run_child", only_legacy_races)
+    d.main()
+    report = json.loads((tmp_path / "out" / "device_check.json").read_text())
+    assert report["racecheck_also"]["m-b1-legacy"]["status"] == "failed"
+    assert report["verdict"] == "passed"
+
+
 def test_no_sanitizer_is_no_pass(tmp_path, monkeypatch):
     d = _device_run()
     monkeypatch.setattr(d.shutil, "which", lambda name: None)
