@@ -161,8 +161,8 @@ ALIVE_TOL = 0.1
 # judged: each layer feeds the last one's rounding differences forward, so
 # that drift grows with depth (a few percent after 32 random layers) even
 # between two correct implementations. The local checks above judge.
-# The abort check's spin bounds (the kernel's waits' max_spins): the
-# aborted step took 8.0 s at 2^16 on an H200 (2026-12-04), where the
+# The abort check's spin bounds (the kernel's waits' max_spins): an H200
+# took 8.0 s over the aborted step at 2^16 (docs/perf.md), where the
 # nanosleeps alone would take 2 ms: the time per bound tells what the
 # production bound (launcher.DEFAULT_MAX_SPINS, 2^24) costs a hung step.
 ABORT_SPINS = (1 << 12, 1 << 16)
@@ -1261,9 +1261,6 @@ def abort_check(case_dir: Path) -> dict:
     weights = random_weights(spec, seed=1, device=DEVICE)
     ex, _ = make_executor(case_dir, program, weights, 8)
     queue = ex.queue.clone()
-    # The aborted step's wall time at two spin bounds, each on a fresh
-    # executor (the record, once set, stays set): how the time to abort
-    # grows with the bound, which the production bound is set from.
     # The hang in the last layer that has a wait: the SMs with no work
     # after it finish, so a record naming one of them fails the check (a
     # hang in layer 0 starves every SM).
@@ -1277,6 +1274,9 @@ def abort_check(case_dir: Path) -> dict:
     _, sm, idx = min(w for w in waits if w[0] == last)
     counter = int(queue[sm, idx, 4])
     queue[sm, idx, 5] += 1  # one signal more than the program ever sends
+    # The aborted step's wall time at each spin bound, each on a fresh
+    # executor (the record, once set, stays set): how the time to abort
+    # grows with the bound, which the production bound is set from.
     seconds, records = {}, {}
     for spins in ABORT_SPINS:
         if spins != ABORT_SPINS[0]:
@@ -1796,31 +1796,29 @@ def main() -> int:
             why=result.get("why"), tail=result.get("tail", "")[-600:],
         )  # fmt: skip
         save()
+
+    def sanitize(tool: str, case: Path, log: Path) -> dict:
+        args, steps, limit = SANITIZERS[tool]
+        # Without torch's caching allocator every buffer is its own
+        # allocation, so memcheck sees a store past its end.
+        prefix = ["env", "PYTORCH_NO_CUDA_MEMORY_CACHING=1",
+                  f"DEVICE_SANITIZE_STEPS={steps}", sanitizer, *args,
+                  "--error-exitcode", "3"]  # fmt: skip
+        return sanitizer_status(run("sanitize", case, limit, prefix, log), limit)
+
     if sanitizer:
-        for tool, (args, steps, limit) in SANITIZERS.items():
-            # Without torch's caching allocator every buffer is its own
-            # allocation, so memcheck sees a store past its end.
-            prefix = ["env", "PYTORCH_NO_CUDA_MEMORY_CACHING=1",
-                      f"DEVICE_SANITIZE_STEPS={steps}", sanitizer, *args,
-                      "--error-exitcode", "3"]  # fmt: skip
-            result = run("sanitize", cases[0], limit, prefix,
-                         log=out / f"{tool}.log")  # fmt: skip
-            report["sanitizer"][tool] = {"case": cases[0].name,
-                                         **sanitizer_status(result, limit)}  # fmt: skip
+        for tool in SANITIZERS:
+            report["sanitizer"][tool] = {
+                "case": cases[0].name,
+                **sanitize(tool, cases[0], out / f"{tool}.log"),
+            }
             save()
         # Racecheck on other kernels too, reported apart, not in the verdict:
         # DEVICE_CHECK_RACECHECK_ALSO="llama-3.2-1b-b1-legacy" (no weight
         # ring) tells whether a hazard site is the ring's.
-        args, steps, limit = SANITIZERS["racecheck"]
         for name in os.environ.get("DEVICE_CHECK_RACECHECK_ALSO", "").split():
-            case = bundle / name
-            prefix = ["env", "PYTORCH_NO_CUDA_MEMORY_CACHING=1",
-                      f"DEVICE_SANITIZE_STEPS={steps}", sanitizer, *args,
-                      "--error-exitcode", "3"]  # fmt: skip
-            result = run("sanitize", case, limit, prefix,
-                         log=out / f"racecheck-{name}.log")  # fmt: skip
-            report.setdefault("racecheck_also", {})[name] = sanitizer_status(
-                result, limit
+            report.setdefault("racecheck_also", {})[name] = sanitize(
+                "racecheck", bundle / name, out / f"racecheck-{name}.log"
             )
             save()
     for case in cases[1:]:

@@ -124,3 +124,17 @@ def test_experts_in_a_reordered_layout_are_refused(backend, refused):
         assert "--moe-backend triton" in refusal
     quantized = SimpleNamespace(quant_method=object())
     assert "quantized" in moe_layout_refusal(quantized)
+
+
+def test_an_int4_layer_vllm_runs_w4a8_is_refused_by_name():
+    """On an AMX CPU in bf16 vLLM's INT4 kernel quantizes the activations to
+    int8 (W4A8), where a GPU runs W4A16: reading that layer's weight back
+    through it would be inexact, so start-up names the variable instead."""
+    from types import SimpleNamespace
+
+    from vllm_ext.model_spec import UnsupportedModelError
+    from vllm_ext.weights import linear_weight
+
+    layer = SimpleNamespace(quant_method=object(), use_w4a8=True)
+    with pytest.raises(UnsupportedModelError, match="VLLM_CPU_INT4_W4A8=0"):
+        linear_weight(layer, (64, 64))

@@ -211,8 +211,7 @@ def fp8_weight(layer: torch.nn.Module, shape: tuple[int, int]) -> torch.Tensor:
                 f"its FP8 blocks as {tuple(weight.shape)} with scales "
                 f"{tuple(scale.shape)} (repacked?); the backend cannot read them"
             )
-        full = scale.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)
-        return weight.float() * full[:, :k]
+        return _dequantize_blocks(weight, scale)
     scale = layer.weight_scale.detach()
     if weight.dtype != torch.float8_e4m3fn or tuple(weight.shape) != (k, n):
         raise ValueError(
@@ -346,7 +345,13 @@ def fp8_block_experts(
                 f"held as {layout} (repacked for vLLM's kernel?); the backend "
                 f"reads [E, N, K] e4m3 with [E, N / 128, K / 128] block scales"
             )
-        full = scale.detach().float().repeat_interleave(BLOCK, 1)[:, :n]
-        full = full.repeat_interleave(BLOCK, 2)[:, :, :k]
-        out.append(codes.detach().float() * full)
+        out.append(_dequantize_blocks(codes.detach(), scale.detach()))
     return out[0], out[1]
+
+
+def _dequantize_blocks(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 ``[..., N, K]`` times the scale of its 128x128 block
+    (``[..., N / 128, K / 128]``, the last blocks possibly partial), fp32."""
+    n, k = codes.shape[-2:]
+    full = scale.float().repeat_interleave(BLOCK, -2)[..., :n, :]
+    return codes.float() * full.repeat_interleave(BLOCK, -1)[..., :k]

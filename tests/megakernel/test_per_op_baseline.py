@@ -70,6 +70,27 @@ def test_per_op_step_is_the_reference_step(arch, compiled):
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3
 
 
+def test_per_op_step_is_the_reference_verify_step():
+    """The GPU check's per-op verify step: each row of a request of 1 + 3
+    tokens is a request of its own to the decode attention (its request's
+    block table, its own length), after the step's KV writes: the reference
+    verify step, so its timing compares like with like (FlashInfer's decode
+    stands where paged_attend does here)."""
+    from vllm_ext.testing import random_verify_inputs
+
+    per_op = _per_op()
+    spec = make_spec("llama", torch.bfloat16)
+    weights = random_weights(spec, seed=3)
+    inputs = random_verify_inputs(spec, 4, 4, seed=5)
+    assert inputs.block_table.unique(dim=0).shape[0] == 1  # one request
+    mine = _clone(inputs)
+    ref = _reference_logits(spec, weights, inputs)
+    step = per_op.per_op_step(spec, weights, mine, per_op.paged_attend(weights, mine))
+    assert _rel(step(), ref) < TOL
+    for got, want in zip(mine.kv_caches, inputs.kv_caches, strict=True):
+        assert _rel(got.float(), want.float()) < 2**-7
+
+
 def test_the_gemm_and_attention_floor_leaves_the_elementwise_ops_out():
     """The floor variant is not the step (so the comparison above can fail),
     and it keeps every GEMM and the attention (the logits' shape)."""
