@@ -112,6 +112,14 @@ RANKS=${DEVICE_CHECK_RANKS-"llama-3.2-1b:1:2"}
 # Default: Llama-3.1-8B, one request of 1 + k tokens for k = 3 (issue 41's
 # target: at most 1.15x the one-token step), 1 and 7. Empty: none.
 VERIFY=${DEVICE_CHECK_VERIFY-"llama-3.1-8b:4:4 llama-3.1-8b:2:2 llama-3.1-8b:8:8"}
+# Racecheck's own cases, checked by racecheck alone: the planted bugs'
+# model (below) with its LM head cut to RACECHECK_VOCAB rows, at each of
+# these batches (1: the CUDA-core GEMV's pages; 4: the tensor-core GEMV's),
+# run one layer deep (device_run.py SANITIZERS): racecheck instruments every
+# shared-memory access, and one step of two layers and the whole 1B LM head
+# did not end in 240 s on an H200. Empty: racecheck on the first case.
+RACECHECK=${DEVICE_CHECK_RACECHECK-"1 4"}
+RACECHECK_VOCAB=8192
 rm -rf "$BUNDLE"
 mkdir -p "$BUNDLE"
 cd "$ROOT"
@@ -219,16 +227,34 @@ for bug in $PLANTED; do
         --plant-bug "$bug"
     planted="$planted $PLANTED_MODEL-b1-plant-$bug=$bug"
 done
+racecheck=""
+if [[ -n ${RACECHECK// /} ]]; then
+    config=$(mktemp --suffix=.json)
+    "$VENV/bin/python" - "$ROOT/vllm_ext/configs/$PLANTED_MODEL.json" "$config" \
+        "$RACECHECK_VOCAB" <<'PY'
+import json, sys
+config = json.load(open(sys.argv[1]))
+config["vocab_size"] = int(sys.argv[3])
+json.dump(config, open(sys.argv[2], "w"))
+PY
+    for batch in $RACECHECK; do
+        name=$PLANTED_MODEL-v$RACECHECK_VOCAB-b$batch-racecheck
+        build_case "$config" "$batch" "$BUNDLE/$name"
+        racecheck="$racecheck $name"
+    done
+fi
 # FlashInfer's paged decode attention: the attention reference and the
 # per-op baseline's attention on the GPU (DEVICE_CHECK_FLASHINFER=0 skips).
 if [[ ${DEVICE_CHECK_FLASHINFER:-1} == 1 ]]; then
     "$VENV/bin/python" "$ROOT/scripts/baseline/build_flashinfer.py" "$BUNDLE" >/dev/null
 fi
 wait_builds
+rm -f "${config:-}"
 # shellcheck disable=SC2086  # the cases are words
 # "first": the case the GPU side runs first, with the abort and sanitizers on
 # its kernel: the planted bugs' correct twin.
 PLANTED_CASES=$planted CASE_LAYERS=$layers VERIFY_CASES=$verify FIRST=$PLANTED_MODEL-b1 \
+    RACECHECK_CASES=$racecheck \
     "$VENV/bin/python" - "$BUNDLE" \
     "$(git -C "$ROOT" rev-parse --short HEAD)" $order <<'PY'
 import json, os, sys, pathlib
@@ -241,7 +267,8 @@ verify = {c.split("=")[0]: int(c.split("=")[1])
           for c in os.environ["VERIFY_CASES"].split()}
 manifest = {"commit": commit, "builds": builds, "variant_order": order,
             "planted": planted, "layers": layers, "verify": verify,
-            "first": os.environ["FIRST"]}
+            "first": os.environ["FIRST"],
+            "racecheck": os.environ["RACECHECK_CASES"].split()}
 (bundle / "manifest.json").write_text(json.dumps(manifest))
 PY
 # The cost model's step for each case, written beside it: the report puts

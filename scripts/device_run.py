@@ -1115,15 +1115,6 @@ def mla_timing(case_dir: Path, spec: ModelSpec, weights, inputs: DecodeInputs, e
     context = int(inputs.seq_lens[0])
     out = {"per_op_baseline": "mla-per-op",
            "roofline": device_mla.roofline(spec, b, context)}  # fmt: skip
-    flashinfer = FlashInferMla.load(case_dir.parent) if DEVICE == "cuda" else None
-    attentions = []
-    if flashinfer is not None:
-        out["flashinfer_mla"] = flashinfer_mla_check(flashinfer, ex, spec, inputs, b)
-        if out["flashinfer_mla"]["ok"] is not None:  # it ran, and agrees
-            attentions.append(("flashinfer-mla (FLASHINFER_MLA's Hopper kernel)",
-                               lambda: flashinfer_attention(flashinfer, spec, weights,
-                                                            inputs)))  # fmt: skip
-    attentions.append((mla_per_op.ATTENTION, None))  # (torch_mla_attend's)
     mixture = None
     if spec.moe is not None and any(spec.moe.sparse_layers):
         try:
@@ -1131,13 +1122,11 @@ def mla_timing(case_dir: Path, spec: ModelSpec, weights, inputs: DecodeInputs, e
             out["per_op_moe"] = "vllm-fused-moe-triton"
         except Exception as e:  # reported; no per-op baseline without it
             out["per_op_error"] = f"MoE baseline: {e!r}"[:500]
-            attentions = []
-    for name, make in attentions:
+
+    def per_op(name: str, attend) -> None:
+        if out.get("per_op_error", "").startswith("MoE baseline"):
+            return
         try:
-            if make is None:
-                attend = mla_per_op.torch_mla_attend(spec, weights, inputs)
-            else:
-                attend = mla_per_op.absorbed_attend(spec, weights, inputs, make())
             start = time.time()
             base = mla_per_op.mla_per_op_step(spec, weights, inputs, attend,
                                               compile_options=MLA_PER_OP_COMPILE,
@@ -1150,13 +1139,29 @@ def mla_timing(case_dir: Path, spec: ModelSpec, weights, inputs: DecodeInputs, e
             out["per_op_attention_ms"] = time_ms(alone) if alone else None
             out["per_op_attention"] = name
             out.pop("per_op_error", None)
-            break
-        except Exception as e:  # reported; the next attention, then the rest
+        except Exception as e:  # reported; the figures so far stand
             out["per_op_error"] = f"{name}: {e!r}"[:500]
+
+    # The torch attention's per-op step and the breakdown first, FlashInfer's
+    # MLA decode last: a fault in the library (an illegal memory access on
+    # its first GPU run) ends the context, and every figure after it.
+    per_op(mla_per_op.ATTENTION, mla_per_op.torch_mla_attend(spec, weights, inputs))
     try:
         out["breakdown"] = breakdown(ex, program, mk, full_ms, device_mla.ROWS)
     except Exception as e:  # reported in the JSON
         out["extras_error"] = repr(e)[:500]
+    flashinfer = FlashInferMla.load(case_dir.parent) if DEVICE == "cuda" else None
+    if flashinfer is not None:
+        out["flashinfer_mla"] = flashinfer_mla_check(flashinfer, ex, spec, inputs, b)
+        if out["flashinfer_mla"]["ok"] is not None:  # it ran, and agrees
+            # The stronger per-op step, when it runs: vLLM's FLASHINFER_MLA.
+            kept = {k: out[k] for k in out if k.startswith("per_op")}
+            attention = flashinfer_attention(flashinfer, spec, weights, inputs)
+            name = "flashinfer-mla (FLASHINFER_MLA's Hopper kernel)"
+            per_op(name, mla_per_op.absorbed_attend(spec, weights, inputs, attention))
+            if "per_op_error" in out:
+                out["per_op_flashinfer_error"] = out.pop("per_op_error")
+                out.update(kept)
     return out
 
 
@@ -1359,7 +1364,8 @@ def sanitize_step(case_dir: Path) -> dict:
     on a SANITIZE_LAYERS-layer program: what runs under compute-sanitizer,
     which slows every kernel by orders of magnitude. The spin bound is
     raised so slowed producers do not look like a hang."""
-    spec, program = load_case(case_dir, layers=SANITIZE_LAYERS)
+    layers = int(os.environ.get("DEVICE_SANITIZE_LAYERS", SANITIZE_LAYERS))
+    spec, program = load_case(case_dir, layers=layers)
     weights = random_weights(spec, seed=1, device=DEVICE)
     ex, _ = make_executor(
         case_dir, program, weights, (CONTEXT + BLOCK_SIZE - 1) // BLOCK_SIZE
@@ -1646,19 +1652,25 @@ def planted_bug(case: Path) -> str:
     return torch.load(case / "program.pt")["shape"].get("planted_bug", "")
 
 
-# compute-sanitizer tools: their arguments, kernel steps and time limit (s).
-# memcheck (global memory) on two steps (the second reuses the first's
-# counters); racecheck (shared memory only) on one: two did not end in
-# 120 s on an H200. Each must pass for a passed verdict; each one's whole
-# output is kept beside the report (OUT/<tool>.log).
+# compute-sanitizer tools: their arguments, kernel steps, program layers and
+# time limit (s). memcheck (global memory) on two steps of two layers (the
+# second step reuses the first's counters); racecheck (shared memory only)
+# on one step of one layer, of the bundle's racecheck cases where it has
+# them (manifest "racecheck": the first case's model with a short LM head,
+# device_check.sh): one step of two layers and the 1B model's LM head,
+# 0.77 GB through the weight ring, did not end in 240 s on an H200. Each
+# must pass for a passed verdict; each one's whole output is kept beside the
+# report (OUT/<tool>.log).
 SANITIZERS = {
-    "memcheck": (["--tool", "memcheck"], 2, 120),
+    "memcheck": (["--tool", "memcheck"], 2, 2, 120),
     "racecheck": (
         ["--tool", "racecheck", "--racecheck-report", "hazard", "--print-limit", "100"],
+        1,
         1,
         240,
     ),
 }
+SANITIZE_WORST = ("failed", "not run", "passed")
 # What compute-sanitizer prints when it cannot run on the machine at all
 # (gVisor: KINDS.md), as opposed to finding an error.
 SANITIZER_UNSUPPORTED = ("Device not supported", "Unable to find injection")
@@ -1707,7 +1719,10 @@ def main() -> int:
     order = manifest.get("variant_order", [])
     found = [p for p in bundle.iterdir() if (p / "program.pt").exists()]
     planted = sorted(p for p in found if planted_bug(p))
-    cases = sorted((p for p in found if not planted_bug(p)),
+    # Cases built for racecheck alone (SANITIZERS) are not checked or timed.
+    racecheck_cases = [bundle / name for name in manifest.get("racecheck", [])]
+    cases = sorted((p for p in found
+                    if not planted_bug(p) and p not in racecheck_cases),
                    key=lambda case: _case_order(case, order))  # fmt: skip
     # A second call can take the cases the first one's deadline cut, e.g.
     # DEVICE_CHECK_ONLY="llama-3.1-8b-*" (shell patterns, space-separated);
@@ -1798,23 +1813,34 @@ def main() -> int:
         save()
 
     def sanitize(tool: str, case: Path, log: Path) -> dict:
-        args, steps, limit = SANITIZERS[tool]
+        args, steps, layers, limit = SANITIZERS[tool]
         # Without torch's caching allocator every buffer is its own
         # allocation, so memcheck sees a store past its end.
         prefix = ["env", "PYTORCH_NO_CUDA_MEMORY_CACHING=1",
-                  f"DEVICE_SANITIZE_STEPS={steps}", sanitizer, *args,
+                  f"DEVICE_SANITIZE_STEPS={steps}",
+                  f"DEVICE_SANITIZE_LAYERS={layers}", sanitizer, *args,
                   "--error-exitcode", "3"]  # fmt: skip
         return sanitizer_status(run("sanitize", case, limit, prefix, log), limit)
 
-    # DEVICE_CHECK_SANITIZERS="memcheck": the tools this call runs on the
-    # first case (racecheck did not end one step of the ring kernel in 240 s).
+    # DEVICE_CHECK_SANITIZERS="memcheck": the tools this call runs.
     tools = os.environ.get("DEVICE_CHECK_SANITIZERS", " ".join(SANITIZERS)).split()
+    targets = {"memcheck": [cases[0]], "racecheck": racecheck_cases or [cases[0]]}
     if sanitizer:
         for tool in tools:
-            report["sanitizer"][tool] = {
-                "case": cases[0].name,
-                **sanitize(tool, cases[0], out / f"{tool}.log"),
-            }
+            results = {}
+            for case in targets[tool]:
+                log = (
+                    f"{tool}.log"
+                    if case == targets[tool][0]
+                    else f"{tool}-{case.name}.log"
+                )
+                results[case.name] = sanitize(tool, case, out / log)
+            worst = min(
+                results.values(), key=lambda r: SANITIZE_WORST.index(r["status"])
+            )
+            report["sanitizer"][tool] = {"case": ", ".join(results), **worst}
+            if len(results) > 1:
+                report["sanitizer"][tool]["cases"] = results
             save()
         # Racecheck on other kernels too, reported apart, not in the verdict:
         # DEVICE_CHECK_RACECHECK_ALSO="llama-3.2-1b-b1-legacy" (no weight

@@ -8,8 +8,9 @@
 // planner (MLAPlan, attention/scheduler.cuh), both header-only templates:
 //
 //  - flashinfer_mla_plan: the planner on the host for one batch's lengths;
-//    it fills the int workspace (through a pinned staging buffer and an
-//    async copy on the stream) and returns the plan's 18 offsets.
+//    it stages the plan's arrays in a pinned buffer, copies them to the int
+//    workspace on the stream (async: the caller synchronizes before the
+//    pinned buffer can go) and returns the plan's 18 offsets.
 //  - flashinfer_mla_run: the attention of q_latent [n, heads, 512] and q_pe
 //    [n, heads, 64] over the paged latent cache, read in place: each row
 //    [kv_c | k_pe] of vLLM's MLA cache (576 bf16), kv_c at offset 0 and
@@ -58,6 +59,14 @@ EXPORT int flashinfer_mla_plan(void* float_ws, size_t float_bytes, void* int_ws,
         const_cast<IdType*>(qo_indptr_h), const_cast<IdType*>(kv_indptr_h),
         const_cast<IdType*>(kv_len_h), batch, num_heads, HEAD_DIM_CKV, /*causal=*/false,
         static_cast<cudaStream_t>(stream));
+    if (err != cudaSuccess) return err;
+    // MLAPlan (0.7) only stages the arrays on the host and reports how many
+    // bytes: FlashInfer's Python caller copies them to the device
+    // (jit/attention/modules.py, _BatchMLAModuleProxy). Without this copy the
+    // kernel reads an uninitialized work list (an illegal address on H200).
+    if (staged == 0 || staged > int_bytes) return cudaErrorInvalidValue;
+    err = cudaMemcpyAsync(int_ws, int_ws_host, staged, cudaMemcpyHostToDevice,
+                          static_cast<cudaStream_t>(stream));
     if (err != cudaSuccess) return err;
     const std::vector<int64_t> v = info.ToVector();
     if (static_cast<int>(v.size()) != PLAN_FIELDS) return cudaErrorInvalidValue;

@@ -9,9 +9,12 @@ What vLLM's FLASHINFER_MLA backend runs (its default on Blackwell; on an
 H200 vLLM's default is FLASH_ATTN_MLA, which cannot travel): FlashInfer's
 planner on the host for the batch's lengths, once, then one cooperative
 launch per layer (the split-KV partials and their merge inside it).
-Not yet run on a GPU: every call raises RuntimeError on a CUDA error, and
-the check reports a reference that fails or disagrees with the torch one
-without counting it against the kernel.
+Its first GPU run (H200, 2026-12-04) hit an illegal address: the plan's
+int workspace was never copied to the device (FlashInfer 0.7's MLAPlan
+leaves that copy to its caller; flashinfer_mla.cu makes it now), not yet
+rerun. Every call raises RuntimeError on a CUDA error, and the check
+reports a reference that fails or disagrees with the torch one without
+counting it against the kernel.
 """
 
 from __future__ import annotations
@@ -78,8 +81,9 @@ class FlashInferMla(CtypesLibrary):
             torch.cuda.current_stream().cuda_stream,
         )  # fmt: skip
         self._check("flashinfer_mla_plan", err)
-        # The planner's copy from the pinned buffer is queued on the stream
-        # by hand (torch does not know of it): done before the buffer can go.
+        # The plan's copy from the pinned buffer (flashinfer_mla.cu) is
+        # queued on the stream by hand (torch does not know of it): done
+        # before the buffer can go.
         torch.cuda.current_stream().synchronize()
         return out
 

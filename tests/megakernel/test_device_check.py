@@ -75,7 +75,9 @@ def test_dry_run_builds_a_small_bundle():
            # shape the bundle carries.)
            "DEVICE_CHECK_MOE": "", "DEVICE_CHECK_MLA": "deepseek-v3:1:4",
            # A verify step: requests of 2 rows on the batch-2 bucket's kernel.
-           "DEVICE_CHECK_VERIFY": "llama-3.2-1b:2:2"}  # fmt: skip
+           "DEVICE_CHECK_VERIFY": "llama-3.2-1b:2:2",
+           # racecheck's own case at batch 1 (CI time; 4 is the same build).
+           "DEVICE_CHECK_RACECHECK": "1"}  # fmt: skip
     proc = subprocess.run(
         [str(ROOT / "scripts" / "device_check.sh"), "--dry-run"],
         capture_output=True, text=True, timeout=600, env=env,
@@ -91,8 +93,14 @@ def test_dry_run_builds_a_small_bundle():
     # (The tensor-parallel case: DEVICE_CHECK_RANKS's default.)
     tp_case = "llama-3.2-1b-b1-tp2"
     verify_case = "llama-3.2-1b-b2-verify2"
+    racecheck_case = "llama-3.2-1b-v8192-b1-racecheck"
     assert set(manifest["builds"]) == {"llama-3.2-1b-b1", "deepseek-v3-b1",
-                                       tp_case, verify_case, *planted}  # fmt: skip
+                                       tp_case, verify_case, racecheck_case,
+                                       *planted}  # fmt: skip
+    # racecheck's case: the planted bugs' model, its LM head cut short.
+    assert manifest["racecheck"] == [racecheck_case]
+    meta = torch.load(bundle / racecheck_case / "program.pt")
+    assert meta["shape"]["vocab"] == 8192 and meta["shape"]["hidden"] == 2048
     assert manifest["verify"] == {verify_case: 2}
     assert verify_case in manifest["variant_order"]
     # The latent attention case runs its first four layers, its mixture
@@ -107,7 +115,7 @@ def test_dry_run_builds_a_small_bundle():
     flags = {"llama-3.2-1b-b1": (0, 0, 2, 4),
              "llama-3.2-1b-b1-plant-kv-slot": (0, 0, 2, 4),
              "deepseek-v3-b1": (0, 0, 1, 1), tp_case: (0, 0, 2, 4),
-             verify_case: (0, 0, 2, 4)}  # fmt: skip
+             verify_case: (0, 0, 2, 4), racecheck_case: (0, 0, 2, 4)}  # fmt: skip
     for name, build in manifest["builds"].items():
         assert build["spill_bytes"] == 0 and build["arch"] == "sm_90a"
         meta = torch.load(bundle / name / "program.pt")
@@ -696,7 +704,7 @@ def test_predictions_are_the_cases_programs_at_the_timed_context(tmp_path, monke
     assert seen == [PREFETCH_BYTES] * 3
 
 
-def _bundle(tmp_path: Path) -> Path:
+def _bundle(tmp_path: Path, racecheck: tuple = ()) -> Path:
     """Cases as device_check.sh builds them (made in another order than the
     driver must run them), with one planted bug."""
     spec = make_spec("llama", torch.bfloat16)
@@ -718,7 +726,9 @@ def _bundle(tmp_path: Path) -> Path:
     (bundle / "s-b1").mkdir()
     torch.save(meta, bundle / "s-b1" / "program.pt")
     manifest = {"commit": "abc", "variant_order": ["m-b1-legacy", "m-b1-wide"],
-                "first": "m-b1"}  # fmt: skip
+                "first": "m-b1", "racecheck": racecheck}  # fmt: skip
+    for name in racecheck:  # (the kernel's shape does not matter here)
+        shutil.copytree(bundle / "m-b1", bundle / name)
     (bundle / "manifest.json").write_text(json.dumps(manifest))
     return bundle
 
@@ -727,7 +737,7 @@ class _Props:
     name, multi_processor_count = "stand-in", 132
 
 
-def _driver(d, tmp_path, monkeypatch, outcomes: dict):
+def _driver(d, tmp_path, monkeypatch, outcomes: dict, racecheck: tuple = ()):
     """main() on CPU, each child run answered from ``outcomes`` (by what it
     runs, and for the sanitizer by its tool): correct and clean unless told."""
     calls = []
@@ -752,7 +762,8 @@ def _driver(d, tmp_path, monkeypatch, outcomes: dict):
 
     monkeypatch.setattr(d, "run_child", run_child)
     monkeypatch.setattr(d.torch.cuda, "get_device_properties", lambda i: _Props)
-    monkeypatch.setattr(d.sys, "argv", ["device_run.py", str(_bundle(tmp_path)),
+    bundle = _bundle(tmp_path, list(racecheck))
+    monkeypatch.setattr(d.sys, "argv", ["device_run.py", str(bundle),
                                         str(tmp_path / "out")])  # fmt: skip
     rc = d.main()
     report = json.loads((tmp_path / "out" / "device_check.json").read_text())
@@ -840,6 +851,42 @@ def test_racecheck_on_other_kernels_is_reported_apart(tmp_path, monkeypatch):
     report = json.loads((tmp_path / "out" / "device_check.json").read_text())
     assert report["racecheck_also"]["m-b1-legacy"]["status"] == "failed"
     assert report["verdict"] == "passed"
+
+
+def test_racecheck_runs_on_its_own_cases(tmp_path, monkeypatch):
+    """A bundle with racecheck cases (device_check.sh: the first case's model
+    with a short LM head): racecheck runs on each, one layer deep, and only
+    racecheck; memcheck stays on the first case; the worst result counts."""
+    d = _device_run()
+    monkeypatch.setattr(d.shutil, "which", lambda name: "/bin/compute-sanitizer")
+    names = ("m-v64-b1-racecheck", "m-v64-b2-racecheck")
+    prefixes = []
+    answer = None
+
+    def second_races(what, case, timeout, prefix=None, log=None):
+        prefixes.append(prefix)
+        if what == "sanitize" and case.name == names[1]:
+            return {"seconds": 0.0, "ok": False, "rc": 3,
+                    "tail": "RACECHECK SUMMARY: 1 hazard"}  # fmt: skip
+        return answer(what, case, timeout, prefix, log)
+
+    rc, report, calls = _driver(d, tmp_path, monkeypatch, {}, racecheck=names)
+    sanitized = [(case, tool) for what, case, tool in calls if what == "sanitize"]
+    assert sanitized == [("m-b1", "memcheck"), (names[0], "racecheck"),
+                         (names[1], "racecheck")]  # fmt: skip
+    assert not any(case in names for what, case, _ in calls if what != "sanitize")
+    assert report["sanitizer"]["racecheck"]["status"] == "passed"
+    assert set(report["sanitizer"]["racecheck"]["cases"]) == set(names)
+    assert report["verdict"] == "passed"
+    answer = d.run_child
+    monkeypatch.setattr(d, "run_child", second_races)
+    d.main()
+    report = json.loads((tmp_path / "out" / "device_check.json").read_text())
+    assert report["sanitizer"]["racecheck"]["status"] == "failed"
+    assert report["verdict"] == "failed"
+    layers = {p[p.index("--tool") + 1]: p[3] for p in prefixes if p}
+    assert layers == {"memcheck": "DEVICE_SANITIZE_LAYERS=2",
+                      "racecheck": "DEVICE_SANITIZE_LAYERS=1"}  # fmt: skip
 
 
 def test_no_sanitizer_is_no_pass(tmp_path, monkeypatch):

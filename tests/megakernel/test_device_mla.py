@@ -347,6 +347,41 @@ def test_mla_timing_times_a_per_op_step_of_the_same_function(harness, monkeypatc
     assert set(d.device_mla.ROWS) <= set(d.BREAKDOWN)
 
 
+def test_flashinfer_mla_runs_after_every_other_figure(harness, monkeypatch):
+    """A fault in FlashInfer's MLA decode ends the CUDA context (an illegal
+    memory access on its first H200 run took the per-op step and the
+    breakdown with it): the torch per-op step and the breakdown come first,
+    and a library that failed its check leaves them as they were."""
+    d, case, _ = harness
+    spec, program = d.load_case(case)
+    weights = random_weights(spec, seed=1)
+    inputs = random_decode_inputs(spec, 2, seed=9, max_len=40)
+    ex, _ = d.make_executor(case, program, weights, 3)
+    ex.step(inputs)
+    order = []
+    monkeypatch.setattr(d, "MLA_PER_OP_COMPILE", {"backend": "aot_eager"})
+    monkeypatch.setattr(d, "graphed", lambda fn: fn)
+    monkeypatch.setattr(d, "time_runs", lambda fn, *a, **kw: (fn(), [1.0] * 5)[1])
+    monkeypatch.setattr(d, "breakdown", lambda *a: order.append("breakdown") or {})
+    monkeypatch.setattr(d, "DEVICE", "cuda")
+    monkeypatch.setattr(d.FlashInferMla, "load", staticmethod(lambda _: object()))
+
+    def faulting_check(*args):
+        order.append("flashinfer")
+        return {"ok": None, "error": "AcceleratorError('illegal memory access')"}
+
+    monkeypatch.setattr(d, "flashinfer_mla_check", faulting_check)
+    monkeypatch.setattr(d, "moe_mixture", lambda *a: (
+        load_script("scripts/baseline/per_op.py").reference_mixture(spec, weights),
+        {"layer_ms": 1.0}))  # fmt: skip
+    out = d.mla_timing(case, spec, weights, inputs, ex, program, ex.step, 1.0)
+    assert order == ["breakdown", "flashinfer"]
+    assert out.get("per_op_error") is None, out["per_op_error"]
+    assert out["per_op_attention"] == "torch-absorbed-mla"
+    assert out["per_op_graph_ms"] == 1.0 and "per_op_error" not in out
+    assert out["flashinfer_mla"]["ok"] is None
+
+
 # ------------------------------------------------------------ FlashInfer MLA
 
 
@@ -396,3 +431,27 @@ def test_the_mla_entry_points_bind_and_check_their_inputs(mla_library):
     assert (
         fm.FlashInferMla.load(mla_library.parent) is None or torch.cuda.is_available()
     )
+
+
+def test_the_mla_plan_reaches_the_device_and_fits_its_workspaces(mla_library):
+    """FlashInfer 0.7's MLAPlan only stages its arrays in the pinned buffer
+    and reports their bytes (its Python caller copies them: jit/attention/
+    modules.py): the glue copies them itself, else the kernel walks an
+    uninitialized work list (the H200's illegal address, 2026-12-04). The
+    workspaces hold MLAPlan's arrays for an H200 (scheduler.cuh's sizes)."""
+    include = load_script("scripts/baseline/build_flashinfer.py").fetch()[0]
+    scheduler = (include / "flashinfer/attention/scheduler.cuh").read_text()
+    body = scheduler[scheduler.index("inline cudaError_t MLAPlan(") :]
+    body = body[: body.index("\n}\n")]
+    assert "staged_int_workspace_bytes = int_allocator" in body
+    assert "cudaMemcpyAsync" not in body
+    glue = (ROOT / "scripts/baseline/flashinfer_mla.cu").read_text()
+    assert "cudaMemcpyAsync(int_ws, int_ws_host, staged," in glue
+    fm = load_script("scripts/baseline/flashinfer_mla.py")
+    assert "int max_total_num_works = 16384;" in body
+    sms, works, tile_q = 132, 16384, 64  # num_clusters * cluster_tile_q = sms * 64
+    # Ten arrays per work and five per SM, int32, each aligned to 16 bytes.
+    int_bytes = 10 * works * 4 + 5 * (sms * 4 + 16)
+    # Two partial o rows (bf16) and lse per cluster row.
+    float_bytes = 2 * sms * tile_q * (2 * fm.RANK + 4) + 32
+    assert int_bytes <= fm.INT_WORKSPACE and float_bytes <= fm.FLOAT_WORKSPACE

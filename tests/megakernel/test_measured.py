@@ -202,8 +202,14 @@ def test_a_check_may_take_several_calls(tmp_path):
                              "racecheck": {"status": "not run"}})  # fmt: skip
     second = _call(["llama-3.2-1b-b4", "llama-3.2-1b-b8"],
                    sanitizer=PASSED_PARTS["sanitizer"])  # fmt: skip
+    # The first call's deadline skipped them: not run, not incorrect.
+    skipped = {"correctness": {"ok": None, "why": "skipped: out of time"}}
+    first["cases"].update({name: skipped for name in second["cases"]})
     for one in (first, second):
         assert measured.verdict(one)[0] == "incomplete"
+    assert (
+        "llama-3.2-1b-b4 not run (skipped: out of time)" in measured.verdict(first)[1]
+    )
     merged = measured.combine([first, second])
     assert merged["verdict"] == "passed" and merged["combined_from"] == 2
     paths = [_write(tmp_path, first, "a.json"), _write(tmp_path, second, "b.json")]

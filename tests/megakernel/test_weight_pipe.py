@@ -42,6 +42,7 @@ from vllm_ext.megakernel.kernel.ops.gemv_mma import (
     page_index,
 )
 from vllm_ext.megakernel.kernel.ops.weight_pipe import (
+    EMPTY_ARRIVALS,
     L2_AHEAD_PAGES,
     MIN_SLOTS,
     PAGE_ELEMS,
@@ -251,7 +252,9 @@ class PipeReplay:
         # makes them disagree.)
         self.consumer_counts = consumer_counts or counts
         self.rng = random.Random(seed)
-        empty_count = 1 if mutation == "empty_counts_one" else consumers
+        # Every consumer thread arrives: a warp's lanes, in one step.
+        self.lanes = EMPTY_ARRIVALS // NUM_WARPS
+        empty_count = 1 if mutation == "empty_counts_one" else consumers * self.lanes
         self.full = [MBarrier(1) for _ in range(slots)]
         self.empty = [MBarrier(empty_count) for _ in range(slots)]
         self.content: list = [None] * slots  # (page, landed)
@@ -318,7 +321,8 @@ class PipeReplay:
 
     def consumer(self, warp: int):
         """As ``paged_gemv``: each instruction's pages from its base, wait
-        for the page's full phase, read, release (the warp's lane 0)."""
+        for the page's full phase, read, release (each of the warp's
+        threads)."""
         base = 0
         for n in self.consumer_counts:
             for g in range(base, base + n):
@@ -334,7 +338,8 @@ class PipeReplay:
                 )
                 self.unread[slot].discard(warp)
                 yield True
-                self.empty[slot].arrive()
+                for _ in range(self.lanes):
+                    self.empty[slot].arrive()
                 yield True
             base += n
 

@@ -101,8 +101,11 @@ def verdict(report: dict) -> tuple[str, list[str]]:
     (scripts/device_run.py writes it; ``combine`` re-derives it)."""
     failed, missing = [], []
     for name, c in report["cases"].items():
-        if not c["correctness"].get("ok"):
+        ok = c["correctness"].get("ok")
+        if ok is False:
             failed.append(f"{name} incorrect")
+        elif ok is None:  # skipped for time, or its child did not report
+            missing.append(f"{name} not run ({c['correctness'].get('why')})")
     abort = report.get("abort", {}).get("ok")
     if abort is False:
         failed.append("the abort check")
@@ -137,8 +140,9 @@ def combine(reports: list[dict]) -> dict:
     one source hash across every build of every call (else ValueError).
     A part counts as passed where one call passed it and none failed it (a
     sanitizer that needed its own call); a case is the latest call's that
-    ran it, unless an earlier call found it incorrect (a failure is never
-    outvoted); the verdict is re-derived from the merged parts."""
+    ran it (one a deadline skipped is not run, not incorrect), unless an
+    earlier call found it incorrect (a failure is never outvoted); the
+    verdict is re-derived from the merged parts."""
     gpus = {r["gpu"] for r in reports}
     sources = set().union(*map(_sources, reports))
     if len(gpus) != 1 or len(sources) != 1:
@@ -151,7 +155,7 @@ def combine(reports: list[dict]) -> dict:
         merged["manifest"]["builds"].update(r["manifest"]["builds"])
         for name, case in r["cases"].items():
             old = merged["cases"].get(name)
-            if old is None or old["correctness"].get("ok"):
+            if old is None or old["correctness"].get("ok") is not False:
                 merged["cases"][name] = case
         abort = r.get("abort", {}).get("ok")
         if abort is not None and merged.get("abort", {}).get("ok") is not False:

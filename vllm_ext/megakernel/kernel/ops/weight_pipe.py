@@ -9,10 +9,14 @@ page's ``pages_full`` mbarrier). Weights never depend on activations, so the
 producer (``produce``, one lane of the producer warp) walks the CTA's whole
 queue from its start, in queue order across instructions and layers, and
 never waits on a dependency counter: it waits only for a slot to be free.
-Each consumer warp arrives on the slot's ``pages_empty`` mbarrier once it
-has read the page (``release_page``; count ``NUM_WARPS``, so no consumer
-barrier is needed per page: a warp done with a page moves on); the
-producer refills a slot only once that phase has completed. While a slot is
+Each consumer thread arrives on the slot's ``pages_empty`` mbarrier once its
+warp has read the page (``release_page``; count ``EMPTY_ARRIVALS``, so no
+consumer barrier is needed per page: a warp done with a page moves on); the
+producer refills a slot only once that phase has completed. Every thread
+arrives, not one lane a warp: an arrive releases only its own thread's
+reads (PTX memory model), and racecheck flagged the refill against lane 1's
+reads when lane 0 arrived for its warp after ``__syncwarp`` (H200,
+2026-12-04). While a slot is
 not yet free, the producer hints the next ``L2_AHEAD_PAGES`` pages past the
 ring into L2 (``cp.async.bulk.prefetch.L2``, the same rows its copies will
 read), so the lookahead is the ring plus that much L2.
@@ -44,7 +48,7 @@ from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.experimental import primitives as prims
 
 from vllm_ext.megakernel.isa import WORDS, Op
-from vllm_ext.megakernel.kernel.ops.common import NUM_WARPS
+from vllm_ext.megakernel.kernel.ops.common import NUM_THREADS, NUM_WARPS
 from vllm_ext.megakernel.kernel.ops.gemv_mma import (
     K_CHUNK,
     group_rows,
@@ -74,6 +78,8 @@ STATE_WORDS = 4
 # SMs hold 25 MiB, half the H200's L2 (the cost model's share), beside the
 # KV cache and activations that stream through it.
 L2_AHEAD_PAGES = 6
+# A slot's release: one arrival per consumer thread (``release_page``).
+EMPTY_ARRIVALS = NUM_THREADS
 
 
 @dataclass(frozen=True)
@@ -237,11 +243,11 @@ class Pipe:
 @cute.jit
 def pipe_init(p: cutlass.Constexpr):
     """Thread 0: the mbarriers (full: one arrival, the producer's, plus the
-    bytes; empty: one arrival per consumer warp) and an empty cursor; the
+    bytes; empty: one arrival per consumer thread) and an empty cursor; the
     caller's CTA barrier publishes them."""
     for i in cutlass.range_constexpr(p.slots):
         cute.arch.mbarrier_init(p.full.iterator + i, 1)
-        cute.arch.mbarrier_init(p.empty.iterator + i, NUM_WARPS)
+        cute.arch.mbarrier_init(p.empty.iterator + i, EMPTY_ARRIVALS)
     cute.arch.mbarrier_init_fence()
     for i in cutlass.range_constexpr(STATE_WORDS):
         p.state[i] = Int32(0)
@@ -448,16 +454,13 @@ def wait_page(p: cutlass.Constexpr, g):
 
 @cute.jit
 def release_page(p: cutlass.Constexpr, g):
-    """Every consumer thread, once its warp is done reading page ``g``: the
-    warp's lane 0 arrives on the slot's empty barrier (the warp's reads
-    ordered before it by ``__syncwarp``; the arrive has release semantics
-    at CTA scope, the producer's wait acquire)."""
-    cute.arch.sync_warp()
-    tidx, _, _ = cute.arch.thread_idx()
-    if tidx % 32 == 0:
-        cute.arch.mbarrier_arrive(p.empty.iterator + g % p.slots)
+    """Every consumer thread, once it is done reading page ``g``: an arrive
+    on the slot's empty barrier (release semantics at CTA scope for this
+    thread's reads; the producer's wait acquires them all)."""
+    cute.arch.mbarrier_arrive(p.empty.iterator + g % p.slots)
 
 
+@cute.jit
 def reads_pages(w_stage, op: Op) -> bool:
     """Whether opcode ``op`` reads its weights from the ring (trace time):
     the kernel has one (``w_stage`` is the ``Pipe``, not the legacy
