@@ -221,6 +221,7 @@ class MegakernelDecodeBackend(DecodeBackend):
             cache_dir=envs.VLLM_MEGAKERNEL_CACHE_DIR,
             logger=logger,
             variants=envs.VLLM_MEGAKERNEL_VARIANTS,
+            tp_group=_tp_group() if self.spec.tp_size > 1 else None,
         )
 
     def describe(self) -> str:
@@ -557,15 +558,16 @@ def _pp_rank(vllm_config: VllmConfig) -> int:
     return get_pp_group().rank_in_group
 
 
+def _tp_group():
+    """vLLM's TP group: the kernel's all-reduce exchanges its counters and
+    partial sums in symmetric memory over it (kernel/symmetric.py)."""
+    from vllm.distributed import get_tp_group
+
+    return get_tp_group()
+
+
 def _check_gpu_kernel(vllm_config: VllmConfig, spec: ModelSpec) -> None:
     """What the compiled kernel (not the reference) needs."""
-    if spec.tp_size > 1:
-        raise ValueError(
-            f"--decode-backend megakernel runs tensor parallelism (here "
-            f"{spec.tp_size} ranks) in reference mode only: the kernel's "
-            "all-reduce has no symmetric memory to reach the other ranks yet. "
-            + INTERPRET_HINT
-        )
     if spec.quant is not None:
         raise ValueError(
             f"--decode-backend megakernel runs {spec.quant.name} checkpoints in "

@@ -395,22 +395,34 @@ class RankSetStandIn:
 
     def __call__(self, queue, lengths, counters, ptrs, bt_stride, kv_stride,
                  scale, max_spins, stream) -> None:  # fmt: skip
-        p, tp = self.program, len(self.ranks)
+        tp = len(self.ranks)
         n_sm, rows = queue.shape[0] // tp, ptrs.shape[0] // tp
         per = counters.shape[0] // tp
-        assert per == p.num_counters + 1 and rows == p.spec.num_layers + 1
+        self.run_ranks(
+            [queue[k * n_sm : (k + 1) * n_sm] for k in range(tp)],
+            [lengths[k * n_sm : (k + 1) * n_sm] for k in range(tp)],
+            [counters[k * per : (k + 1) * per] for k in range(tp)],
+            [ptrs[k * rows : (k + 1) * rows] for k in range(tp)],
+            bt_stride, kv_stride, scale,
+        )  # fmt: skip
+
+    def run_ranks(self, queues, lengths, counters, tables, bt_stride, kv_stride,
+                  scale) -> None:  # fmt: skip
+        """The ranks' step, rank k from its queues, counters and table."""
+        p, tp = self.program, len(self.ranks)
         assert all(r.attn_scale == scale for r in self.ranks)
         own = p.encode()
-        tables = [ptrs[k * rows : (k + 1) * rows].tolist() for k in range(tp)]
-        word = counters.element_size()
-        blocks = [counters.data_ptr() + k * per * word for k in range(tp)]
+        tables = [t.tolist() for t in tables]
+        assert all(len(t) == p.spec.num_layers + 1 for t in tables)
+        assert all(c.shape[0] == p.num_counters + 1 for c in counters)
+        blocks = [c.data_ptr() for c in counters]
         partials = [t[-1][GlobalSlot.PARTIALS] for t in tables]
         inputs = []
         for k, (r, interp) in enumerate(zip(self.ranks, self.set.ranks, strict=True)):
             table, glob = tables[k], tables[k][-1]
-            assert torch.equal(queue[k * n_sm : (k + 1) * n_sm], own[0])
-            assert torch.equal(lengths[k * n_sm : (k + 1) * n_sm], own[1])
-            assert int(counters[(k + 1) * per - 1]) == interp.epoch + 1, (
+            assert torch.equal(queues[k], own[0])
+            assert torch.equal(lengths[k], own[1])
+            assert int(counters[k][-1]) == interp.epoch + 1, (
                 f"rank {k}: step number not bumped"
             )
             peers = r._weight(glob[GlobalSlot.PEERS], "PEERS", (2, tp),
@@ -426,6 +438,33 @@ class RankSetStandIn:
         for r, table in zip(self.ranks, tables, strict=True):
             r._write(table)
         self.launches += 1
+
+
+class SeparateRanksStandIn(RankSetStandIn):
+    """A tensor-parallel deployment's launches on CPU: one launch a rank (its
+    own process and GPU in vLLM, ``launcher(k)`` here), each rank's kernel
+    reaching the others through its PEERS only; the ranks' kernels run
+    together once every rank has launched (one run of ``run_ranks``), as
+    persistent kernels on their GPUs wait for each other."""
+
+    def __init__(self, program, weights: list[DecodeWeights]) -> None:
+        super().__init__(program, weights)
+        self.pending: dict[int, tuple] = {}
+
+    def launcher(self, k: int):
+        def launch(queue, lengths, counters, ptrs, bt_stride, kv_stride, scale,
+                   max_spins, stream) -> None:  # fmt: skip
+            assert k not in self.pending, f"rank {k} launched twice in a step"
+            self.pending[k] = (queue, lengths, counters, ptrs,
+                               (bt_stride, kv_stride, scale))  # fmt: skip
+            if len(self.pending) == len(self.ranks):
+                ranks = [self.pending.pop(r) for r in range(len(self.ranks))]
+                scalars = {r[4] for r in ranks}
+                assert len(scalars) == 1, f"the ranks' launch scalars {scalars}"
+                args = zip(*(r[:4] for r in ranks), strict=True)
+                self.run_ranks(*(list(a) for a in args), *scalars.pop())
+
+        return launch
 
 
 def _unmet_wait(queue: torch.Tensor, lengths: torch.Tensor) -> tuple | None:

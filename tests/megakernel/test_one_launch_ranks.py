@@ -131,13 +131,13 @@ def test_a_wrong_rank_entry_fails(slot, message):
 
 
 def test_a_rank_alone_does_not_launch():
-    """A rank's executor outside a one-launch set has no peers to meet: a
-    TP deployment's symmetric memory is not built, so it refuses."""
+    """A rank's executor without PEERS (neither in a one-launch set nor
+    given its peers' symmetric memory: test_symmetric.py) refuses a step."""
     spec = SPECS["llama"]()
     shard = _contiguous(shard_weights(random_weights(spec, seed=1), spec, TP, 0))
     program = plan(shard_spec(spec, TP), 2, DEVICE, with_lm_head=True)
     ex = KernelExecutor(program, shard, None, block_size=BLOCK_SIZE, max_blocks=4)
-    with pytest.raises(MegakernelError, match="symmetric memory"):
+    with pytest.raises(MegakernelError, match="PEERS"):
         ex.step(random_decode_inputs(spec, 2, seed=1))
     with pytest.raises(MegakernelError, match="vocabulary shard"):
         KernelExecutor(program, dataclasses.replace(shard, vocab_range=None), None,

@@ -16,6 +16,7 @@ import os
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,6 +30,7 @@ from vllm_ext.megakernel.kernel.launcher import (
     new_abort_record,
 )
 from vllm_ext.megakernel.kernel.shape import KernelShape
+from vllm_ext.megakernel.kernel.symmetric import RankBuffers, rank_buffers
 from vllm_ext.megakernel.planner import plan
 from vllm_ext.megakernel.variants import Variants
 from vllm_ext.megakernel.verify import verify
@@ -58,7 +60,11 @@ class GpuExecutor:
         cache_dir: str | Path | None = None,
         logger: logging.Logger | None = None,
         variants: Variants | None = None,
+        tp_group: Any = None,
     ) -> None:
+        """``tp_group``: a tensor-parallel rank's vLLM TP group
+        (``GroupCoordinator``), over which each bucket's counters and partial
+        sums are exchanged in symmetric memory (kernel/symmetric.py)."""
         from vllm_ext.megakernel.build import library_for
 
         if spec.dtype != torch.bfloat16:
@@ -107,12 +113,26 @@ class GpuExecutor:
         # with each step's sampled tokens (step_status).
         self.abort = new_abort_record(device)
         self.executors: dict[int, KernelExecutor] = {}
+        self.symmetric: dict[int, RankBuffers] = {}
+        if spec.tp_size > 1 and tp_group is None:
+            raise MegakernelError("a tensor-parallel rank needs its TP group")
         for bucket, program in programs.items():
             library = KernelLibrary(paths[bucket], device.index or 0)
-            self.executors[bucket] = KernelExecutor(
+            mine = {}
+            if spec.tp_size > 1:
+                # (A collective: every rank, each bucket in the same order.)
+                buffers = rank_buffers(program, shapes[bucket], tp_group.device_group,
+                                       device, barrier=tp_group.barrier)  # fmt: skip
+                self.symmetric[bucket] = buffers
+                mine = {"counters": buffers.counters, "partial": buffers.partial}
+            ex = KernelExecutor(
                 program, weights, library.launch,
                 block_size=block_size, max_blocks=max_blocks, abort=self.abort,
+                **mine,
             )  # fmt: skip
+            if spec.tp_size > 1:
+                ex.set_peers(self.symmetric[bucket].peers)
+            self.executors[bucket] = ex
 
     def failure(self, record: torch.Tensor) -> str | None:
         """The host copy of ``self.abort``, in words (None: no step aborted)."""

@@ -166,10 +166,12 @@ class KernelExecutor:
         max_spins: int = DEFAULT_MAX_SPINS,
         abort: torch.Tensor | None = None,
         counters: torch.Tensor | None = None,
+        partial: torch.Tensor | None = None,
         ranks_in_launch: int = 1,
     ) -> None:
         """``counters`` and ``ranks_in_launch``: a rank of ``OneLaunchRanks``
-        (its block of the stacked counters)."""
+        (its block of the stacked counters); ``counters`` and ``partial``: a
+        tensor-parallel rank's in symmetric memory (kernel/symmetric.py)."""
         self.program, self.weights, self.launch = program, weights, launch
         self.max_spins = max_spins
         self.shape = shape = KernelShape.from_program(
@@ -201,6 +203,14 @@ class KernelExecutor:
             # (route: fp32 words, its int32 fields stored as their bits.)
             fp32 = name in ("part_o", "part_lse", "logits", "route")
             dtype = torch.float32 if fp32 else torch.bfloat16
+            if name == "partial" and partial is not None:
+                if partial.dtype != dtype or tuple(partial.shape) != tuple(dims):
+                    raise MegakernelError(
+                        f"megakernel: partial sums {tuple(partial.shape)} "
+                        f"{partial.dtype}, expected {tuple(dims)} {dtype}"
+                    )
+                self.ws[name] = partial
+                continue
             # NaN until written: a read of an unwritten value shows as NaN.
             self.ws[name] = torch.full(dims, float("nan"), dtype=dtype, device=dev)
         b = shape.batch
@@ -376,13 +386,13 @@ class KernelExecutor:
     # ------------------------------------------------------------ step
 
     def step(self, inputs: DecodeInputs) -> torch.Tensor:
-        """One decode step: this program's launch alone (no tensor
-        parallel: a TP deployment's ranks need their peers' symmetric
-        memory, not built yet; the one-GPU check runs ``OneLaunchRanks``)."""
-        if self.shape.tp_size > 1 and self.shape.ranks_in_launch == 1:
+        """One decode step: this program's launch (a tensor-parallel rank's
+        reaches its peers through PEERS: ``set_peers``; the one-GPU check's
+        ranks launch together through ``OneLaunchRanks``)."""
+        if self.shape.tp_size > 1 and self.peers is None:
             raise MegakernelError(
-                "megakernel: a tensor-parallel rank launches with its peers, "
-                "through their symmetric memory (not built yet)"
+                "megakernel: a tensor-parallel rank launches with its peers' "
+                "counters and partial sums in PEERS (set_peers)"
             )
         n = self.stage(inputs)
         self.launch_staged()
