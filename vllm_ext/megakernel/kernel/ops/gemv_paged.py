@@ -19,7 +19,7 @@ from vllm_ext.megakernel.kernel.ops.common import (
     thread_ids,
     vectors,
 )
-from vllm_ext.megakernel.kernel.ops.gemv import gemv_row
+from vllm_ext.megakernel.kernel.ops.gemv import cache_input, cached_vectors, gemv_row
 from vllm_ext.megakernel.kernel.ops.gemv_mma import (
     K_BLOCK,
     N_BLOCK,
@@ -75,6 +75,9 @@ def _paged_rows(p: cutlass.Constexpr, tile: cutlass.Constexpr, page0, row0, row_
     slices = warps_per_row(per_page)
     batch = x.shape[0]
     base = p.base + page0
+    xcache = None
+    if cutlass.const_expr(batch == 1 and not normed and cached_vectors(k, slices)):
+        xcache = cache_input(x, k, slices, warp % slices, lane)
     for kk in cutlass.range((row_end - row0 + per_page - 1) // per_page):
         g = base + kk
         wait_page(p, g)
@@ -87,7 +90,8 @@ def _paged_rows(p: cutlass.Constexpr, tile: cutlass.Constexpr, page0, row0, row_
         if cutlass.const_expr(slices == 1):
             for r in cutlass.range(warp, n, NUM_WARPS):
                 gemv_row(first + r, vectors(w1[r, None]), vectors(w2[r, None]), x,
-                       norm, rstd, lane, epilogue, normed, dual)  # fmt: skip
+                       norm, rstd, lane, epilogue, normed, dual,
+                       xcache=xcache)  # fmt: skip
             release_page(p, g)
         else:
             r = warp // slices
@@ -98,7 +102,7 @@ def _paged_rows(p: cutlass.Constexpr, tile: cutlass.Constexpr, page0, row0, row_
             if r < n:
                 gemv_row(first + r, vectors(w1[r, None]), vectors(w2[r, None]), x,
                        norm, rstd, lane, epilogue, normed, dual, warp % slices,
-                       slices, red[warp, None, None])  # fmt: skip
+                       slices, red[warp, None, None], xcache)  # fmt: skip
             release_page(p, g)
             # (red alternates by page parity: the next page's barrier orders
             # these reads before the page after writes this half again.)
