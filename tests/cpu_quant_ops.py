@@ -32,7 +32,11 @@ machine's build lacks or runs with other numerics (test code only).
   numerics (vLLM's Triton ``fused_moe`` with block quantization): each
   GEMM as ``block_fp8_matmul`` (inputs per token in groups of 128) rounded
   to the activations' dtype, SiLU-mul rounded to it, the top-k outputs
-  weighted and summed in fp32; the experts kept as loaded.
+  weighted and summed in fp32; the experts kept as loaded. DeepSeek's
+  routing (grouped sigmoid top-k, correction bias) is vLLM's router's,
+  run before the experts: they get its top-k weights and ids; its runner
+  scales their output by ``routed_scaling_factor`` and adds the shared
+  expert, an FP8-block MLP of its own (``block_fp8_matmul``).
 
 So prefill and vLLM's default decode run on every machine of the project's
 kind, with the numerics a GPU serves the checkpoint with.
@@ -77,12 +81,15 @@ BLOCK = 128
 
 def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's dynamic per-token group-128 FP8 quantization (QuantFP8's
-    group path): (e4m3 ``[M, K]``, fp32 scales ``[M, K / 128]``)."""
-    groups = x.view(x.shape[0], -1, BLOCK)
+    group path, a partial last group padded with zeros): (e4m3 ``[M, K]``,
+    fp32 scales ``[M, ceil(K / 128)]``)."""
+    k = x.shape[-1]
+    padded = torch.nn.functional.pad(x, (0, -k % BLOCK))
+    groups = padded.view(x.shape[0], -1, BLOCK)
     amax = groups.abs().amax(dim=-1, keepdim=True).float()
     scale = (amax / FP8_MAX).clamp(min=1.0 / (FP8_MAX * 512.0))
     q = (groups / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.view(x.shape), scale.squeeze(-1)
+    return q.view(padded.shape)[:, :k], scale.squeeze(-1)
 
 
 def block_fp8_matmul(x, weight, weight_scale, out_dtype):
@@ -92,7 +99,7 @@ def block_fp8_matmul(x, weight, weight_scale, out_dtype):
     n, k = weight.shape
     out = torch.zeros(x.shape[0], n, dtype=torch.float32)
     ws = weight_scale.float().repeat_interleave(BLOCK, dim=0)[:n]  # [N, K/128]
-    for kb in range(k // BLOCK):
+    for kb in range(-(-k // BLOCK)):  # (the last K block possibly partial)
         cols = slice(kb * BLOCK, (kb + 1) * BLOCK)
         part = xq[:, cols].float() @ weight[:, cols].float().t()
         out += part * xs[:, kb, None] * ws[None, :, kb]

@@ -16,6 +16,7 @@ import torch
 from tests.utils import (
     DEFAULT_RUNS,
     FP8_ACT_TOL,
+    FP8_ROUTING_TIE,
     RoutingMargins,
     check_bf16_close,
     check_logprobs_close,
@@ -155,7 +156,7 @@ def _default(model: str, dtype: str):
 # 128). A latent attention has neither.
 PARTS = {"llama": (2, 8), "mistral": (4, 16), "qwen2": (2, 8), "qwen3": (4, 16),
          "qwen3_moe": (2, 8), "mixtral": (2, 8), "deepseek_v3": (1, 1),
-         "deepseek_v3_moe": (1, 1)}  # fmt: skip
+         "deepseek_v3_moe": (1, 1), "deepseek_v3_fp8": (1, 1)}  # fmt: skip
 
 
 # (qwen3_moe: a dense layer then 8 experts top 2; mixtral: 4 experts top 2.
@@ -221,13 +222,18 @@ def test_megakernel_matches_default(demo_model, monkeypatch, arch, dtype):
 # (Qwen3's FP8 checkpoints, DeepSeek-V3's experts): no CPU backend of
 # vLLM's serves them here with a GPU's numerics, so tests/cpu_quant_ops.py
 # stands in for its experts (Marlin's MoE, the block-FP8 fused MoE).
+# DeepSeek-V3 as shipped (FP8 blocks in every linear layer and expert, kv_a's
+# 576 rows ending in half a block; latent attention on vLLM's CPU_MLA):
+# dense (q_proj) and deepseek_v3_fp8 (q LoRA, a mixture after a dense layer).
 @pytest.mark.parametrize(
     "arch, fmt, dtype",
     [("llama", "pack-quantized", "float32"), ("llama", "gptq", "bfloat16"),
      ("llama", "fp8-channel", "float32"), ("llama", "fp8-channel", "bfloat16"),
      ("llama", "fp8-block", "bfloat16"),
      ("qwen3_moe", "pack-quantized", "float32"),
-     ("qwen3_moe", "fp8-block", "bfloat16")],
+     ("qwen3_moe", "fp8-block", "bfloat16"),
+     ("deepseek_v3", "fp8-block", "bfloat16"),
+     ("deepseek_v3_fp8", "fp8-block", "bfloat16")],
 )  # fmt: skip
 def test_quantized_checkpoint_matches_default(
     demo_model, monkeypatch, tmp_path, arch, fmt, dtype
@@ -245,15 +251,52 @@ def test_quantized_checkpoint_matches_default(
         monkeypatch.setattr(sys.modules[__name__], "NUM_LOGPROBS", 20)
     model = str(quantize_checkpoint(demo_model(arch), tmp_path / fmt, fmt))
     default, _ = _generate(model, dtype)
-    mega, stats = _generate(model, dtype, decode_backend="megakernel")
+    margins, prompt_lens = RoutingMargins(), []
+    latent = _latent_attention(model)
+    if latent:
+        margins.install(monkeypatch)
+        absorbed = _record_absorbed_kv_b(monkeypatch)
+    mega, stats = _generate(
+        model, dtype, prompt_lens=prompt_lens, decode_backend="megakernel"
+    )
     assert stats == (max(MAX_TOKENS) - 1, {}, {PARTS[arch]})
+    if latent:
+        # kv_b as vLLM's MLA decode multiplies by it (its W_UK_T and W_UV,
+        # dequantized once), bit for bit, in every layer.
+        assert len(absorbed) == 2 and all(torch.equal(a, b) for a, b in absorbed)
     if dtype == "float32":
         assert [ids for ids, _ in mega] == [ids for ids, _ in default]
         return
-    check_logprobs_close(default, mega, "default", "megakernel")
+    ties = margins.near_ties(mega, prompt_lens, FP8_ROUTING_TIE)
+    check_logprobs_close(default, mega, "default", "megakernel", ties)
     tol = FP8_ACT_TOL if fmt.startswith("fp8") else None
-    stats = check_bf16_close(default, mega, "default", "megakernel", tol=tol)
+    stats = check_bf16_close(default, mega, "default", "megakernel", ties, tol=tol)
     assert stats["compared"] >= len(MAX_TOKENS)
+
+
+def _record_absorbed_kv_b(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """As the backend reads a latent-attention model's weights: per layer,
+    (the backend's W_UK ``[heads, nope, rank]`` and W_UV transposed to
+    ``[heads, rank, v]``, vLLM's W_UK_T and W_UV), each pair flattened."""
+    from vllm_ext.weights import DecodeWeights, stage_layers
+
+    read = DecodeWeights.from_vllm_model.__func__
+    pairs = []
+
+    def recording(cls, model, spec):
+        weights = read(cls, model, spec)
+        heads, nope = spec.mla.num_heads, spec.mla.qk_nope_head_dim
+        for layer, w in zip(stage_layers(model), weights.layers, strict=True):
+            attn = next(m for m in layer.self_attn.modules() if hasattr(m, "W_UV"))
+            ours = (w.mla.w_uk(heads, nope), w.mla.w_uv(heads, nope).transpose(1, 2))
+            theirs = (attn.W_UK_T, attn.W_UV)
+            pairs.append(
+                tuple(torch.cat([t.flatten() for t in p]) for p in (ours, theirs))
+            )
+        return weights
+
+    monkeypatch.setattr(DecodeWeights, "from_vllm_model", classmethod(recording))
+    return pairs
 
 
 def test_all_dense_deepseek_with_unused_moe_fields(demo_model, monkeypatch, tmp_path):

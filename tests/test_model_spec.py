@@ -9,6 +9,25 @@ from transformers import AutoConfig
 
 from vllm_ext import configs
 from vllm_ext.model_spec import ModelSpec, UnsupportedModelError
+from vllm_ext.quant import FP8_BLOCK, quant_format
+
+# Checkpoint formats the backend takes on dense models.
+_PACK_QUANTIZED = {
+    "quant_method": "compressed-tensors",
+    "format": "pack-quantized",
+    "config_groups": {"group_0": {"weights": {"type": "int", "num_bits": 4,
+                                              "strategy": "group",
+                                              "group_size": 32}}},
+}  # fmt: skip
+_FP8 = {"type": "float", "num_bits": 8}
+_FP8_CHANNEL = {
+    "quant_method": "compressed-tensors",
+    "format": "float-quantized",
+    "config_groups": {"group_0": {
+        "weights": _FP8 | {"strategy": "channel"},
+        "input_activations": _FP8 | {"strategy": "token", "dynamic": True},
+    }},
+}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -269,18 +288,7 @@ def test_real_deepseek_configs(name, mla, moe):
             dict(quantization_config={"quant_method": "fp8"}),
             "quantization FP8 with per-tensor scales",
         ),
-        # DeepSeek-V3 and Kimi-K2 as shipped.
-        (
-            dict(
-                quantization_config={
-                    "quant_method": "fp8",
-                    "fmt": "e4m3",
-                    "weight_block_size": [128, 128],
-                }
-            ),
-            "fp8-block128 latent attention",
-        ),
-        # INT4 runs on dense models only, so far.
+        # Latent attention takes FP8 blocks only, so far (the next test).
         (
             dict(
                 quantization_config={
@@ -290,7 +298,15 @@ def test_real_deepseek_configs(name, mla, moe):
                     "sym": True,
                 }
             ),
-            "int4-w4a16 latent attention",
+            "int4-w4a16 \\(gptq\\) latent attention",
+        ),
+        (
+            dict(quantization_config=_PACK_QUANTIZED),
+            "int4-w4a16 \\(compressed-tensors pack-quantized\\) latent attention",
+        ),
+        (
+            dict(quantization_config=_FP8_CHANNEL),
+            "fp8-w8a8 \\(compressed-tensors float-quantized\\) latent attention",
         ),
         (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope type 'linear'"),
         (dict(scoring_func="sqrtsoftplus"), "MoE scoring 'sqrtsoftplus'"),
@@ -303,6 +319,21 @@ def test_unsupported_deepseek_is_named(changes, message):
     config = _deepseek_config("deepseek-v3", **changes)
     with pytest.raises(UnsupportedModelError, match=message):
         ModelSpec.from_hf_config(config, torch.bfloat16, 4096)
+
+
+def test_deepseek_fp8_blocks_are_taken():
+    """DeepSeek-V3 and Kimi-K2 as shipped: FP8 e4m3 with 128x128 block
+    scales in every linear layer and expert, latent attention included."""
+    config = _deepseek_config(
+        "deepseek-v3",
+        quantization_config={"quant_method": "fp8", "fmt": "e4m3",
+                             "activation_scheme": "dynamic",
+                             "weight_block_size": [128, 128]},
+    )  # fmt: skip
+    spec = ModelSpec.from_hf_config(config, torch.bfloat16, 4096)
+    assert spec.mla is not None and spec.moe is not None
+    assert spec.quant == quant_format(config.quantization_config)
+    assert spec.quant.name == FP8_BLOCK
 
 
 def test_deepseek_without_yarn_and_dense():

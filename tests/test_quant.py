@@ -281,31 +281,41 @@ def test_fp8_blocks_are_taken():
     )
 
 
+@pytest.mark.parametrize("k", [384, 200])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_group_input_quantization_is_vllm_quant_fp8(dtype):
+def test_group_input_quantization_is_vllm_quant_fp8(dtype, k):
     """Per-token groups of 128 (FP8 blocks' activations) equal vLLM's
-    QuantFP8 group path dequantized, bit for bit."""
+    QuantFP8 group path dequantized, bit for bit; a K not a multiple of 128
+    ends in a partial group, scaled by its own elements (vLLM pads it with
+    zeros), in the GPU block GEMM's stand-in too."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
     from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
 
-    x = torch.randn(3, 384, generator=torch.Generator().manual_seed(3)) * 2
+    from tests.cpu_quant_ops import quantize_groups
+
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(3)) * 2
     x[0, :128] *= 1e-3
     x[1, 128:256] = 0
+    x[2, -1] = 100.0  # the last (partial) group's scale
     x = x.to(dtype)
     with set_current_vllm_config(VllmConfig()):
         quant_fp8 = QuantFP8(static=False, group_shape=GroupShape(1, 128))
         q, scale = quant_fp8.forward_native(x)
-    theirs = (q.float().view(3, 3, 128) * scale.view(3, 3, 1)).view(3, 384)
+    theirs = q.float() * scale.repeat_interleave(128, -1)[:, :k]
     assert torch.equal(quantize_input(x, quant_format(DEEPSEEK_FP8)), theirs)
+    stand_in_q, stand_in_scale = quantize_groups(x)
+    assert torch.equal(stand_in_q, q) and torch.equal(stand_in_scale, scale)
 
 
-def test_fp8_block_reference_is_the_gpu_block_gemm():
+@pytest.mark.parametrize("n, k", [(256, 384), (576, 200)])
+def test_fp8_block_reference_is_the_gpu_block_gemm(n, k):
     """The reference's FP8-block projection (inputs quantized by
     quantize_input, the weight read back by fp8_weight) against the GPU's
     block GEMM (tests/cpu_quant_ops.py: per K block, e4m3 products summed,
     then both scales): the same quantized operands, so only fp32 rounding
-    apart; the weight read back equals the checkpoint's blocks."""
+    apart; the weight read back equals the checkpoint's blocks. A partial
+    last block (N, K not multiples of 128) is its own block, in both."""
     from types import SimpleNamespace
 
     from tests.cpu_quant_ops import block_fp8_matmul
@@ -314,15 +324,15 @@ def test_fp8_block_reference_is_the_gpu_block_gemm():
     from vllm_ext.reference import linear
 
     gen = torch.Generator().manual_seed(4)
-    weight = torch.randn(256, 384, generator=gen) * 0.05
+    weight = torch.randn(n, k, generator=gen) * 0.05
     t = _fp8_block("w.weight", weight)
     layer = SimpleNamespace(
         weight=t["w.weight"], weight_scale_inv=t["w.weight_scale_inv"]
     )
-    w_eff = fp8_weight(layer, (256, 384))
+    w_eff = fp8_weight(layer, (n, k))
     blocks = t["w.weight_scale_inv"].repeat_interleave(128, 0).repeat_interleave(128, 1)
-    assert torch.equal(w_eff, t["w.weight"].float() * blocks)
-    x = torch.randn(4, 384, generator=gen).to(torch.bfloat16)
+    assert torch.equal(w_eff, t["w.weight"].float() * blocks[:n, :k])
+    x = torch.randn(4, k, generator=gen).to(torch.bfloat16)
     ours = linear(quantize_input(x, quant_format(DEEPSEEK_FP8)), w_eff)
     gpu = block_fp8_matmul(x, t["w.weight"], t["w.weight_scale_inv"], torch.float32)
     assert torch.allclose(ours, gpu, rtol=1e-5, atol=1e-6)
@@ -413,3 +423,161 @@ def test_planner_counts_int4_experts():
         assert experts(bf16_plan, op) > 0
         assert experts(int4_plan, op) * 32 == experts(bf16_plan, op) * 9
     assert int4_plan.weight_bytes() < bf16_plan.weight_bytes()
+
+
+@pytest.mark.parametrize("shape", [(576, 256), (96, 200), (256, 512)])
+def test_fp8_partial_blocks_dequantize_as_vllm(shape):
+    """DeepSeek-V3's FP8 blocks where N or K is not a multiple of 128
+    (kv_a's 576 rows: four blocks and a half): the writer's scales
+    ``[ceil(N / 128), ceil(K / 128)]``, a partial block scaled by its own
+    elements; the backend's dequantization (``_dequantize_blocks``, what
+    ``fp8_weight`` and ``fp8_block_experts`` read) equals vLLM's
+    ``block_dequant`` bit for bit, and, where vLLM's MLA dequantizes kv_b
+    (``scaled_dequantize``, whole blocks), that too in bf16."""
+    from vllm.model_executor.layers.quantization.utils.int8_utils import (
+        block_dequant,
+    )
+    from vllm.model_executor.layers.quantization.utils.quant_utils import (
+        GroupShape,
+        scaled_dequantize,
+    )
+
+    from vllm_ext.demo_quant import _fp8_block
+    from vllm_ext.quant import _dequantize_blocks
+
+    n, k = shape
+    gen = torch.Generator().manual_seed(6)
+    weight = torch.randn(n, k, generator=gen) * 0.05
+    weight[-1, -1] = 3.0  # the last block's scale is its own elements'
+    t = _fp8_block("w.weight", weight)
+    codes, scale = t["w.weight"], t["w.weight_scale_inv"]
+    assert codes.shape == (n, k) and scale.shape == (-(-n // 128), -(-k // 128))
+    assert scale[-1, -1] == 3.0 / 448
+    ours = _dequantize_blocks(codes, scale)
+    assert torch.equal(ours, block_dequant(codes, scale, [128, 128]))
+    if n % 128 == 0 and k % 128 == 0:
+        theirs = scaled_dequantize(codes, scale, GroupShape(128, 128), torch.bfloat16)
+        assert torch.equal(ours.to(torch.bfloat16), theirs)
+
+
+def _quantize_groups_f64(x: torch.Tensor) -> torch.Tensor:
+    """Per-token groups of 128 to e4m3 and back, in float64."""
+    groups = x.view(x.shape[0], -1, 128)
+    scale = (groups.abs().amax(-1, keepdim=True) / 448).clamp(min=1 / (448 * 512))
+    q = (groups / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return (q.double() * scale).view(x.shape)
+
+
+def _rope_gptj_f64(x, cos, sin):
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    cos, sin = cos[:, None], sin[:, None]
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).flatten(-2)
+
+
+@pytest.mark.parametrize("quantized_inputs", [True, False])
+def test_mla_fp8_reference_layer_against_float64(quantized_inputs):
+    """The reference's FP8-block latent attention layer (DeepSeek-V3's
+    layout: q_a and kv_a one fused FP8 layer, its 704 rows ending in half a
+    block; q_b, kv_b, o_proj FP8) in fp32 against an independent float64
+    computation in the unabsorbed form (k_nope and v up-projected from the
+    cached kv_c; ``torch.bfloat16`` nowhere): q_a's, kv_a's, q_b's and
+    o_proj's inputs quantized per token group, kv_b dequantized alone.
+    Without the input quantization (the float64 side's, ``False``) the two
+    are far apart: the test sees it."""
+    from types import SimpleNamespace
+
+    from vllm_ext.demo_quant import _fp8_block
+    from vllm_ext.model_spec import MlaSpec
+    from vllm_ext.quant import fp8_weight
+    from vllm_ext.reference import mla_attention
+    from vllm_ext.runner import DecodeInputs
+    from vllm_ext.weights import LayerWeights, MlaWeights
+
+    h, heads, lora, rank, rope, nope, v = 256, 4, 128, 512, 64, 32, 32
+    mla = MlaSpec(heads, lora, rank, nope, rope, v, softmax_scale=(nope + rope) ** -0.5)
+    gen = torch.Generator().manual_seed(7)
+
+    def fp8(n: int, k: int):
+        t = _fp8_block("w.weight", torch.randn(n, k, generator=gen) * 0.05)
+        layer = SimpleNamespace(weight=t["w.weight"],
+                                weight_scale_inv=t["w.weight_scale_inv"])  # fmt: skip
+        exact = (
+            t["w.weight"].double()
+            * t["w.weight_scale_inv"]
+            .double()
+            .kron(torch.ones(128, 128, dtype=torch.float64))[:n, :k]
+        )
+        return fp8_weight(layer, (n, k)), exact
+
+    fused, fused64 = fp8(lora + mla.latent_width, h)
+    (q_b, q_b64), (kv_b, kv_b64) = (
+        fp8(heads * (nope + rope), lora),
+        fp8(heads * (nope + v), rank),
+    )
+    o_proj, o_proj64 = fp8(h, heads * v)
+    q_norm, kv_norm = (torch.rand(n, generator=gen) + 0.5 for n in (lora, rank))
+    weights = LayerWeights(
+        input_norm=torch.ones(h), qkv=None, qkv_bias=None, q_norm=None,
+        k_norm=None, o_proj=o_proj, post_norm=torch.ones(h), gate_up=None,
+        down=None,
+        mla=MlaWeights(q_a=fused[:lora], q_a_norm=q_norm, q_b=q_b,
+                       kv_a=fused[lora:], kv_a_norm=kv_norm, kv_b=kv_b),
+    )  # fmt: skip
+
+    batch, history, block = 2, 20, 16
+    cache = torch.randn(4, block, mla.latent_width, generator=gen)  # the past rows
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    inputs = DecodeInputs(
+        input_ids=torch.zeros(batch, dtype=torch.long),
+        positions=torch.full((batch,), history),
+        block_table=table,
+        seq_lens=torch.full((batch,), history + 1),
+        slot_mapping=table[:, history // block] * block + history % block,
+        kv_caches=(cache,),
+    )
+    x = torch.randn(batch, h, generator=gen)
+    angles = torch.rand(batch, rope // 2, generator=gen) * 6
+    cos, sin = angles.cos(), angles.sin()
+    eps = 1e-6
+    past = [cache[table[i]].reshape(-1, mla.latent_width)[:history].double()
+            for i in range(batch)]  # fmt: skip
+    out = mla_attention(x, weights, mla, cos, sin, cache, inputs, mla.softmax_scale,
+                        eps, quant_format(DEEPSEEK_FP8))  # fmt: skip
+
+    def enter(t):
+        return _quantize_groups_f64(t) if quantized_inputs else t
+
+    def norm(t, w):
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+    x64 = enter(x.double())
+    qkv_a = x64 @ fused64.t()
+    q = (enter(norm(qkv_a[:, :lora], q_norm)) @ q_b64.t()).view(batch, heads, -1)
+    q_nope, q_pe = (
+        q[..., :nope],
+        _rope_gptj_f64(q[..., nope:], cos.double(), sin.double()),
+    )
+    kv_c = norm(qkv_a[:, lora : lora + rank], kv_norm)
+    k_pe = _rope_gptj_f64(qkv_a[:, None, lora + rank :], cos.double(), sin.double())[
+        :, 0
+    ]
+    w_kv = kv_b64.view(heads, nope + v, rank)
+    attn = torch.empty(batch, heads, v, dtype=torch.float64)
+    for i in range(batch):
+        rows = torch.cat([past[i], torch.cat([kv_c[i], k_pe[i]])[None]])
+        k_nope = torch.einsum("hpl,sl->shp", w_kv[:, :nope], rows[:, :rank])
+        values = torch.einsum("hvl,sl->shv", w_kv[:, nope:], rows[:, :rank])
+        scores = (
+            torch.einsum("hp,shp->hs", q_nope[i], k_nope) + q_pe[i] @ rows[:, rank:].t()
+        )
+        probs = torch.softmax(scores * mla.softmax_scale, -1)
+        attn[i] = torch.einsum("hs,shv->hv", probs, values)
+    expected = enter(attn.reshape(batch, -1)) @ o_proj64.t()
+
+    # fp32 sums of a few hundred terms, over four GEMMs and a softmax.
+    err = (out.double() - expected).abs().max() / expected.abs().max()
+    assert out.isfinite().all()
+    if quantized_inputs:
+        assert err < 1e-5, err
+    else:
+        assert err > 1e-3, err

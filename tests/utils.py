@@ -52,13 +52,20 @@ def slots_of(block_table: torch.Tensor, positions: list[int], block_size: int):
     )
 
 
-def check_logprobs_close(outputs_0, outputs_1, name_0: str, name_1: str) -> None:
+def check_logprobs_close(
+    outputs_0,
+    outputs_1,
+    name_0: str,
+    name_1: str,
+    routing_ties: set[tuple[int, int]] = frozenset(),
+) -> None:
     """vLLM's rule for comparing greedy runs at low precision: where two
     sequences first part, each one's token must be among the other's top
     logprobs at that step; after that they are not compared.
 
     ``outputs_*``: lists of (token_ids, logprobs) with logprobs a list of
-    {token_id: logprob} per step.
+    {token_id: logprob} per step. ``routing_ties``: (request, step) pairs
+    routed at a near tie (RoutingMargins), where they may part freely.
     """
     for i, ((ids_0, lp_0), (ids_1, lp_1)) in enumerate(
         zip(outputs_0, outputs_1, strict=True)
@@ -66,6 +73,8 @@ def check_logprobs_close(outputs_0, outputs_1, name_0: str, name_1: str) -> None
         for step, (t0, t1) in enumerate(zip(ids_0, ids_1, strict=True)):
             if t0 == t1:
                 continue
+            if (i, step) in routing_ties:
+                break
             assert t0 in lp_1[step], (
                 f"prompt {i} step {step}: {name_0} picked {t0}, which is not in "
                 f"{name_1}'s top logprobs {lp_1[step]}"
@@ -109,6 +118,13 @@ FP8_ACT_TOL = 2**-2
 # most 0.0195 apart; the two steps that part from vLLM's tokens route at a
 # margin of 0.0033 and 0.0014.
 ROUTING_TIE = 2**-7
+# With FP8 activations upstream of the router, a bf16 step that flips an
+# e4m3 rounding (an eighth of the value) moves router logits further.
+# Measured (the DeepSeek FP8-block demo, reference mode against vLLM's
+# default decode): streams part at routing margins of 0.020 and below; with
+# the reference's RMSNorm rounded as vLLM's the same run parts only at
+# gaps <= 0.047, vLLM's own noise (its GEMM's fp32 order changed: 0.047).
+FP8_ROUTING_TIE = 2**-5
 
 
 def routing_margin(logits: torch.Tensor, moe, correction_bias=None) -> torch.Tensor:
@@ -161,9 +177,11 @@ class RoutingMargins:
         monkeypatch.setattr(interpret.ProgramExecutor, "step", recording_step)
         monkeypatch.setattr(topk, "reference", recording_topk)
 
-    def near_ties(self, outputs, prompt_lens: list[int]) -> set[tuple[int, int]]:
+    def near_ties(
+        self, outputs, prompt_lens: list[int], bound: float = ROUTING_TIE
+    ) -> set[tuple[int, int]]:
         """(request, step) pairs of ``outputs`` (the recorded run's) whose
-        decode step routed some layer within ROUTING_TIE. Step ``s`` of a
+        decode step routed some layer within ``bound``. Step ``s`` of a
         request fed its token ``s - 1`` at position prompt length + s - 1."""
         ties: set[tuple[int, int]] = set()
         if not self.steps:  # no sparse layer ran
@@ -171,7 +189,7 @@ class RoutingMargins:
         for i, ((ids, _), length) in enumerate(zip(outputs, prompt_lens, strict=True)):
             for step in range(1, len(ids)):
                 margin = self.steps[length + step - 1, ids[step - 1]]
-                if margin < ROUTING_TIE:
+                if margin < bound:
                     ties.add((i, step))
         return ties
 

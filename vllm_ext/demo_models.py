@@ -180,6 +180,23 @@ DEMO_ARCHS: dict[str, DemoArch] = {
             "expert)",
             dict(_MLA, q_lora_rank=96, first_k_dense_replace=1),
         ),
+        # DeepSeek-V3's shapes as its FP8 checkpoint has them
+        # (demo_quant.py's fp8-block): vLLM's FP8 loader wants whole
+        # 128x128 blocks in a fused layer's every part but the last and in
+        # the experts' width, so a q LoRA and experts of 128; kv_a's 576
+        # rows end in half a block, as DeepSeek-V3's do.
+        DemoArch(
+            "deepseek_v3_fp8",
+            "DeepseekV3Config",
+            "deepseek_v3_moe with a q LoRA of 128 and experts (and the shared "
+            "expert) 128 wide, the shapes of DeepSeek-V3's FP8 blocks",
+            dict(
+                _MLA,
+                q_lora_rank=128,
+                moe_intermediate_size=128,
+                first_k_dense_replace=1,
+            ),
+        ),
     )
 }
 

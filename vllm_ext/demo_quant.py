@@ -96,13 +96,20 @@ def _fp8_channel(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def _fp8_block(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
     """DeepSeek-V3's FP8: e4m3 ``[N, K]``, an fp32 scale a 128x128 block
-    (``weight_scale_inv``: the dequantized weight is codes times it)."""
+    (``weight_scale_inv`` ``[ceil(N / 128), ceil(K / 128)]``: the
+    dequantized weight is codes times it). A last block that is partial (N
+    or K not a multiple of 128: DeepSeek-V3's 576-row kv_a) is scaled by
+    its own elements' largest magnitude (zero padding, then cut)."""
     n, k = weight.shape
-    blocks = weight.float().view(n // 128, 128, k // 128, 128)
+    rows, cols = -(-n // 128) * 128, -(-k // 128) * 128
+    padded = torch.zeros(rows, cols)
+    padded[:n, :k] = weight.float()
+    blocks = padded.view(rows // 128, 128, cols // 128, 128)
     top = torch.finfo(torch.float8_e4m3fn).max
     scale = (blocks.abs().amax(dim=(1, 3)) / top).clamp(min=2**-20)
     codes = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
-    return {name: codes.view(n, k), name.replace(".weight", ".weight_scale_inv"): scale}
+    codes = codes.view(rows, cols)[:n, :k].contiguous()
+    return {name: codes, name.replace(".weight", ".weight_scale_inv"): scale}
 
 
 def quantization_config(fmt: str, layers: int = 0, mixture: bool = False) -> dict:

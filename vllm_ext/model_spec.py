@@ -308,7 +308,12 @@ def _deepseek_spec(cls, arch: str, hf_config: Any, dtype: torch.dtype, need):
     act = getattr(c, "hidden_act", "silu")
     need(act == "silu", f"activation {act!r}")
     quant = _quant_format(c, need)
-    need(quant is None, f"{quant and quant.name} latent attention (yet)")
+    # DeepSeek-V3's and Kimi-K2's FP8 blocks; INT4 and per-channel FP8
+    # latent attention not yet.
+    need(
+        quant is None or quant.name == FP8_BLOCK,
+        f"{quant and quant.name} ({quant and quant.checkpoint}) latent attention (yet)",
+    )
     scale = (nope + rope_dim) ** -0.5
     rope = _rope_parameters(c)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -345,6 +350,7 @@ def _deepseek_spec(cls, arch: str, hf_config: Any, dtype: torch.dtype, need):
         tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
         moe=_deepseek_moe(c, need),
         mla=mla,
+        quant=quant,
     )
 
 

@@ -180,12 +180,15 @@ def quantize_input(x: torch.Tensor, quant: QuantFormat | None) -> torch.Tensor:
     top = torch.finfo(fp8).max
     if quant.activations == PER_TOKEN_GROUP:
         # vLLM's group path divides by the scale (the per-token one
-        # multiplies by its reciprocal).
-        groups = x.view(*x.shape[:-1], -1, BLOCK)
+        # multiplies by its reciprocal), and pads a partial last group
+        # with zeros (its scale: its own elements').
+        k = x.shape[-1]
+        padded = torch.nn.functional.pad(x, (0, -k % BLOCK))
+        groups = padded.view(*x.shape[:-1], -1, BLOCK)
         amax = groups.abs().amax(dim=-1, keepdim=True).float()
         scale = (amax / top).clamp(min=1.0 / (top * 512.0))
         q = (groups / scale).clamp(-top, top).to(fp8)
-        return (q.float() * scale).view(x.shape)
+        return (q.float() * scale).view(padded.shape)[..., :k]
     amax = x.abs().amax(dim=-1, keepdim=True).float()
     scale = (amax / top).clamp(min=1.0 / (top * 512.0))
     q = (x.float() * scale.reciprocal()).clamp(-top, top).to(fp8)

@@ -157,6 +157,7 @@ def mla_attention(
     inputs: DecodeInputs,
     scale: float,
     eps: float,
+    quant: QuantFormat | None = None,
 ) -> torch.Tensor:
     """A layer's multi-head latent attention on ``x`` ``[B, hidden]``
     (normed, model dtype) -> the o_proj output in the model dtype, the new
@@ -176,18 +177,23 @@ def mla_attention(
     prefill writes bit for bit once ``rms_norm`` rounds as vLLM's RMSNorm
     does (the normalised x rounded before the weight multiply); with this
     module's ``rms_norm`` (one rounding) about a quarter of them differ by
-    one bf16 step."""
+    one bf16 step.
+
+    ``quant``: the checkpoint's; FP8 blocks quantize the inputs of q_a,
+    kv_a, q_b (q_proj) and o_proj as they enter. kv_b is not a GEMM of
+    the decode: vLLM dequantizes it once into W_UK / W_UV (weights.py)."""
     dtype, batch = x.dtype, x.shape[0]
     w = layer.mla
     assert w is not None
     heads, nope, rank = mla.num_heads, mla.qk_nope_head_dim, mla.kv_lora_rank
-    q_in = x
+    xq = quantize_input(x, quant)
+    q_in = xq
     if w.q_a is not None:
-        q_c = linear(x, w.q_a).to(dtype)
-        q_in = rms_norm(q_c, w.q_a_norm, eps).to(dtype)
+        q_c = linear(xq, w.q_a).to(dtype)
+        q_in = quantize_input(rms_norm(q_c, w.q_a_norm, eps).to(dtype), quant)
     q = linear(q_in, w.q_b).to(dtype).view(batch, heads, mla.qk_head_dim)
     q_nope, q_pe = q.split([nope, mla.qk_rope_head_dim], dim=-1)
-    kv = linear(x, w.kv_a).to(dtype)
+    kv = linear(xq, w.kv_a).to(dtype)
     kv_c = rms_norm(kv[:, :rank], w.kv_a_norm, eps).to(dtype)
     k_pe = rope_gptj(kv[:, None, rank:], cos, sin)[:, 0]
     q_pe = rope_gptj(q_pe, cos, sin)
@@ -199,7 +205,7 @@ def mla_attention(
     ).to(dtype)
     w_uv = w.w_uv(heads, nope).float()  # [heads, v_head_dim, rank]
     o = torch.einsum("bhl,hvl->bhv", o_latent.float(), w_uv).to(dtype)
-    return linear(o.reshape(batch, -1), layer.o_proj).to(dtype)
+    return linear(quantize_input(o.reshape(batch, -1), quant), layer.o_proj).to(dtype)
 
 
 class ReferenceExecutor:
@@ -224,8 +230,9 @@ class ReferenceExecutor:
             x = rms_norm(residual, layer.input_norm, eps).to(dtype)
             if spec.mla is not None:
                 hidden = mla_attention(
-                    x, layer, spec.mla, cos, sin, kv_cache, inputs, w.attn_scale, eps
-                )
+                    x, layer, spec.mla, cos, sin, kv_cache, inputs, w.attn_scale,
+                    eps, spec.quant,
+                )  # fmt: skip
             else:
                 hidden = self._attention(x, layer, cos, sin, kv_cache, inputs)
             residual, hidden = self._mlp(layer, hidden, residual)

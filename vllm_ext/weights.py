@@ -186,7 +186,7 @@ def _from_vllm_mla_model(cls, model: torch.nn.Module, spec: ModelSpec):
                     q_b=q_b,
                     kv_a=kv_a,
                     kv_a_norm=attn.kv_a_layernorm.weight,
-                    kv_b=linear_weight(attn.kv_b_proj, (kv_b_rows, mla.kv_lora_rank)),
+                    kv_b=_kv_b(attn.kv_b_proj, (kv_b_rows, mla.kv_lora_rank), spec),
                 ),
             )
         )
@@ -194,6 +194,16 @@ def _from_vllm_mla_model(cls, model: torch.nn.Module, spec: ModelSpec):
     if rotary.is_neox_style or rotary.rotary_dim != mla.qk_rope_head_dim:
         raise ValueError("megakernel: MLA expects GPT-J-style rotary on the rope dims")
     return _model_weights(cls, model, spec, layers)
+
+
+def _kv_b(
+    layer: torch.nn.Module, shape: tuple[int, int], spec: ModelSpec
+) -> torch.Tensor:
+    """kv_b as vLLM's MLA decode multiplies by it: a quantized one
+    dequantized once and rounded to the model dtype (``split_kv_b_proj``:
+    ``get_and_maybe_dequant_weights(kv_b_proj, out_dtype=act_dtype)``, the
+    W_UK / W_UV of its bf16 GEMMs; no input quantization)."""
+    return linear_weight(layer, shape).to(spec.dtype)
 
 
 def stage_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

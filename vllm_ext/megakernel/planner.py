@@ -310,12 +310,15 @@ class Program:
         e, h = s.dtype.itemsize, s.hidden_size
         lo, hi = instr.arg0, instr.arg1
         rank, rope, lora = mla.kv_lora_rank, mla.qk_rope_head_dim, mla.q_lora_rank
+        # (FP8 blocks: q_a, kv_a, q_b as the checkpoint's; W_UK and W_UV in
+        # the model dtype, as vLLM dequantizes kv_b.)
         if instr.op == Op.MLA_QKV_A:
-            return Cost((hi - lo) * h * e + h * e, b * h * e + b * (hi - lo) * e)
+            w = self._linear_bytes(hi - lo, h) + h * e
+            return Cost(w, b * h * e + b * (hi - lo) * e)
         if instr.op == Op.MLA_Q:
             n = hi - lo
             k = lora or h  # q_b's input: the q_a row, or h without a q LoRA
-            w = n * mla.qk_head_dim * k * e + k * e  # q_b rows + the norm
+            w = self._linear_bytes(n * mla.qk_head_dim, k) + k * e  # q_b + norm
             w += n * mla.qk_nope_head_dim * rank * e  # W_UK
             return Cost(w, b * k * e + b * n * (rank + rope) * e)
         if instr.op == Op.MLA_APPEND:

@@ -5,10 +5,12 @@ then the heads' q_b rows; without one, RMSNorm(h) and the heads' q_proj
 rows. The rope part is rotated GPT-J style, the nope part taken into the
 latent space through the heads' W_UK (absorbed decode). Rounded where
 ``reference.mla_attention`` rounds: q_a_layernorm, q_b, the rotated q_pe,
-q_nope @ W_UK."""
+q_nope @ W_UK. FP8 blocks: q_b's (q_proj's) input quantized per token
+group as it enters; W_UK is a plain GEMM (vLLM dequantizes kv_b once)."""
 
 import torch
 
+from vllm_ext.quant import quantize_input
 from vllm_ext.reference import linear, rms_norm, rope_gptj
 
 
@@ -30,6 +32,7 @@ def reference(
         q_in = rms_norm(qkv_a[:, : mla.q_lora_rank], w.q_a_norm, eps).to(dtype)
     else:
         q_in = rms_norm(h, layer.input_norm, eps).to(dtype)
+    q_in = quantize_input(q_in, spec.quant)
     q = linear(q_in, w.q_b[lo * d : hi * d]).to(dtype).view(batch, hi - lo, d)
     q_nope, q_pe = q.split([nope, mla.qk_rope_head_dim], dim=-1)
     q_pe = rope_gptj(q_pe, cos, sin)

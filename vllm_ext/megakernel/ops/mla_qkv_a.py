@@ -2,10 +2,12 @@
 """MLA_QKV_A: RMSNorm fused into the query/latent-KV down projection, output
 columns [lo, hi) of ``[q_a | kv_a_proj_with_mqa]`` (vLLM's one fused GEMM;
 kv_a alone without a q LoRA), rounded to the model dtype as vLLM's GEMM
-output is."""
+output is. FP8 blocks: the normed input quantized per token group as it
+enters (``quant.quantize_input``)."""
 
 import torch
 
+from vllm_ext.quant import quantize_input
 from vllm_ext.reference import linear, rms_norm
 
 
@@ -26,4 +28,5 @@ def fused_weight_rows(mla_weights, lo: int, hi: int) -> torch.Tensor:
 def reference(h: torch.Tensor, layer, spec, lo: int, hi: int) -> torch.Tensor:
     """``[B, hi - lo]`` in the model dtype."""
     x = rms_norm(h, layer.input_norm, spec.rms_norm_eps).to(spec.dtype)
+    x = quantize_input(x, spec.quant)
     return linear(x, fused_weight_rows(layer.mla, lo, hi)).to(spec.dtype)
