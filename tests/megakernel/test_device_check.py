@@ -827,6 +827,24 @@ def test_verdict_fails_or_is_incomplete(tmp_path, monkeypatch, outcomes, verdict
     assert report["verdict"] == verdict and why in report["why"]
 
 
+def _rerun_with_a_race(d, tmp_path, monkeypatch, name: str, prefixes=None) -> dict:
+    """main() again (after ``_driver``), racecheck now finding a hazard in
+    case ``name``; the report. ``prefixes``: every child's, as it ran."""
+    answer = d.run_child
+
+    def races(what, case, timeout, prefix=None, log=None):
+        if prefixes is not None:
+            prefixes.append(prefix)
+        if what == "sanitize" and case.name == name:
+            return {"seconds": 0.0, "ok": False, "rc": 3,
+                    "tail": "RACECHECK SUMMARY: 1 hazard"}  # fmt: skip
+        return answer(what, case, timeout, prefix, log)
+
+    monkeypatch.setattr(d, "run_child", races)
+    d.main()
+    return json.loads((tmp_path / "out" / "device_check.json").read_text())
+
+
 def test_racecheck_on_other_kernels_is_reported_apart(tmp_path, monkeypatch):
     """DEVICE_CHECK_RACECHECK_ALSO: racecheck on another kernel of the bundle
     (the legacy control, which has no weight ring), its hazards reported
@@ -834,21 +852,12 @@ def test_racecheck_on_other_kernels_is_reported_apart(tmp_path, monkeypatch):
     d = _device_run()
     monkeypatch.setattr(d.shutil, "which", lambda name: "/bin/compute-sanitizer")
     monkeypatch.setenv("DEVICE_CHECK_RACECHECK_ALSO", "m-b1-legacy")
-    hazard = {"ok": False, "rc": 3, "tail": "RACECHECK SUMMARY: 1 hazard"}
     rc, report, calls = _driver(d, tmp_path, monkeypatch, {})
     assert ("sanitize", "m-b1-legacy", "racecheck") in calls
     assert report["racecheck_also"]["m-b1-legacy"]["status"] == "passed"
     assert report["sanitizer"]["racecheck"]["case"] == "m-b1"
 
-    def only_legacy_races(what, case, timeout, prefix=None, log=None):
-        if what == "sanitize" and case.name == "m-b1-legacy":
-            return {"seconds": 0.0, **hazard}
-        return answer(what, case, timeout, prefix, log)
-
-    answer = d.run_child
-    monkeypatch.setattr(d, "run_child", only_legacy_races)
-    d.main()
-    report = json.loads((tmp_path / "out" / "device_check.json").read_text())
+    report = _rerun_with_a_race(d, tmp_path, monkeypatch, "m-b1-legacy")
     assert report["racecheck_also"]["m-b1-legacy"]["status"] == "failed"
     assert report["verdict"] == "passed"
 
@@ -860,16 +869,6 @@ def test_racecheck_runs_on_its_own_cases(tmp_path, monkeypatch):
     d = _device_run()
     monkeypatch.setattr(d.shutil, "which", lambda name: "/bin/compute-sanitizer")
     names = ("m-v64-b1-racecheck", "m-v64-b2-racecheck")
-    prefixes = []
-    answer = None
-
-    def second_races(what, case, timeout, prefix=None, log=None):
-        prefixes.append(prefix)
-        if what == "sanitize" and case.name == names[1]:
-            return {"seconds": 0.0, "ok": False, "rc": 3,
-                    "tail": "RACECHECK SUMMARY: 1 hazard"}  # fmt: skip
-        return answer(what, case, timeout, prefix, log)
-
     rc, report, calls = _driver(d, tmp_path, monkeypatch, {}, racecheck=names)
     sanitized = [(case, tool) for what, case, tool in calls if what == "sanitize"]
     assert sanitized == [("m-b1", "memcheck"), (names[0], "racecheck"),
@@ -878,10 +877,8 @@ def test_racecheck_runs_on_its_own_cases(tmp_path, monkeypatch):
     assert report["sanitizer"]["racecheck"]["status"] == "passed"
     assert set(report["sanitizer"]["racecheck"]["cases"]) == set(names)
     assert report["verdict"] == "passed"
-    answer = d.run_child
-    monkeypatch.setattr(d, "run_child", second_races)
-    d.main()
-    report = json.loads((tmp_path / "out" / "device_check.json").read_text())
+    prefixes = []
+    report = _rerun_with_a_race(d, tmp_path, monkeypatch, names[1], prefixes)
     assert report["sanitizer"]["racecheck"]["status"] == "failed"
     assert report["verdict"] == "failed"
     layers = {p[p.index("--tool") + 1]: p[3] for p in prefixes if p}

@@ -309,30 +309,40 @@ def test_report_has_the_mla_table():
     assert "per-op attention: torch-absorbed-mla" in table
 
 
-def test_mla_timing_times_a_per_op_step_of_the_same_function(harness, monkeypatch):
-    """mla_timing on CPU, timers and graphs stood in for: the per-op step
-    (here the reference's mixture in place of vLLM's fused MoE) computes the
-    kernel's logits on the same inputs, its attention alone is timed, the
-    roofline is the case's, and the breakdown asks for the MLA rows."""
+def _timing_case(harness, monkeypatch, breakdown):
+    """A stepped MLA case for ``mla_timing`` on CPU: timers and graphs stood
+    in for, the reference's mixture in place of vLLM's fused MoE, the
+    breakdown answered by ``breakdown``."""
     d, case, _ = harness
     spec, program = d.load_case(case)
     weights = random_weights(spec, seed=1)
     inputs = random_decode_inputs(spec, 2, seed=9, max_len=40)
     ex, _ = d.make_executor(case, program, weights, 3)
     ex.step(inputs)
-    asked = []
     # (Dynamo and AOTAutograd trace the pieces as Inductor gets them.)
     monkeypatch.setattr(d, "MLA_PER_OP_COMPILE", {"backend": "aot_eager"})
     monkeypatch.setattr(d, "graphed", lambda fn: fn)
     monkeypatch.setattr(d, "time_runs", lambda fn, *a, **kw: (fn(), [1.0] * 5)[1])
-    monkeypatch.setattr(d, "breakdown", lambda *a: asked.append(a[-1]) or {})
+    monkeypatch.setattr(d, "breakdown", breakdown)
 
     def mixture(case_dir, spec_, weights_, batch):
         m = load_script("scripts/baseline/per_op.py")
         return m.reference_mixture(spec_, weights_), {"layer_ms": 1.0}
 
     monkeypatch.setattr(d, "moe_mixture", mixture)
-    out = d.mla_timing(case, spec, weights, inputs, ex, program, ex.step, 1.0)
+    return lambda: d.mla_timing(case, spec, weights, inputs, ex, program, ex.step,
+                                1.0), inputs  # fmt: skip
+
+
+def test_mla_timing_times_a_per_op_step_of_the_same_function(harness, monkeypatch):
+    """mla_timing on CPU: the per-op step computes the kernel's logits on
+    the same inputs, its attention alone is timed, the roofline is the
+    case's, and the breakdown asks for the MLA rows."""
+    d = harness[0]
+    asked = []
+    timing, inputs = _timing_case(harness, monkeypatch,
+                                  lambda *a: asked.append(a[-1]) or {})  # fmt: skip
+    out = timing()
     assert "per_op_error" not in out, out
     assert out["per_op_vs_megakernel"] < TOL
     assert out["per_op_graph_ms"] == out["per_op_attention_ms"] == 1.0
@@ -352,17 +362,10 @@ def test_flashinfer_mla_runs_after_every_other_figure(harness, monkeypatch):
     memory access on its first H200 run took the per-op step and the
     breakdown with it): the torch per-op step and the breakdown come first,
     and a library that failed its check leaves them as they were."""
-    d, case, _ = harness
-    spec, program = d.load_case(case)
-    weights = random_weights(spec, seed=1)
-    inputs = random_decode_inputs(spec, 2, seed=9, max_len=40)
-    ex, _ = d.make_executor(case, program, weights, 3)
-    ex.step(inputs)
+    d = harness[0]
     order = []
-    monkeypatch.setattr(d, "MLA_PER_OP_COMPILE", {"backend": "aot_eager"})
-    monkeypatch.setattr(d, "graphed", lambda fn: fn)
-    monkeypatch.setattr(d, "time_runs", lambda fn, *a, **kw: (fn(), [1.0] * 5)[1])
-    monkeypatch.setattr(d, "breakdown", lambda *a: order.append("breakdown") or {})
+    timing, _ = _timing_case(harness, monkeypatch,
+                             lambda *a: order.append("breakdown") or {})  # fmt: skip
     monkeypatch.setattr(d, "DEVICE", "cuda")
     monkeypatch.setattr(d.FlashInferMla, "load", staticmethod(lambda _: object()))
 
@@ -371,10 +374,7 @@ def test_flashinfer_mla_runs_after_every_other_figure(harness, monkeypatch):
         return {"ok": None, "error": "AcceleratorError('illegal memory access')"}
 
     monkeypatch.setattr(d, "flashinfer_mla_check", faulting_check)
-    monkeypatch.setattr(d, "moe_mixture", lambda *a: (
-        load_script("scripts/baseline/per_op.py").reference_mixture(spec, weights),
-        {"layer_ms": 1.0}))  # fmt: skip
-    out = d.mla_timing(case, spec, weights, inputs, ex, program, ex.step, 1.0)
+    out = timing()
     assert order == ["breakdown", "flashinfer"]
     assert out.get("per_op_error") is None, out["per_op_error"]
     assert out["per_op_attention"] == "torch-absorbed-mla"
