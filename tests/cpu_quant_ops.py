@@ -38,6 +38,21 @@ machine's build lacks or runs with other numerics (test code only).
   scales their output by ``routed_scaling_factor`` and adds the shared
   expert, an FP8-block MLP of its own (``block_fp8_matmul``).
 
+- Per-channel FP8 mixtures (compressed-tensors: e4m3 experts, a scale an
+  output channel, activations per token): no CPU experts of vLLM's take
+  them (``CPUExpertsFp8`` and ``CPUExpertsFp8W8A8``: 128x128 blocks only),
+  so vLLM finds no FP8 MoE backend and fails at load ("Unsupported FP8 MoE
+  backend: NONE"). ``CPUExpertsFp8`` is let take them, computing the GPU's
+  numerics (vLLM's Triton ``fused_moe`` with ``per_act_token_quant``): each
+  GEMM's input quantized per token (``scaled_fp8_quant``), the e4m3
+  products summed in fp32 times the token's and the output channel's
+  scales, rounded to the activations' dtype; SiLU-mul rounded to it; the
+  top-k outputs weighted and summed in fp32; the experts kept as loaded.
+- GPTQ mixtures: vLLM's ``AutoGPTQMoEMethod`` transposes its experts to
+  compressed-tensors' layout (``[E, N, K / 8]`` words of codes plus 8,
+  scales ``[E, N, K / group]``) and hands them to the same CPU experts,
+  so the INT4 mixture's stand-in serves them.
+
 So prefill and vLLM's default decode run on every machine of the project's
 kind, with the numerics a GPU serves the checkpoint with.
 """
@@ -211,21 +226,69 @@ def fp8_block_fused_experts(x, w13, w2, s13, s2, topk_weights, topk_ids):
     return out.to(dtype)
 
 
-def _install_fp8_block_experts(monkeypatch) -> None:
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's dynamic per-token FP8 quantization (``scaled_fp8_quant`` with
+    ``use_per_token_if_dynamic``): (e4m3 ``[M, K]``, fp32 scales ``[M, 1]``),
+    a row times its scale's reciprocal."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    scale = (amax / FP8_MAX).clamp(min=1.0 / (FP8_MAX * 512.0))
+    q = (x.float() * scale.reciprocal()).clamp(-FP8_MAX, FP8_MAX)
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def channel_fp8_matmul(x, weight, weight_scale, out_dtype):
+    """``x @ W.T`` as vLLM's GPU per-channel W8A8 GEMM computes it:
+    ``weight`` e4m3 ``[N, K]``, ``weight_scale`` ``[N, 1]``, ``x`` quantized
+    per token."""
+    xq, xs = quantize_tokens(x)
+    out = xq.float() @ weight.float().t()
+    return (out * xs * weight_scale.float().view(1, -1)).to(out_dtype)
+
+
+def fp8_channel_fused_experts(x, w13, w2, s13, s2, topk_weights, topk_ids):
+    """The GPU's per-channel FP8 mixture over experts as loaded (e4m3
+    ``[E, N, K]``, scales ``[E, N, 1]``), in PyTorch."""
+    dtype = x.dtype
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32)
+    for e in topk_ids.unique().tolist():
+        tokens, slot = (topk_ids == e).nonzero(as_tuple=True)
+        h = channel_fp8_matmul(x[tokens], w13[e], s13[e], dtype)
+        gate, up = h.chunk(2, dim=-1)
+        act = (torch.nn.functional.silu(gate.float()) * up.float()).to(dtype)
+        y = channel_fp8_matmul(act, w2[e], s2[e], dtype)
+        out.index_add_(0, tokens, y.float() * topk_weights[tokens, slot, None].float())
+    return out.to(dtype)
+
+
+def _install_fp8_experts(monkeypatch) -> None:
     from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+    from vllm.model_executor.layers.quantization.utils.quant_utils import (
+        kFp8Dynamic128Sym,
+        kFp8DynamicTokenSym,
+        kFp8Static128BlockSym,
+        kFp8StaticChannelSym,
+    )
 
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids,
               *args, **kwargs):  # fmt: skip
         q = self.quant_config
-        out = fp8_block_fused_experts(hidden_states, w1, w2, q.w1_scale,
-                                      q.w2_scale, topk_weights, topk_ids)  # fmt: skip
+        # (Of the two schemes let in below, a scale a row: per channel. The
+        # W8A16 config vLLM makes for these experts has no block shape.)
+        channel = q.w1_scale.shape[-2:] == (w1.shape[-2], 1)
+        experts = fp8_channel_fused_experts if channel else fp8_block_fused_experts
+        out = experts(hidden_states, w1, w2, q.w1_scale, q.w2_scale,
+                      topk_weights, topk_ids)  # fmt: skip
         output.copy_(out)
 
+    schemes = [(kFp8Static128BlockSym, kFp8Dynamic128Sym),
+               (kFp8StaticChannelSym, kFp8DynamicTokenSym)]  # fmt: skip
     # (The W8A8 AMX-FP8 experts are tried first: keep them out.)
     monkeypatch.setattr(cpu_moe.CPUExpertsFp8W8A8, "_supports_current_device",
                         staticmethod(lambda: False))  # fmt: skip
     monkeypatch.setattr(cpu_moe.CPUExpertsFp8, "_supports_current_device",
                         staticmethod(lambda: True))  # fmt: skip
+    monkeypatch.setattr(cpu_moe.CPUExpertsFp8, "_supports_quant_scheme",
+                        staticmethod(lambda w, a: (w, a) in schemes))  # fmt: skip
     monkeypatch.setattr(cpu_moe, "prepare_fp8_moe_layer_for_cpu",
                         lambda w13, w2: (w13, w2))  # fmt: skip
     monkeypatch.setattr(cpu_moe.CPUExpertsFp8, "apply", apply)
@@ -238,7 +301,7 @@ def install(monkeypatch) -> list[str]:
 
     _install_fp8_blocks(monkeypatch)
     _install_int4_experts(monkeypatch)
-    _install_fp8_block_experts(monkeypatch)
+    _install_fp8_experts(monkeypatch)
     monkeypatch.setenv("VLLM_CPU_INT4_W4A8", "0")
     monkeypatch.setattr(ops, "cpu_gemm_wna16", gemm_wna16)
     return ["CPUFp8BlockScaledMMKernel", "CPUExpertsInt4", "CPUExpertsFp8",

@@ -6,7 +6,12 @@ libraries, and the demo checkpoints against vLLM's unpacking."""
 import pytest
 import torch
 
-from vllm_ext.demo_quant import _gptq, _pack_quantized, quantize_int4
+from vllm_ext.demo_quant import (
+    _gptq,
+    _pack_quantized,
+    quantization_config,
+    quantize_int4,
+)
 from vllm_ext.quant import (
     FP8_BLOCK,
     FP8_W8A8,
@@ -177,12 +182,17 @@ def test_int4_runs_in_reference_mode_only():
     [
         (_ct({"group_size": 32}), None),  # Kimi-K2-Thinking's experts' format
         ({"quant_method": "gptq", "bits": 4, "group_size": 64, "sym": True,
-          "desc_act": False}, "int4-w4a16 \\(gptq\\) mixtures"),
-        (_ct(FP8_CHANNEL, FP8_TOKEN, "float-quantized"), "fp8-w8a8 .* mixtures"),
+          "desc_act": False}, None),
+        # The router left in the model dtype (RedHat's FP8-dynamic Qwen3-MoE).
+        (quantization_config("fp8-channel", 2, mixture=True), None),
+        (_ct(FP8_CHANNEL, FP8_TOKEN, "float-quantized") | {
+            "ignore": ["lm_head", "re:.*mlp.experts.*"]},
+         "FP8 leaving .*experts.* unquantized"),
         # DeepSeek-V3's and Qwen3's FP8 experts.
         ({"quant_method": "fp8", "weight_block_size": [128, 128]}, None),
     ],
-    ids=["pack-quantized", "gptq", "fp8-channel", "fp8-block"],
+    ids=["pack-quantized", "gptq", "fp8-channel", "fp8-channel-experts-left",
+         "fp8-block"],
 )  # fmt: skip
 def test_quantized_mixtures_taken_and_refused_by_name(config, refused):
     from vllm_ext.demo_models import hf_config
@@ -236,6 +246,108 @@ def test_int4_experts_read_as_compressed_tensors_unpacks_them():
         int4_experts(experts, e, h, inter)
 
 
+def _gptq_experts(e: int, n: int, k: int):
+    """Random experts written as GPTQ writes them (demo_quant), held as
+    vLLM's AutoGPTQMoEMethod holds them once it transposed them N-first
+    (``[E, N, K / 8]`` words, ``[E, N, K / 64]`` scales in the model dtype),
+    and their weights ``[E, N, K]`` as vLLM's own unpacking gives them."""
+    from vllm.model_executor.layers.quantization.utils.quant_utils import (
+        unpack_quantized_values_into_int32,
+    )
+    from vllm.scalar_type import scalar_types
+
+    drawn = [_gptq("w.weight", torch.randn(n, k)) for _ in range(e)]
+    qweight = torch.stack([t["w.qweight"] for t in drawn])  # [E, K / 8, N]
+    scales = torch.stack([t["w.scales"] for t in drawn]).to(torch.bfloat16)
+    codes = torch.stack(
+        [unpack_quantized_values_into_int32(q, scalar_types.uint4b8, 0)
+         for q in qweight]
+    )  # fmt: skip
+    full = scales.repeat_interleave(k // scales.shape[1], dim=1)
+    weights = ((codes - 8).to(torch.bfloat16) * full).transpose(1, 2)
+    n_first = (qweight.transpose(1, 2).contiguous(), scales.transpose(1, 2))
+    return *n_first, weights
+
+
+def test_gptq_experts_read_as_vllm_unpacks_them():
+    """GPTQ experts read as vLLM's AutoGPTQMoEMethod holds them (``qweight``
+    and ``scales``, transposed N-first before its kernel's repack) equal
+    vLLM's own unpacking of the checkpoint's words bit for bit, and so does
+    the INT4 mixture's stand-in reading them (tests/cpu_quant_ops.py); an
+    expert bias, which the backend would drop, is refused by name."""
+    from types import SimpleNamespace
+
+    from tests.cpu_quant_ops import unpack_int4_experts
+    from vllm_ext.quant import int4_experts
+
+    torch.manual_seed(1)
+    e, h, inter = 3, 128, 64
+    w13q, w13s, w13 = _gptq_experts(e, 2 * inter, h)
+    w2q, w2s, w2 = _gptq_experts(e, h, inter)
+    experts = SimpleNamespace(
+        w13_qweight=w13q, w13_scales=w13s, w2_qweight=w2q, w2_scales=w2s,
+        w13_bias=None, w2_bias=None, quant_method=object(),
+    )  # fmt: skip
+    up, down = int4_experts(experts, e, h, inter)
+    assert torch.equal(up.dequantize().view(e, 2 * inter, h), w13)
+    assert torch.equal(down.dequantize().view(e, h, inter), w2)
+    assert torch.equal(unpack_int4_experts(w13q, w13s), w13)
+    experts.w13_bias = torch.zeros(e, 2 * inter)
+    with pytest.raises(ValueError, match="w13 experts have biases"):
+        int4_experts(experts, e, h, inter)
+
+
+def test_fp8_channel_experts_are_the_gpu_fused_moe():
+    """Per-channel FP8 experts read as vLLM loads them (``fp8_experts``:
+    each code times its output channel's scale, equal to vLLM's
+    ``scaled_dequantize``), and the reference's expert MLP on them (inputs
+    quantized per token as they enter each GEMM) against the GPU's
+    per-channel fused MoE (tests/cpu_quant_ops.py) with every token routed
+    to that expert: the same quantized operands, apart only by fp32 and
+    bf16 rounding. A transposed layout is refused by name."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.quantization.utils.quant_utils import (
+        GroupShape,
+        scaled_dequantize,
+    )
+
+    from tests.cpu_quant_ops import fp8_channel_fused_experts
+    from vllm_ext.demo_quant import _fp8_channel
+    from vllm_ext.quant import fp8_experts
+    from vllm_ext.reference import swiglu_mlp
+
+    e, h, inter = 2, 256, 96
+    gen = torch.Generator().manual_seed(7)
+    held = {}
+    for name, shape in (("w13", (2 * inter, h)), ("w2", (h, inter))):
+        drawn = [_fp8_channel("w.weight", torch.randn(*shape, generator=gen) * 0.05)
+                 for _ in range(e)]  # fmt: skip
+        held[f"{name}_weight"] = torch.stack([t["w.weight"] for t in drawn])
+        held[f"{name}_weight_scale"] = torch.stack([t["w.weight_scale"] for t in drawn])
+    experts = SimpleNamespace(**held)
+    w13, w2 = fp8_experts(experts, e, h, inter)
+    for ours, name in ((w13, "w13"), (w2, "w2")):
+        codes, scale = held[f"{name}_weight"], held[f"{name}_weight_scale"]
+        group = GroupShape(1, codes.shape[-1])
+        theirs = [
+            scaled_dequantize(c, s, group) for c, s in zip(codes, scale, strict=True)
+        ]
+        assert torch.equal(ours, torch.stack(theirs))
+    x = torch.randn(5, h, generator=gen).to(torch.bfloat16)
+    quant = quant_format(quantization_config("fp8-channel", 2, mixture=True))
+    for expert in range(e):
+        ours = swiglu_mlp(x, w13[expert], w2[expert], quant).to(torch.bfloat16)
+        gpu = fp8_channel_fused_experts(
+            x, held["w13_weight"], held["w2_weight"], held["w13_weight_scale"],
+            held["w2_weight_scale"], torch.ones(5, 1), torch.full((5, 1), expert),
+        )  # fmt: skip
+        assert (ours.float() - gpu.float()).abs().max() <= 2**-6 * gpu.abs().max()
+    experts.w2_weight = experts.w2_weight.transpose(1, 2)  # a kernel's layout
+    with pytest.raises(ValueError, match="FP8 w2 experts are held as"):
+        fp8_experts(experts, e, h, inter)
+
+
 def test_fp8_per_channel_is_taken():
     fmt = quant_format(_ct(FP8_CHANNEL, FP8_TOKEN, "float-quantized"))
     assert (fmt.name, fmt.bits, fmt.activations) == (FP8_W8A8, 8, "fp8-per-token")
@@ -253,6 +365,8 @@ def test_quantize_input_is_vllm_quant_fp8(dtype):
     from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
     from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
 
+    from tests.cpu_quant_ops import quantize_tokens
+
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(2)) * 3
     x[1] *= 1e-3
     x[2] = 0
@@ -265,6 +379,9 @@ def test_quantize_input_is_vllm_quant_fp8(dtype):
     fmt = quant_format(_ct(FP8_CHANNEL, FP8_TOKEN, "float-quantized"))
     assert torch.equal(quantize_input(x, fmt), q.float() * scale)
     assert quantize_input(x, None) is x
+    # And the per-channel fused MoE's stand-in (tests/cpu_quant_ops.py).
+    stand_in_q, stand_in_scale = quantize_tokens(x)
+    assert torch.equal(stand_in_q, q) and torch.equal(stand_in_scale, scale)
 
 
 # DeepSeek-V3's and Kimi-K2's quantization_config.
@@ -339,7 +456,7 @@ def test_fp8_block_reference_is_the_gpu_block_gemm(n, k):
 
 
 def test_fp8_block_experts_are_the_gpu_fused_moe():
-    """FP8-block experts read as vLLM loads them (``fp8_block_experts``:
+    """FP8-block experts read as vLLM loads them (``fp8_experts``:
     each code times its block's scale, equal to the writer's blocks), and
     the reference's expert MLP on them (inputs quantized per token group as
     they enter each GEMM) against the GPU's block-FP8 fused MoE
@@ -350,7 +467,7 @@ def test_fp8_block_experts_are_the_gpu_fused_moe():
 
     from tests.cpu_quant_ops import fp8_block_fused_experts
     from vllm_ext.demo_quant import _fp8_block
-    from vllm_ext.quant import fp8_block_experts
+    from vllm_ext.quant import fp8_experts
     from vllm_ext.reference import swiglu_mlp
 
     e, h, inter = 2, 256, 128
@@ -364,7 +481,7 @@ def test_fp8_block_experts_are_the_gpu_fused_moe():
             [t["w.weight_scale_inv"] for t in drawn]
         )
     experts = SimpleNamespace(**packed)
-    w13, w2 = fp8_block_experts(experts, e, h, inter)
+    w13, w2 = fp8_experts(experts, e, h, inter)
     blocks = packed["w2_weight_scale_inv"].repeat_interleave(128, 1)
     assert torch.equal(w2, packed["w2_weight"].float() * blocks)
     x = torch.randn(5, h, generator=gen).to(torch.bfloat16)
@@ -380,7 +497,7 @@ def test_fp8_block_experts_are_the_gpu_fused_moe():
         assert (ours.float() - gpu.float()).abs().max() <= 2**-6 * gpu.abs().max()
     experts.w2_weight = experts.w2_weight.transpose(1, 2)  # a kernel's layout
     with pytest.raises(ValueError, match="FP8 w2 experts are held as"):
-        fp8_block_experts(experts, e, h, inter)
+        fp8_experts(experts, e, h, inter)
 
 
 def test_weight_bytes_count_codes_and_scales():
@@ -431,7 +548,7 @@ def test_fp8_partial_blocks_dequantize_as_vllm(shape):
     (kv_a's 576 rows: four blocks and a half): the writer's scales
     ``[ceil(N / 128), ceil(K / 128)]``, a partial block scaled by its own
     elements; the backend's dequantization (``_dequantize_blocks``, what
-    ``fp8_weight`` and ``fp8_block_experts`` read) equals vLLM's
+    ``fp8_weight`` and ``fp8_experts`` read) equals vLLM's
     ``block_dequant`` bit for bit, and, where vLLM's MLA dequantizes kv_b
     (``scaled_dequantize``, whole blocks), that too in bf16."""
     from vllm.model_executor.layers.quantization.utils.int8_utils import (

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from vllm_ext.quant import FP8_BLOCK, PACK_QUANTIZED, QuantFormat, quant_format
+from vllm_ext.quant import FP8_BLOCK, QuantFormat, quant_format
 
 # Architecture -> (has QKV bias, has per-head QK RMSNorm).
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
@@ -225,16 +225,6 @@ class ModelSpec:
             "partial rotary embedding",
         )
         moe = _moe_spec(arch, hf_config, need) if arch in MOE_ARCHITECTURES else None
-        # Mixtures: INT4 experts as compressed-tensors packs them (Kimi-K2-
-        # Thinking's format) and FP8 blocks (DeepSeek-V3's, Qwen3's FP8);
-        # GPTQ's and per-channel FP8's experts not yet.
-        need(
-            quant is None
-            or moe is None
-            or quant.checkpoint == PACK_QUANTIZED
-            or quant.name == FP8_BLOCK,
-            f"{quant and quant.name} ({quant and quant.checkpoint}) mixtures (yet)",
-        )
         return cls(
             architecture=arch,
             dtype=dtype,

@@ -161,11 +161,24 @@ def _compressed_tensors_fp8(cfg: dict, weights: dict, acts: dict | None):
     act = (acts.get("type"), acts.get("num_bits"), acts.get("strategy"))
     if act != ("float", 8, "token") or not acts.get("dynamic"):
         raise ValueError(f"compressed-tensors FP8 with {act} activations")
-    # The program quantizes every decoder layer's inputs alike.
-    ignored = [name for name in cfg.get("ignore") or [] if "lm_head" not in name]
+    # The program quantizes every decoder layer's inputs alike (the LM head
+    # and a mixture's router excepted: both stay in the model dtype).
+    ignored = [
+        name
+        for name in cfg.get("ignore") or []
+        if "lm_head" not in name and not _names_router(name)
+    ]
     if ignored:
         raise ValueError(f"compressed-tensors FP8 leaving {ignored} unquantized")
     return QuantFormat(FP8_W8A8, "compressed-tensors float-quantized", 8, -1, PER_TOKEN)
+
+
+def _names_router(name: str) -> bool:
+    """Whether an ``ignore`` entry names a mixture's router (``mlp.gate``),
+    as a module name or compressed-tensors' ``re:`` pattern (the FP8
+    mixtures' ``re:.*mlp.gate$``)."""
+    plain = name.removeprefix("re:").removesuffix("$")
+    return plain.replace("[.]", ".").replace("\\.", ".").endswith("mlp.gate")
 
 
 def quantize_input(x: torch.Tensor, quant: QuantFormat | None) -> torch.Tensor:
@@ -275,6 +288,13 @@ def int4_weight(
     return weight
 
 
+# Where a method keeps its INT4 experts' words and group scales, each
+# ``[E, N, K / 8]`` int32 and ``[E, N, K / group]``: compressed-tensors'
+# as loaded; GPTQ's once vLLM's AutoGPTQMoEMethod transposed its K-first
+# ``qweight`` and ``scales`` to that layout (before any kernel repack).
+INT4_EXPERT_NAMES = (("weight_packed", "weight_scale"), ("qweight", "scales"))
+
+
 def int4_experts(
     experts: torch.nn.Module, num_experts: int, hidden: int, inter: int
 ) -> tuple[Int4Weight, Int4Weight]:
@@ -282,12 +302,17 @@ def int4_experts(
     then up rows; ``[E * 2I, H]`` codes) and ``w2`` (``[E * H, I]``), from
     the packed words (``[E, N, K / 8]`` int32, code ``i`` of a word in bits
     ``4i`` to ``4i + 3``, the value plus 8) and group scales
-    (``[E, N, K / group]``). A layout other than that (a kernel's repacked
-    tiles) is refused by name."""
+    (``[E, N, K / group]``), compressed-tensors' or GPTQ's
+    (``INT4_EXPERT_NAMES``). A layout other than that (a kernel's repacked
+    tiles) is refused by name, and so are expert biases."""
     out = []
     for name, n, k in (("w13", 2 * inter, hidden), ("w2", hidden, inter)):
-        packed = getattr(experts, f"{name}_weight_packed", None)
-        scales = getattr(experts, f"{name}_weight_scale", None)
+        packed = scales = None
+        for words, scale in INT4_EXPERT_NAMES:
+            packed = getattr(experts, f"{name}_{words}", None)
+            scales = getattr(experts, f"{name}_{scale}", None)
+            if packed is not None:
+                break
         if (
             packed is None
             or scales is None
@@ -307,6 +332,11 @@ def int4_experts(
                 f"{type(experts.quant_method).__name__} for its kernel?); the "
                 f"backend reads [E, N, K / 8] int32 words as loaded"
             )
+        if getattr(experts, f"{name}_bias", None) is not None:
+            raise ValueError(
+                f"megakernel: {type(experts).__name__}'s INT4 {name} experts "
+                "have biases, which the backend does not add"
+            )
         shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
         codes = (packed.detach().unsqueeze(-1) >> shifts) & 0xF
         out.append(
@@ -318,25 +348,32 @@ def int4_experts(
     return out[0], out[1]
 
 
-def fp8_block_experts(
+def fp8_experts(
     experts: torch.nn.Module, num_experts: int, hidden: int, inter: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """An FP8-block mixture's experts as vLLM holds them, dequantized in
-    fp32: ``w13`` ``[E, 2I, H]`` (gate rows, then up rows) and ``w2``
+    """An FP8 mixture's experts as vLLM holds them, dequantized in fp32:
+    ``w13`` ``[E, 2I, H]`` (gate rows, then up rows) and ``w2``
     ``[E, H, I]``, each e4m3 code times its 128x128 block's scale
-    (``w13_weight_scale_inv`` ``[E, 2I / 128, H / 128]``). A layout a
-    kernel repacked is refused by name."""
+    (``w13_weight_scale_inv`` ``[E, 2I / 128, H / 128]``) or its output
+    channel's (``w13_weight_scale`` ``[E, 2I, 1]``, compressed-tensors
+    per-channel). A layout a kernel repacked is refused by name."""
     out = []
     for name, n, k in (("w13", 2 * inter, hidden), ("w2", hidden, inter)):
         codes = getattr(experts, f"{name}_weight", None)
         scale = getattr(experts, f"{name}_weight_scale_inv", None)
-        blocks = (num_experts, -(-n // BLOCK), -(-k // BLOCK))
+        blocks = scale is not None
+        if not blocks:
+            scale = getattr(experts, f"{name}_weight_scale", None)
+        scales = (
+            (num_experts, -(-n // BLOCK), -(-k // BLOCK)) if blocks
+            else (num_experts, n, 1)
+        )  # fmt: skip
         if (
             codes is None
             or scale is None
             or codes.dtype != torch.float8_e4m3fn
             or tuple(codes.shape) != (num_experts, n, k)
-            or tuple(scale.shape) != blocks
+            or tuple(scale.shape) != scales
         ):
             layout = (
                 "no FP8 weights" if codes is None or scale is None
@@ -346,9 +383,13 @@ def fp8_block_experts(
             raise ValueError(
                 f"megakernel: {type(experts).__name__}'s FP8 {name} experts are "
                 f"held as {layout} (repacked for vLLM's kernel?); the backend "
-                f"reads [E, N, K] e4m3 with [E, N / 128, K / 128] block scales"
+                f"reads [E, N, K] e4m3 with {list(scales)} scales"
             )
-        out.append(_dequantize_blocks(codes.detach(), scale.detach()))
+        codes, scale = codes.detach(), scale.detach()
+        out.append(
+            _dequantize_blocks(codes, scale) if blocks
+            else codes.float() * scale.float()
+        )  # fmt: skip
     return out[0], out[1]
 
 

@@ -17,8 +17,8 @@ import torch
 
 from vllm_ext.model_spec import ModelSpec, UnsupportedModelError
 from vllm_ext.quant import (
-    FP8_BLOCK,
-    fp8_block_experts,
+    INT4_W4A16,
+    fp8_experts,
     fp8_weight,
     int4_experts,
     int4_scales,
@@ -310,8 +310,8 @@ def moe_weights(block: torch.nn.Module, spec: ModelSpec) -> MoeWeights:
     if spec.quant is not None:
         # Reference mode multiplies by the dequantized experts (quant.py).
         e = moe.num_experts
-        if spec.quant.name == FP8_BLOCK:
-            w13, w2 = fp8_block_experts(experts, e, h, inter)
+        if spec.quant.name != INT4_W4A16:  # FP8 blocks or channels
+            w13, w2 = fp8_experts(experts, e, h, inter)
         else:
             up, down = int4_experts(experts, e, h, inter)
             w13 = up.dequantize().view(e, 2 * inter, h)
