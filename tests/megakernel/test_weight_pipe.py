@@ -33,7 +33,7 @@ from vllm_ext.megakernel.cost import DEVICES
 from vllm_ext.megakernel.interpret import head_part_dims
 from vllm_ext.megakernel.isa import Op
 from vllm_ext.megakernel.kernel.control import QUEUE_SLOTS
-from vllm_ext.megakernel.kernel.ops.common import NUM_WARPS, stages_input
+from vllm_ext.megakernel.kernel.ops.common import NUM_WARPS, VEC, stages_input
 from vllm_ext.megakernel.kernel.ops.gemv_mma import (
     GROUP_ROWS,
     K_CHUNK,
@@ -456,3 +456,32 @@ def test_ring_fits_beside_the_rest_of_shared_memory():
     assert ring_slots(small) == ring_slots(mma) > ring_slots(rows) >= MIN_SLOTS
     assert all(shared_bytes(s) <= SMEM_LIMIT for s in (small, mma, rows))
     assert not ring_slots(dataclasses.replace(small, legacy_control=True))
+
+
+@pytest.mark.parametrize(
+    "config, cached",
+    [
+        # Every paged projection of a Llama shape: 4 to 8 vectors a lane
+        # (GATE_UP's gate and up rows share a page), DOWN's 28 KiB row on
+        # the 8B shape 7 (a row a page, 8 warps on it).
+        ("llama-3.2-1b", {Op.QKV: 8, Op.O_PROJ: 8, Op.GATE_UP: 4, Op.DOWN: 8,
+                          Op.LM_HEAD: 8}),
+        ("llama-3.1-8b", {Op.QKV: 8, Op.O_PROJ: 8, Op.GATE_UP: 4, Op.DOWN: 7,
+                          Op.LM_HEAD: 8}),
+    ],
+)  # fmt: skip
+def test_batch1_rows_keep_their_input_in_registers(config, cached):
+    """At batch 1 each lane reads the same input vectors for every row of a
+    paged instruction (``_paged_rows``): it keeps them in registers
+    (``gemv.cache_input``) where they fit, as every paged projection of
+    these shapes does."""
+    from vllm_ext.megakernel.kernel.ops.gemv import cached_vectors
+
+    _, shape = real_shape(config, 1)
+    got = {op: cached_vectors(t.k, warps_per_row(t.per_page))
+           for op, t in geometry(shape).items()}  # fmt: skip
+    assert got == cached
+    # The reads cover the row: each lane's vectors, over 32 lanes and the
+    # warps on the row.
+    for op, t in geometry(shape).items():
+        assert got[op] * 32 * warps_per_row(t.per_page) * VEC >= t.k
