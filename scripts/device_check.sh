@@ -119,7 +119,7 @@ VERIFY=${DEVICE_CHECK_VERIFY-"llama-3.1-8b:4:4 llama-3.1-8b:2:2 llama-3.1-8b:8:8
 # shared-memory access, and one step of two layers and the whole 1B LM head
 # did not end in 240 s on an H200. Empty: racecheck on the first case.
 RACECHECK=${DEVICE_CHECK_RACECHECK-"1 4"}
-RACECHECK_VOCAB=8192
+RACECHECK_VOCAB=2048
 rm -rf "$BUNDLE"
 mkdir -p "$BUNDLE"
 cd "$ROOT"

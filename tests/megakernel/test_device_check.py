@@ -93,14 +93,14 @@ def test_dry_run_builds_a_small_bundle():
     # (The tensor-parallel case: DEVICE_CHECK_RANKS's default.)
     tp_case = "llama-3.2-1b-b1-tp2"
     verify_case = "llama-3.2-1b-b2-verify2"
-    racecheck_case = "llama-3.2-1b-v8192-b1-racecheck"
+    racecheck_case = "llama-3.2-1b-v2048-b1-racecheck"
     assert set(manifest["builds"]) == {"llama-3.2-1b-b1", "deepseek-v3-b1",
                                        tp_case, verify_case, racecheck_case,
                                        *planted}  # fmt: skip
     # racecheck's case: the planted bugs' model, its LM head cut short.
     assert manifest["racecheck"] == [racecheck_case]
     meta = torch.load(bundle / racecheck_case / "program.pt")
-    assert meta["shape"]["vocab"] == 8192 and meta["shape"]["hidden"] == 2048
+    assert meta["shape"]["vocab"] == 2048 and meta["shape"]["hidden"] == 2048
     assert manifest["verify"] == {verify_case: 2}
     assert verify_case in manifest["variant_order"]
     # The latent attention case runs its first four layers, its mixture
