@@ -211,19 +211,27 @@ def _install_int4_experts(monkeypatch) -> None:
     monkeypatch.setattr(CPUExpertsInt4, "apply", apply)
 
 
-def fp8_block_fused_experts(x, w13, w2, s13, s2, topk_weights, topk_ids):
-    """The GPU's block-FP8 mixture over experts as loaded (e4m3
-    ``[E, N, K]``, scales ``[E, N / 128, K / 128]``), in PyTorch."""
+def _fused_experts(matmul, x, w13, w2, s13, s2, topk_weights, topk_ids):
+    """The GPU's mixture over experts as loaded, in PyTorch: each expert's
+    tokens through ``matmul(x, weight, scale, dtype)`` (gate and up, SiLU,
+    down), weighted and summed per token."""
     dtype = x.dtype
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32)
     for e in topk_ids.unique().tolist():
         tokens, slot = (topk_ids == e).nonzero(as_tuple=True)
-        h = block_fp8_matmul(x[tokens], w13[e], s13[e], dtype)
+        h = matmul(x[tokens], w13[e], s13[e], dtype)
         gate, up = h.chunk(2, dim=-1)
         act = (torch.nn.functional.silu(gate.float()) * up.float()).to(dtype)
-        y = block_fp8_matmul(act, w2[e], s2[e], dtype)
+        y = matmul(act, w2[e], s2[e], dtype)
         out.index_add_(0, tokens, y.float() * topk_weights[tokens, slot, None].float())
     return out.to(dtype)
+
+
+def fp8_block_fused_experts(x, w13, w2, s13, s2, topk_weights, topk_ids):
+    """The GPU's block-FP8 mixture (e4m3 ``[E, N, K]``, scales ``[E, N / 128,
+    K / 128]``)."""
+    return _fused_experts(block_fp8_matmul, x, w13, w2, s13, s2, topk_weights,
+                          topk_ids)  # fmt: skip
 
 
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,18 +254,10 @@ def channel_fp8_matmul(x, weight, weight_scale, out_dtype):
 
 
 def fp8_channel_fused_experts(x, w13, w2, s13, s2, topk_weights, topk_ids):
-    """The GPU's per-channel FP8 mixture over experts as loaded (e4m3
-    ``[E, N, K]``, scales ``[E, N, 1]``), in PyTorch."""
-    dtype = x.dtype
-    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32)
-    for e in topk_ids.unique().tolist():
-        tokens, slot = (topk_ids == e).nonzero(as_tuple=True)
-        h = channel_fp8_matmul(x[tokens], w13[e], s13[e], dtype)
-        gate, up = h.chunk(2, dim=-1)
-        act = (torch.nn.functional.silu(gate.float()) * up.float()).to(dtype)
-        y = channel_fp8_matmul(act, w2[e], s2[e], dtype)
-        out.index_add_(0, tokens, y.float() * topk_weights[tokens, slot, None].float())
-    return out.to(dtype)
+    """The GPU's per-channel FP8 mixture (e4m3 ``[E, N, K]``, scales
+    ``[E, N, 1]``)."""
+    return _fused_experts(channel_fp8_matmul, x, w13, w2, s13, s2, topk_weights,
+                          topk_ids)  # fmt: skip
 
 
 def _install_fp8_experts(monkeypatch) -> None:
