@@ -274,6 +274,9 @@ def test_quantized_checkpoint_matches_default(
         return
     fp8 = fmt.startswith("fp8")
     ties = margins.near_ties(mega, prompt_lens, FP8_ROUTING_TIE if fp8 else ROUTING_TIE)
+    if (arch, fmt) == ("qwen3_moe", "fp8-block"):
+        # (It holds with no routing tie excused: the stricter check stays.)
+        ties = set()
     check_logprobs_close(default, mega, "default", "megakernel", ties)
     tol = FP8_ACT_TOL if fp8 else None
     stats = check_bf16_close(default, mega, "default", "megakernel", ties, tol=tol)
