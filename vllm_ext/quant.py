@@ -208,6 +208,30 @@ def quantize_input(x: torch.Tensor, quant: QuantFormat | None) -> torch.Tensor:
     return q.float() * scale
 
 
+@dataclass(frozen=True)
+class Fp8Weight:
+    """An FP8 W8A8 layer's weight as the kernel reads it: e4m3 codes
+    ``[N, K]`` row-major (the storage under vLLM's ``[K, N]`` weight, so
+    read in place) and an fp32 scale an output row ``[N]``."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """``[N, K]`` fp32: each code times its row's scale (exact)."""
+        return self.codes.float() * self.scale.float()[:, None]
+
+
+def quantize_rows(w: torch.Tensor) -> Fp8Weight:
+    """A weight ``[N, K]`` quantized as compressed-tensors' per-channel FP8
+    checkpoints are: each row's amax over 448 its scale, codes rounded to
+    e4m3 (random-weight models and the GPU check)."""
+    top = torch.finfo(torch.float8_e4m3fn).max
+    scale = (w.float().abs().amax(dim=1) / top).clamp(min=1e-12)
+    codes = (w.float() / scale[:, None]).clamp(-top, top).to(torch.float8_e4m3fn)
+    return Fp8Weight(codes.contiguous(), scale.contiguous())
+
+
 def fp8_weight(layer: torch.nn.Module, shape: tuple[int, int]) -> torch.Tensor:
     """An FP8 layer's weight ``[N, K]`` in fp32: e4m3 codes times their
     scales: a 128x128 block's (``weight_scale_inv``, codes ``[N, K]`` as

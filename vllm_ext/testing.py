@@ -4,11 +4,21 @@ plan command's interleaving check and the tests (no checkpoint needed)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from vllm_ext.model_spec import ModelSpec
+from vllm_ext.quant import FP8_W8A8, quantize_rows
 from vllm_ext.runner import DecodeInputs
-from vllm_ext.weights import DecodeWeights, LayerWeights, MlaWeights, MoeWeights
+from vllm_ext.weights import (
+    FP8_LINEARS,
+    DecodeWeights,
+    Fp8Linears,
+    LayerWeights,
+    MlaWeights,
+    MoeWeights,
+)
 
 BLOCK_SIZE = 16
 MAX_POSITION = 4096
@@ -78,6 +88,8 @@ def random_weights(
         )
         for is_sparse in sparse
     )
+    if spec.quant is not None:
+        layers = tuple(fp8_layer(lw, spec) for lw in layers)
     if mla is not None:  # rotary on the rope dims only
         d = mla.qk_rope_head_dim
     inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
@@ -91,6 +103,19 @@ def random_weights(
         cos_sin=torch.cat([freqs.cos(), freqs.sin()], dim=-1).float().to(device),
         attn_scale=mla.softmax_scale if mla else d**-0.5,
     )
+
+
+def fp8_layer(lw: LayerWeights, spec: ModelSpec) -> LayerWeights:
+    """A dense layer of ``random_weights`` as an FP8 W8A8 checkpoint holds
+    it: each linear weight's rows quantized (``quant.quantize_rows``), the
+    dense fields their fp32 dequantization (what reference mode reads)."""
+    if spec.quant.name != FP8_W8A8 or lw.moe is not None or lw.mla is not None:
+        raise ValueError(
+            f"random {spec.quant.name} weights: FP8 W8A8 dense layers only"
+        )
+    fp8 = Fp8Linears(*(quantize_rows(getattr(lw, n)) for n in FP8_LINEARS))
+    dense = {n: getattr(fp8, n).dequantize() for n in FP8_LINEARS}
+    return dataclasses.replace(lw, fp8=fp8, **dense)
 
 
 def random_decode_inputs(

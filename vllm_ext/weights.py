@@ -18,6 +18,7 @@ import torch
 from vllm_ext.model_spec import ModelSpec, UnsupportedModelError
 from vllm_ext.quant import (
     INT4_W4A16,
+    Fp8Weight,
     fp8_experts,
     fp8_weight,
     int4_experts,
@@ -64,6 +65,25 @@ class MlaWeights:
         return self.kv_b.view(num_heads, -1, self.kv_b.shape[-1])[:, nope:]
 
 
+# The linear weights an FP8 W8A8 layer holds as codes (Fp8Linears' fields,
+# LayerWeights' dense ones).
+FP8_LINEARS = ("qkv", "o_proj", "gate_up", "down")
+
+
+@dataclass(frozen=True)
+class Fp8Linears:
+    """An FP8 W8A8 layer's linear weights as the kernel reads them
+    (``quant.FP8_W8A8``; ``KernelShape.fp8``): QKV, O_PROJ, the fused gate
+    and up (gate rows, then up rows) and DOWN, codes with row scales. The
+    layer's dense fields hold their dequantization, which reference mode
+    and the program interpreter read."""
+
+    qkv: Fp8Weight
+    o_proj: Fp8Weight
+    gate_up: Fp8Weight
+    down: Fp8Weight
+
+
 @dataclass(frozen=True)
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
@@ -79,6 +99,7 @@ class LayerWeights:
     down: torch.Tensor | None  # [hidden, intermediate]
     moe: MoeWeights | None = None
     mla: MlaWeights | None = None
+    fp8: Fp8Linears | None = None  # the kernel's operands of an FP8 layer
 
 
 @dataclass(frozen=True)

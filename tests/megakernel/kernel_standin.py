@@ -71,8 +71,15 @@ from vllm_ext.megakernel.kernel.shape import (
     partial_rows,
     route_layout,
 )
+from vllm_ext.quant import Fp8Weight
 from vllm_ext.runner import DecodeInputs
-from vllm_ext.weights import DecodeWeights, LayerWeights, MlaWeights, MoeWeights
+from vllm_ext.weights import (
+    DecodeWeights,
+    Fp8Linears,
+    LayerWeights,
+    MlaWeights,
+    MoeWeights,
+)
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -247,6 +254,8 @@ class KernelStandIn:
         def at(slot, shape, present=True):
             return self._weight(row[slot], f"layer {i} {slot.name}", shape, present)
 
+        if s.quant is not None:
+            return self._fp8_layer(i, row)
         return LayerWeights(
             input_norm=at(LayerSlot.INPUT_NORM, (h,)),
             qkv=at(LayerSlot.QKV, (qkv_rows, h), gqa),
@@ -259,6 +268,41 @@ class KernelStandIn:
             down=at(LayerSlot.DOWN, (h, inter), not sparse),
             moe=self._moe(i, row) if sparse else None,
             mla=None if gqa else self._mla(i, row),
+        )
+
+    def _fp8_layer(self, i: int, row) -> LayerWeights:
+        """An FP8 W8A8 layer (``KernelShape.fp8``): each linear weight's
+        e4m3 codes where the bf16 weight would be, its fp32 row scales in
+        the FP8 columns; the interpreter reads their dequantization."""
+        s = self.program.spec
+        h, inter, d = s.hidden_size, s.intermediate_size, s.head_dim
+        qkv_rows = s.q_size + 2 * s.kv_size
+
+        def at(slot, shape, present=True, dtype=BF16):
+            return self._weight(row[slot], f"layer {i} {slot.name}", shape, present,
+                                dtype)  # fmt: skip
+
+        def fp8(codes, scales, n, k):
+            return Fp8Weight(at(codes, (n, k), dtype=torch.float8_e4m3fn),
+                             at(scales, (n,), dtype=FP32))  # fmt: skip
+
+        f = Fp8Linears(
+            qkv=fp8(LayerSlot.QKV, LayerSlot.QKV_SCALE, qkv_rows, h),
+            o_proj=fp8(LayerSlot.O_PROJ, LayerSlot.O_PROJ_SCALE, h, s.q_size),
+            gate_up=fp8(LayerSlot.GATE_UP, LayerSlot.GATE_UP_SCALE, 2 * inter, h),
+            down=fp8(LayerSlot.DOWN, LayerSlot.DOWN_SCALE, h, inter),
+        )
+        return LayerWeights(
+            input_norm=at(LayerSlot.INPUT_NORM, (h,)),
+            qkv=f.qkv.dequantize(),
+            qkv_bias=at(LayerSlot.QKV_BIAS, (qkv_rows,), s.qkv_bias),
+            q_norm=at(LayerSlot.Q_NORM, (d,), s.qk_norm),
+            k_norm=at(LayerSlot.K_NORM, (d,), s.qk_norm),
+            o_proj=f.o_proj.dequantize(),
+            post_norm=at(LayerSlot.POST_NORM, (h,)),
+            gate_up=f.gate_up.dequantize(),
+            down=f.down.dequantize(),
+            fp8=f,
         )
 
     def _moe(self, i: int, row) -> MoeWeights:
@@ -512,6 +556,9 @@ def register_executor(standin: KernelStandIn, ex, kv_caches=()) -> None:
         dense = (lw.input_norm, lw.qkv, lw.qkv_bias, lw.q_norm, lw.k_norm,
                  lw.o_proj, lw.post_norm, lw.gate_up, lw.down)  # fmt: skip
         standin.register(*(t for t in dense if t is not None))
+        if lw.fp8 is not None:
+            for f in (lw.fp8.qkv, lw.fp8.o_proj, lw.fp8.gate_up, lw.fp8.down):
+                standin.register(f.codes, f.scale)
         if lw.moe is not None:
             m = lw.moe
             standin.register(*(t for t in (m.router, m.w13, m.w2, bias,

@@ -13,11 +13,13 @@ from test_interpret import SPECS, TOL, make_spec
 
 from vllm_ext.megakernel.cost import DEVICES
 from vllm_ext.megakernel.kernel.launcher import KernelExecutor, MegakernelError
-from vllm_ext.megakernel.kernel.shape import GlobalSlot, LayerSlot
+from vllm_ext.megakernel.kernel.shape import GlobalSlot, KernelShape, LayerSlot
 from vllm_ext.megakernel.planner import plan
+from vllm_ext.quant import FP8_W8A8, INT4_W4A16, PER_TOKEN, QuantFormat
 from vllm_ext.reference import ReferenceExecutor
 from vllm_ext.runner import DecodeInputs
 from vllm_ext.testing import BLOCK_SIZE, random_decode_inputs, random_weights
+from vllm_ext.weights import FP8_LINEARS
 
 DEVICE = dataclasses.replace(DEVICES["h200"], num_sms=16)
 MAX_LEN = 3 * BLOCK_SIZE + 5  # random_decode_inputs' default history
@@ -113,6 +115,78 @@ def test_refusals():
     program = plan(make_spec("llama", torch.float32), 2, DEVICE)
     with pytest.raises(MegakernelError, match="bf16 weights"):
         KernelExecutor(program, fp32, None, block_size=BLOCK_SIZE, max_blocks=4)
+
+
+# compressed-tensors' per-channel FP8 (W8A8, dynamic per-token activations).
+FP8 = QuantFormat(FP8_W8A8, "compressed-tensors float-quantized", 8, -1, PER_TOKEN)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fp8_layers_through_the_table(arch):
+    """An FP8 W8A8 model (KernelShape.fp8): the table holds each linear
+    layer's e4m3 codes where its bf16 weight would be and its fp32 row
+    scales in the FP8 columns; the stand-in reads only those (no dense
+    weight is registered), and steps at batch 1 and a padded bucket equal
+    the plain forward's with the reference's per-token input quantization
+    over the dequantized weights."""
+    spec = dataclasses.replace(make_spec(arch, torch.bfloat16), quant=FP8)
+    weights = random_weights(spec, seed=1)
+    f = weights.layers[0].fp8
+    assert f.gate_up.codes.dtype == torch.float8_e4m3fn
+    assert torch.equal(weights.layers[0].gate_up, f.gate_up.dequantize())
+    for bucket, n in ((1, 1), (4, 3)):
+        program = plan(spec, bucket, DEVICE, with_lm_head=True)
+        standin = KernelStandIn(program, weights)
+        ex = KernelExecutor(program, weights, standin, block_size=BLOCK_SIZE,
+                            max_blocks=-(-MAX_LEN // BLOCK_SIZE))  # fmt: skip
+        assert ex.shape.fp8
+        for i, lw in enumerate(weights.layers):
+            for name, codes, scale in (
+                ("qkv", LayerSlot.QKV, LayerSlot.QKV_SCALE),
+                ("o_proj", LayerSlot.O_PROJ, LayerSlot.O_PROJ_SCALE),
+                ("gate_up", LayerSlot.GATE_UP, LayerSlot.GATE_UP_SCALE),
+                ("down", LayerSlot.DOWN, LayerSlot.DOWN_SCALE),
+            ):
+                w = getattr(lw.fp8, name)
+                assert ex.ptrs_host[i, codes] == w.codes.data_ptr()
+                assert ex.ptrs_host[i, scale] == w.scale.data_ptr()
+        inputs = random_decode_inputs(spec, n, seed=40)
+        # The dense fields unregistered: a table entry pointing at one fails.
+        dense = [getattr(lw, m) for lw in weights.layers for m in FP8_LINEARS]
+        register_executor(standin, ex, inputs.kv_caches)
+        for t in dense:
+            standin.tensors.pop(t.data_ptr(), None)
+        ref_inputs = clone(inputs)
+        got = ex.step(inputs)
+        want = ReferenceExecutor(spec, weights).step(ref_inputs)
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, want, rtol=0, atol=TOL[torch.bfloat16])
+
+
+def test_fp8_refusals():
+    """An FP8 kernel without codes, or with codes in vLLM's [K, N] view
+    rather than the row-major [N, K] storage under it, is refused by name;
+    so is a quantized format the kernel has no device functions for."""
+    spec = dataclasses.replace(make_spec("llama", torch.bfloat16), quant=FP8)
+    weights = random_weights(spec, seed=1)
+    program = plan(spec, 1, DEVICE)
+    bare = dataclasses.replace(
+        weights,
+        layers=tuple(dataclasses.replace(lw, fp8=None) for lw in weights.layers),
+    )
+    with pytest.raises(MegakernelError, match="codes and scales"):
+        KernelExecutor(program, bare, None, block_size=BLOCK_SIZE, max_blocks=4)
+    lw = weights.layers[0]
+    view = dataclasses.replace(
+        lw.fp8.down, codes=lw.fp8.down.codes.t().contiguous().t()
+    )
+    bad = dataclasses.replace(lw, fp8=dataclasses.replace(lw.fp8, down=view))
+    swapped = dataclasses.replace(weights, layers=(bad, *weights.layers[1:]))
+    with pytest.raises(MegakernelError, match="layer 0 down: the kernel reads e4m3"):
+        KernelExecutor(program, swapped, None, block_size=BLOCK_SIZE, max_blocks=4)
+    int4 = dataclasses.replace(spec, quant=QuantFormat(INT4_W4A16, "gptq", 4, 64))
+    with pytest.raises(ValueError, match="fp8-w8a8's only"):
+        KernelShape.from_program(plan(int4, 1, DEVICE), BLOCK_SIZE)
 
 
 def test_a_block_table_padded_past_max_model_len_is_read_up_to_it():

@@ -30,7 +30,7 @@ from vllm_ext.megakernel.kernel.shape import (
 )
 from vllm_ext.megakernel.planner import Program
 from vllm_ext.runner import DecodeInputs
-from vllm_ext.weights import DecodeWeights
+from vllm_ext.weights import FP8_LINEARS, DecodeWeights, LayerWeights
 
 # Kernel architecture of each compute capability the kernel is built for.
 ARCH_OF_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
@@ -187,7 +187,7 @@ class KernelExecutor:
         # (A later pipeline stage has no embedding.)
         dev = weights.layers[0].input_norm.device
         self.device = dev
-        _check_weights(weights)
+        _check_weights(weights, shape.fp8)
         queue, lengths = program.encode()
         self.queue, self.lengths = queue.to(dev), lengths.to(dev)
         # One cell per counter, then the step number (epoch).
@@ -277,6 +277,18 @@ class KernelExecutor:
                 }
             if lw.mla is not None:
                 row |= self._mla_row(i, lw.mla)
+            if self.shape.fp8:  # codes where the dense weights were, and scales
+                f = lw.fp8
+                row |= {
+                    LayerSlot.QKV: f.qkv.codes,
+                    LayerSlot.O_PROJ: f.o_proj.codes,
+                    LayerSlot.GATE_UP: f.gate_up.codes,
+                    LayerSlot.DOWN: f.down.codes,
+                    LayerSlot.QKV_SCALE: f.qkv.scale,
+                    LayerSlot.O_PROJ_SCALE: f.o_proj.scale,
+                    LayerSlot.GATE_UP_SCALE: f.gate_up.scale,
+                    LayerSlot.DOWN_SCALE: f.down.scale,
+                }
             for slot, t in row.items():
                 table[i, slot] = _address(t, f"layer {i} {slot.name.lower()}")
         glob = {
@@ -472,12 +484,18 @@ class KernelExecutor:
         return self.ws["logits"]
 
 
-def _check_weights(w: DecodeWeights) -> None:
+def _check_weights(w: DecodeWeights, fp8: bool = False) -> None:
+    """bf16 weights, or (``fp8``) FP8 W8A8 layers' codes and scales in the
+    kernel's layout (``Fp8Linears``) in place of the linear weights."""
     tensors = {"embed": w.embed, "final_norm": w.final_norm, "lm_head": w.lm_head}
+    linears = FP8_LINEARS if fp8 else ()
     for i, lw in enumerate(w.layers):
+        if fp8:
+            _check_fp8(i, lw)
         for name in ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj",
                      "post_norm", "gate_up", "down"):  # fmt: skip
-            tensors[f"layer {i} {name}"] = getattr(lw, name)
+            if name not in linears:
+                tensors[f"layer {i} {name}"] = getattr(lw, name)
         if lw.moe is not None:
             for name in ("router", "w13", "w2", "shared_gate_up", "shared_down"):
                 tensors[f"layer {i} moe.{name}"] = getattr(lw.moe, name)
@@ -490,6 +508,31 @@ def _check_weights(w: DecodeWeights) -> None:
             "the megakernel runs bf16 weights (--dtype bfloat16); not bf16: "
             + ", ".join(bad[:4])
         )
+
+
+def _check_fp8(i: int, lw: LayerWeights) -> None:
+    if lw.fp8 is None:
+        raise MegakernelError(
+            f"megakernel: layer {i}: an FP8 kernel reads the layer's codes and "
+            "scales (LayerWeights.fp8), and it has none"
+        )
+    for name in FP8_LINEARS:
+        f, dense = getattr(lw.fp8, name), getattr(lw, name)
+        rows = dense.shape[0]
+        if (
+            f.codes.dtype != torch.float8_e4m3fn
+            or tuple(f.codes.shape) != tuple(dense.shape)
+            or not f.codes.is_contiguous()
+            or f.scale.dtype != torch.float32
+            or tuple(f.scale.shape) != (rows,)
+            or not f.scale.is_contiguous()
+        ):
+            raise MegakernelError(
+                f"megakernel: layer {i} {name}: the kernel reads e4m3 codes "
+                f"{tuple(dense.shape)} row-major and fp32 scales ({rows},); got "
+                f"{f.codes.dtype} {tuple(f.codes.shape)}, {f.scale.dtype} "
+                f"{tuple(f.scale.shape)}"
+            )
 
 
 def _check_mla(shape: KernelShape, w: DecodeWeights) -> None:

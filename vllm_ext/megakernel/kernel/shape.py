@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from enum import IntEnum
 
+from vllm_ext.quant import FP8_W8A8
+
 
 class LayerSlot(IntEnum):
     """Columns of a layer's row of the address table."""
@@ -71,6 +73,14 @@ class LayerSlot(IntEnum):
     QKV_A = 34  # [B, q_lora_rank + latent_width] bf16: the down projection
     Q_LAT = 35  # [B, heads, kv_lora_rank] bf16: q_nope @ W_UK
     Q_PE = 36  # [B, heads, qk_rope_head_dim] bf16, rotated
+    # An FP8 kernel's rows are FP8_SLOTS wide (KernelShape.fp8): QKV,
+    # O_PROJ, GATE_UP and DOWN then hold e4m3 codes (the same [N, K]
+    # row-major shapes, a byte each) and these their fp32 scales, one an
+    # output row (GATE_UP's: gate rows, then up rows).
+    QKV_SCALE = 37  # [q_size + 2 kv_size] fp32
+    O_PROJ_SCALE = 38  # [hidden]
+    GATE_UP_SCALE = 39  # [2 intermediate]
+    DOWN_SCALE = 40  # [hidden]
 
 
 class GlobalSlot(IntEnum):
@@ -134,6 +144,7 @@ ABORT_WORDS = len(AbortWord)
 NUM_SLOTS = 18
 MOE_SLOTS = 27
 MLA_SLOTS = 37
+FP8_SLOTS = 41
 
 
 def partial_rows(num_layers: int) -> int:
@@ -149,6 +160,8 @@ def partial_row(point: int, layer: int) -> int:
 
 def table_width(shape: KernelShape) -> int:
     """Columns of the address table the kernel for ``shape`` reads."""
+    if shape.fp8:
+        return FP8_SLOTS
     if shape.mla:
         return MLA_SLOTS
     return MOE_SLOTS if shape.moe else NUM_SLOTS
@@ -174,6 +187,9 @@ MAX_TOP_K = 16
 # of 8 latent columns each, partial over row slices reduced in shared
 # memory).
 WUK_GROUP = 4
+# The FP8 tensor-core GEMV's k per lane quad and step (gemv_mma.py): 4
+# lanes x 16 e4m3 codes, two m16n8k32 MMAs.
+FP8_K_BLOCK = 64
 
 
 def page_rows(k: int, dual: bool = False) -> int:
@@ -191,7 +207,8 @@ def page_rows(k: int, dual: bool = False) -> int:
 
 @dataclass(frozen=True)
 class KernelShape:
-    """Compile-time constants of one kernel build (bf16 weights)."""
+    """Compile-time constants of one kernel build (bf16 weights, or FP8's
+    where ``fp8``)."""
 
     hidden: int
     intermediate: int
@@ -258,6 +275,11 @@ class KernelShape:
     # with one table, queue set and counter set each, stacked).
     tp_size: int = 1
     ranks_in_launch: int = 1
+    # FP8 W8A8 (quant.FP8_W8A8, per-channel weight scales): QKV, O_PROJ,
+    # GATE_UP and DOWN read e4m3 weights with a scale an output row and
+    # quantize their inputs per token as they enter, on tensor cores at
+    # every batch (gemv_mma.py); embedding and LM head stay bf16.
+    fp8: bool = False
     # Test only, never served: "" or one of PLANTED_BUGS, a deliberately
     # wrong kernel the GPU check must reject. Only the build CLI's
     # --plant-bug sets it (not from_program, not VLLM_MEGAKERNEL_VARIANTS).
@@ -290,6 +312,8 @@ class KernelShape:
         if self.ranks_in_launch not in (1, self.tp_size):
             raise ValueError(f"{self.ranks_in_launch} ranks in a launch: 1 or "
                              f"tp_size ({self.tp_size})")  # fmt: skip
+        if self.fp8:
+            self._check_fp8()
         if self.tp_size > 1 and self._variants():
             raise ValueError("tensor parallel runs in the default kernel only, "
                              f"not with {', '.join(self._variants())}")  # fmt: skip
@@ -343,6 +367,20 @@ class KernelShape:
                              f"v_head_dim {self.v_head_dim}")  # fmt: skip
         if not self.mla_scale > 0:
             raise ValueError("the MLA softmax scale must be positive")
+
+    def _check_fp8(self) -> None:
+        if self._variants() or self.moe or self.mla or self.tp_size > 1:
+            raise ValueError(
+                "FP8 weights run in the default kernel of a dense model on one "
+                "GPU only (no FP8 mixture, latent attention or tensor parallel "
+                "device functions yet)"
+            )
+        widths = (self.hidden, self.q_heads * self.head_dim, self.intermediate)
+        if any(k % FP8_K_BLOCK for k in widths):
+            raise ValueError(
+                f"FP8 GEMV widths {widths}: multiples of {FP8_K_BLOCK} (the "
+                "e4m3 MMA's k per lane quad)"
+            )
 
     def _check_moe(self) -> None:
         variants = self._variants()
@@ -462,6 +500,12 @@ class KernelShape:
         ranks_in_launch: int = 1,
     ) -> KernelShape:
         s = program.spec
+        fp8 = s.quant is not None
+        if fp8 and s.quant.name != FP8_W8A8:
+            raise ValueError(
+                f"{s.quant.name} weights: the kernel's quantized device functions "
+                f"are {FP8_W8A8}'s only"
+            )
         gqa = dict(q_heads=s.num_q_heads, kv_heads=s.num_kv_heads,
                    head_dim=s.head_dim)  # fmt: skip
         mla = {}
@@ -512,6 +556,7 @@ class KernelShape:
             combine_parts=program.combine_parts,
             tp_size=s.tp_size,
             ranks_in_launch=ranks_in_launch,
+            fp8=fp8,
             **gqa,
             **moe,
             **mla,

@@ -66,7 +66,7 @@ in Python.
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32, Int32, Uint8
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -75,6 +75,7 @@ from vllm_ext.megakernel.kernel.ops.common import (
     NUM_WARPS,
     VEC,
     consumer_sync,
+    load_f32,
     thread_ids,
     vectors,
 )
@@ -87,6 +88,31 @@ GROUP_ROWS = 64  # rows per page of one matrix (half of it each when dual)
 STAGE_PAD = 32  # bf16 past K_CHUNK per staged row: a 576-byte stride
 STAGE_STRIDE = K_CHUNK + STAGE_PAD
 STAGE_VECS = K_CHUNK // VEC
+# FP8 (KernelShape.fp8): the same bytes, twice the elements. A lane's
+# 128-bit vector holds 16 e4m3 codes, a k block is 64 codes (two
+# m16n8k32 MMAs), a page's k chunk 512 codes, a staged row 576 bytes.
+VEC8 = 16
+K_BLOCK8 = 2 * K_BLOCK
+E4M3_MAX = 448.0
+# vLLM's QuantFP8 floor under a per-token scale: amax / 448, at least this.
+MIN_SCALE = 1.0 / (E4M3_MAX * 512.0)
+
+
+def k_chunk(fp8: bool) -> int:
+    """Columns of a page's k chunk (of each matrix): 512 bytes."""
+    return 2 * K_CHUNK if fp8 else K_CHUNK
+
+
+def k_block(fp8: bool) -> int:
+    """k of one lane quad's step (4 lanes x one 128-bit vector)."""
+    return K_BLOCK8 if fp8 else K_BLOCK
+
+
+def fp8_scale_floats(batch: int) -> int:
+    """fp32 words of an FP8 kernel's per-request input scales
+    (``input_scales``): every warp's amax, then the scales, then their
+    reciprocals, each a row of the padded batch."""
+    return (NUM_WARPS + 2) * n_pad(batch)
 
 
 def group_rows(dual: bool) -> int:
@@ -167,14 +193,29 @@ def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, *, loc=None, ip=None):
     )
 
 
-def staged(scratch: cute.Tensor, batch: int, buf) -> cute.Tensor:
+def staged(scratch: cute.Tensor, batch: int, buf, fp8: bool = False) -> cute.Tensor:
     """Staging buffer ``buf`` of the GEMV's scratch as [padded batch,
-    K_CHUNK] bf16 with the padded row stride."""
+    K_CHUNK] bf16 with the padded row stride (``fp8``: the same bytes as
+    [padded batch, 2 K_CHUNK] e4m3 codes, as bytes)."""
     base = cute.recast_ptr(scratch.iterator, dtype=BFloat16)
+    base = base + stage_index(buf, 0, 0, batch)
+    if fp8:
+        return cute.make_tensor(
+            cute.recast_ptr(base, dtype=Uint8),
+            cute.make_layout((n_pad(batch), 2 * K_CHUNK), stride=(2 * STAGE_STRIDE, 1)),
+        )
     return cute.make_tensor(
-        base + stage_index(buf, 0, 0, batch),
-        cute.make_layout((n_pad(batch), K_CHUNK), stride=(STAGE_STRIDE, 1)),
+        base, cute.make_layout((n_pad(batch), K_CHUNK), stride=(STAGE_STRIDE, 1))
     )
+
+
+def fp8_scales(scratch: cute.Tensor, batch: int) -> cute.Tensor:
+    """An FP8 kernel's input scales past the GEMV's scratch: [NUM_WARPS + 2,
+    padded batch] fp32 (``fp8_scale_floats``): the warps' amax rows, the
+    scales, their reciprocals."""
+    n = n_pad(batch)
+    at = scratch.iterator + (cute.size(scratch) - fp8_scale_floats(batch))
+    return cute.make_tensor(at, cute.make_layout((NUM_WARPS + 2, n), stride=(n, 1)))
 
 
 def partials(scratch: cute.Tensor, batch: int, dual: bool) -> cute.Tensor:
@@ -219,23 +260,129 @@ def stage_chunk(
 
 @cute.jit
 def load_frag(vecs: cute.Tensor, j, frag: cute.Tensor):
-    """Vector ``j`` of a bf16 row (one 128-bit shared load) as four packed
-    pairs."""
-    r = cute.make_rmem_tensor((VEC,), BFloat16)
+    """Vector ``j`` of a bf16 row, or of an e4m3 row as bytes (one 128-bit
+    shared load), as four 32-bit registers (packed pairs, or quads)."""
+    r = cute.make_rmem_tensor((vecs.shape[0],), vecs.element_type)
     cute.autovec_copy(vecs[None, j], r)
     frag.store(cute.recast_tensor(r, Int32).load())
+
+
+@dsl_user_op
+def mma_e4m3(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, *, loc=None, ip=None):
+    """``mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32``: A as four
+    registers of four e4m3 codes, B as two, C and D as four fp32 per lane:
+    the bf16 MMA's register layout, each 2-byte pair now a 4-byte quad."""
+    args = [Int32(v).ir_value(loc=loc, ip=ip) for v in (a0, a1, a2, a3, b0, b1)]
+    args += [Float32(v).ir_value(loc=loc, ip=ip) for v in (c0, c1, c2, c3)]
+    out = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 4), args,
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
+        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+        has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+    )  # fmt: skip
+    return tuple(
+        Float32(llvm.extractvalue(T.f32(), out, [i], loc=loc, ip=ip)) for i in range(4)
+    )
+
+
+@dsl_user_op
+def to_e4m3x4(v0, v1, v2, v3, *, loc=None, ip=None) -> Int32:
+    """Four fp32 values rounded to e4m3 (nearest even, saturated at +-448
+    as vLLM clamps before its cast), packed low to high: memory order."""
+    args = [Float32(v).ir_value(loc=loc, ip=ip) for v in (v0, v1, v2, v3)]
+    out = llvm.inline_asm(
+        T.i32(), args,
+        "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
+        "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
+        "=r,f,f,f,f",
+        has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+    )  # fmt: skip
+    return Int32(out)
+
+
+@cute.jit
+def _input_vector(x: cute.Tensor, norm: cute.Tensor, rstd: cute.Tensor, n, v,
+                  normed: cutlass.Constexpr) -> cute.TensorSSA:  # fmt: skip
+    """Request ``n``'s 128-bit bf16 vector ``v`` of its input in fp32,
+    normed and rounded as the reference hands it on when asked."""
+    y = load_f32(vectors(x[n, None]), v)
+    if cutlass.const_expr(normed):
+        y = (y * rstd[n] * load_f32(vectors(norm), v)).to(BFloat16).to(Float32)
+    return y
+
+
+@cute.jit
+def input_scales(x: cute.Tensor, norm: cute.Tensor, rstd: cute.Tensor,
+                 sc: cute.Tensor, normed: cutlass.Constexpr):  # fmt: skip
+    """FP8: each request's input scale (``sc`` from ``fp8_scales``), as
+    vLLM's per-token QuantFP8 takes it: the row's amax over 448, at least
+    ``MIN_SCALE``, and its reciprocal; all 256 threads on a row, once an
+    instruction. Barriers before the scales are read and after."""
+    tidx, warp, lane = thread_ids()
+    batch, k = x.shape
+    for n in cutlass.range(batch):
+        m = Float32(0.0)
+        for v in cutlass.range(tidx, k // VEC, NUM_THREADS):
+            y = _input_vector(x, norm, rstd, n, v, normed)
+            for e in cutlass.range_constexpr(VEC):
+                m = cute.arch.fmax(m, cute.arch.fmax(y[e], -y[e]))
+        m = cute.arch.warp_reduction(m, cute.arch.fmax)
+        if lane == 0:
+            sc[warp, n] = m
+    consumer_sync()
+    for n in cutlass.range(tidx, batch, NUM_THREADS):
+        m = sc[0, n]
+        for w in cutlass.range_constexpr(1, NUM_WARPS):
+            m = cute.arch.fmax(m, sc[w, n])
+        scale = cute.arch.fmax(m / Float32(E4M3_MAX), Float32(MIN_SCALE))
+        sc[NUM_WARPS, n] = scale
+        sc[NUM_WARPS + 1, n] = Float32(1.0) / scale
+    consumer_sync()
+
+
+@cute.jit
+def stage_chunk_fp8(
+    x: cute.Tensor, norm: cute.Tensor, rstd: cute.Tensor, sc: cute.Tensor, k0,
+    k_len, stage: cute.Tensor, normed: cutlass.Constexpr,
+):  # fmt: skip
+    """``stage_chunk`` for FP8: every request's inputs k0 .. k0 + k_len
+    (normed when asked) times its scale's reciprocal, rounded to e4m3
+    (vLLM's QuantFP8 per token), 16 codes a thread."""
+    tidx, _, _ = thread_ids()
+    batch = x.shape[0]
+    v0 = k0 // VEC
+    for idx in cutlass.range(tidx, batch * STAGE_VECS, NUM_THREADS):
+        n, v = idx // STAGE_VECS, idx % STAGE_VECS
+        if v * VEC8 < k_len:
+            inv = sc[NUM_WARPS + 1, n]
+            q = cute.make_rmem_tensor((4,), Int32)
+            for h in cutlass.range_constexpr(2):
+                y = _input_vector(x, norm, rstd, n, v0 + 2 * v + h, normed)
+                z = y * inv
+                for i in cutlass.range_constexpr(2):
+                    e = 4 * i
+                    q[2 * h + i] = to_e4m3x4(z[e], z[e + 1], z[e + 2], z[e + 3])
+            dst = cute.recast_tensor(q, Uint8)
+            cute.autovec_copy(dst, cute.zipped_divide(stage[n, None], (VEC8,))[None, v])
 
 
 @cute.jit
 def mma_chunk(
     w: cute.Tensor, w2: cute.Tensor, dual: cutlass.Constexpr, stage: cute.Tensor,
     rb, sl, ks, kblocks, batch: cutlass.Constexpr, acc: cute.Tensor,
+    fp8: cutlass.Constexpr = False,
 ):  # fmt: skip
     """This warp's share of one page: rows ``16 rb`` .. ``16 rb + 15`` of
     ``w`` (and ``w2``) against every staged request, k blocks ``sl``,
     ``sl + ks``, .. below ``kblocks``, accumulated into ``acc`` [matrices,
-    request blocks, 4]."""
+    request blocks, 4]. ``fp8``: e4m3 weights and staged inputs, the same
+    registers through ``mma_e4m3``."""
     _, _, lane = thread_ids()
+    vec = VEC8 if fp8 else VEC
+    mma = mma_e4m3 if fp8 else mma_bf16
     g, q = lane // 4, lane % 4
     row = rb * ROWS + g
     n_mats = 2 if dual else 1
@@ -245,15 +392,16 @@ def mma_chunk(
         a = cute.make_rmem_tensor((n_mats, 2, 4), Int32)
         for m in cutlass.range_constexpr(n_mats):
             mat = w if m == 0 else w2
-            load_frag(vectors(mat[row, None]), j, a[m, 0, None])
-            load_frag(vectors(mat[row + 8, None]), j, a[m, 1, None])
+            load_frag(cute.zipped_divide(mat[row, None], (vec,)), j, a[m, 0, None])
+            load_frag(cute.zipped_divide(mat[row + 8, None], (vec,)), j,
+                      a[m, 1, None])  # fmt: skip
         for nb in cutlass.range_constexpr(n_blocks):
             b = cute.make_rmem_tensor((4,), Int32)
-            load_frag(vectors(stage[nb * N_BLOCK + g, None]), j, b)
+            load_frag(cute.zipped_divide(stage[nb * N_BLOCK + g, None], (vec,)), j, b)
             for m in cutlass.range_constexpr(n_mats):
                 for half in cutlass.range_constexpr(2):
                     e = 2 * half
-                    d = mma_bf16(
+                    d = mma(
                         a[m, 0, e], a[m, 1, e], a[m, 0, e + 1], a[m, 1, e + 1],
                         b[e], b[e + 1],
                         acc[m, nb, 0], acc[m, nb, 1], acc[m, nb, 2], acc[m, nb, 3],

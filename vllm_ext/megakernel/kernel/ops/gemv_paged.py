@@ -6,7 +6,8 @@ of ``W @ x[b]`` for every request, fp32 accumulation, the caller's
 references. Each warp releases a page once it has read it
 (``release_page``); only split rows meet at a consumer barrier, for their
 partial sums. Batch 1 runs the CUDA-core GEMV over pages of whole rows;
-every larger batch the tensor-core one (``KernelShape.mma_gemv``)."""
+every larger batch the tensor-core one (``KernelShape.mma_gemv``), and
+FP8 weights the tensor-core one at every batch (``Tile.mma``)."""
 
 import cutlass
 import cutlass.cute as cute
@@ -21,14 +22,17 @@ from vllm_ext.megakernel.kernel.ops.common import (
 )
 from vllm_ext.megakernel.kernel.ops.gemv import cache_input, cached_vectors, gemv_row
 from vllm_ext.megakernel.kernel.ops.gemv_mma import (
-    K_BLOCK,
     N_BLOCK,
+    fp8_scales,
+    input_scales,
+    k_block,
     mma_chunk,
     mma_finish,
     n_pad,
     partials,
     row_blocks,
     stage_chunk,
+    stage_chunk_fp8,
     staged,
     warp_task,
 )
@@ -52,15 +56,21 @@ def paged_gemv(
     rstd: cute.Tensor,
     epilogue: cutlass.Constexpr,
     normed: cutlass.Constexpr,
+    wscale: cute.Tensor = None,
+    wscale2: cute.Tensor = None,
 ):
     """Rows [row0, row_end) of ``W @ x[b]`` from the pages that hold them
-    (the same contract as ``gemv.gemv``). Above batch 1 on tensor cores
-    (``_paged_mma``). At batch 1, short rows: a warp per row; long rows
-    (fewer than ``NUM_WARPS`` per page): warps split each row's k, and
-    their sums meet in ``p.red``."""
+    (the same contract as ``gemv.gemv``). Above batch 1, and FP8 at every
+    batch, on tensor cores (``_paged_mma``). At batch 1, short rows: a warp
+    per row; long rows (fewer than ``NUM_WARPS`` per page): warps split
+    each row's k, and their sums meet in ``p.red``. FP8: the caller took
+    the instruction's input scales first (``fp8_input_scales``); ``wscale``
+    (and ``wscale2`` when dual) the weights' fp32 row scales, row-indexed
+    as the epilogue's rows."""
     tile = geometry(p.shape)[op]
-    if cutlass.const_expr(p.shape.mma_gemv):
-        _paged_mma(p, tile, page0, row0, row_end, x, norm, rstd, epilogue, normed)
+    if cutlass.const_expr(tile.mma):
+        _paged_mma(p, tile, page0, row0, row_end, x, norm, rstd, epilogue, normed,
+                   wscale, wscale2)  # fmt: skip
     else:
         _paged_rows(p, tile, page0, row0, row_end, x, norm, rstd, epilogue, normed)
 
@@ -117,18 +127,40 @@ def _paged_rows(p: cutlass.Constexpr, tile: cutlass.Constexpr, page0, row0, row_
 
 
 @cute.jit
+def fp8_input_scales(p: cutlass.Constexpr, x: cute.Tensor, norm: cute.Tensor,
+                     rstd: cute.Tensor, normed: cutlass.Constexpr):  # fmt: skip
+    """An FP8 projection's per-request input scales, once an instruction
+    before its ``paged_gemv`` calls (``gemv_mma.input_scales``)."""
+    input_scales(x, norm, rstd, fp8_scales(p.red, x.shape[0]), normed)
+
+
+@cute.jit
 def _paged_mma(p: cutlass.Constexpr, tile: cutlass.Constexpr, page0, row0, row_end,
                x, norm, rstd, epilogue: cutlass.Constexpr,
-               normed: cutlass.Constexpr):  # fmt: skip
+               normed: cutlass.Constexpr, wscale, wscale2):  # fmt: skip
     """The tensor-core GEMV (``gemv_mma.py``) over pages of ``per_page``
     rows by ``k_chunk`` columns, row group after row group: per page, the
-    requests' k-chunk staged once (buffer by page parity), then each warp's
-    row block and k slice; a warp's accumulators carry across its group's
-    k pages; the slices meet in ``mma_finish``."""
+    requests' k-chunk staged once (buffer by page parity; FP8: quantized),
+    then each warp's row block and k slice; a warp's accumulators carry
+    across its group's k pages; the slices meet in ``mma_finish``, FP8's
+    sums times the input's and the row's scales (vLLM's scaled GEMM
+    epilogue: ``a * (w * sum)``)."""
     _, warp, _ = thread_ids()
     batch = x.shape[0]
-    rows, k_chunk, dual = tile.per_page, tile.k_chunk, tile.dual
+    rows, k_chunk, dual, fp8 = tile.per_page, tile.k_chunk, tile.dual, tile.fp8
     part = partials(p.red, batch, dual)
+    finish = epilogue
+    if cutlass.const_expr(fp8):
+        sc = fp8_scales(p.red, batch)
+
+        def scaled(row, n, s1, s2):
+            a = sc[NUM_WARPS, n]
+            t2 = s2
+            if cutlass.const_expr(dual):
+                t2 = a * (wscale2[row] * s2)
+            epilogue(row, n, a * (wscale[row] * s1), t2)
+
+        finish = scaled
     base = p.base + page0
     for grp in cutlass.range((row_end - row0 + rows - 1) // rows):
         first = row0 + grp * rows
@@ -141,19 +173,22 @@ def _paged_mma(p: cutlass.Constexpr, tile: cutlass.Constexpr, page0, row0, row_e
             pg = base + grp * tile.k_pages + kc
             k0 = kc * k_chunk
             k_len = cutlass.min(Int32(k_chunk), tile.k - k0)
-            stage = staged(p.red, batch, pg % 2)
-            stage_chunk(x, norm, rstd, k0, k_len, stage, normed)
+            stage = staged(p.red, batch, pg % 2, fp8)
+            if cutlass.const_expr(fp8):
+                stage_chunk_fp8(x, norm, rstd, sc, k0, k_len, stage, normed)
+            else:
+                stage_chunk(x, norm, rstd, k0, k_len, stage, normed)
             # The chunk is staged; every warp is past page pg - 1, so its
             # buffer is free for page pg + 1.
             consumer_sync()
             wait_page(p, pg)
-            w1 = p.page(pg % p.slots, rows, k_chunk)
+            w1 = p.page(pg % p.slots, rows, k_chunk, fp8=fp8)
             w2 = w1
             if cutlass.const_expr(dual):
-                w2 = p.page(pg % p.slots, rows, k_chunk, second=True)
+                w2 = p.page(pg % p.slots, rows, k_chunk, second=True, fp8=fp8)
             if sl < ks:
-                mma_chunk(w1, w2, dual, stage, rb, sl, ks, k_len // K_BLOCK, batch,
-                          acc)  # fmt: skip
+                mma_chunk(w1, w2, dual, stage, rb, sl, ks, k_len // k_block(fp8),
+                          batch, acc, fp8)  # fmt: skip
             release_page(p, pg)
         mma_finish(part, acc, first, n_valid, sl, ks, row_blocks(n_valid), batch,
-                   epilogue, dual)  # fmt: skip
+                   finish, dual)  # fmt: skip

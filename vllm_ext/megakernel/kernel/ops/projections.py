@@ -18,7 +18,7 @@ from vllm_ext.megakernel.kernel.ops.common import (
     stages_input,
 )
 from vllm_ext.megakernel.kernel.ops.gemv import gemv
-from vllm_ext.megakernel.kernel.ops.gemv_paged import paged_gemv
+from vllm_ext.megakernel.kernel.ops.gemv_paged import fp8_input_scales, paged_gemv
 from vllm_ext.megakernel.kernel.ops.weight_pipe import reads_pages
 from vllm_ext.megakernel.kernel.shape import GlobalSlot, KernelShape, LayerSlot
 
@@ -28,7 +28,7 @@ def _residual_projection(
     s: cutlass.Constexpr, ptrs: cute.Tensor, layer, glob, lo, hi, rstd, w_stage,
     weight: cutlass.Constexpr, x: cutlass.Constexpr, k: cutlass.Constexpr,
     res: cutlass.Constexpr, out: cutlass.Constexpr, op: cutlass.Constexpr,
-    point: cutlass.Constexpr,
+    point: cutlass.Constexpr, scale: cutlass.Constexpr,
 ):  # fmt: skip
     """table[out][:, lo:hi] = table[res][:, lo:hi] + table[x] @ W[lo:hi].T,
     W = table[weight] ``[hidden, k]``; the projection rounds to bf16, then
@@ -52,19 +52,25 @@ def _residual_projection(
             y = round_bf16(s1) + residual[i, row].to(Float32)
             dst[i, row] = y.to(BFloat16)
 
-    _plain_gemv(shape, w, xs, rstd, lo, hi, epilogue, w_stage, op)
+    wscale = None
+    if cutlass.const_expr(shape.fp8):
+        wscale = gmem(Float32, ptrs[layer, scale], (h,))
+    _plain_gemv(shape, w, xs, rstd, lo, hi, epilogue, w_stage, op, wscale)
 
 
 @cute.jit
 def _plain_gemv(
     s: cutlass.Constexpr, w, x, rstd, lo, hi, epilogue: cutlass.Constexpr, w_stage,
-    op: cutlass.Constexpr,
+    op: cutlass.Constexpr, wscale=None,
 ):  # fmt: skip
     """The GEMV of a projection with no norm and one matrix: from the
     weight pipeline's pages, or (legacy control, rows wider than a page)
-    from global memory."""
+    from global memory. ``wscale``: an FP8 projection's row scales."""
     if cutlass.const_expr(reads_pages(w_stage, op)):
-        paged_gemv(w_stage, op, 0, lo, hi, x, x[0, None], rstd, epilogue, False)
+        if cutlass.const_expr(wscale is not None):
+            fp8_input_scales(w_stage, x, x[0, None], rstd, False)
+        paged_gemv(w_stage, op, 0, lo, hi, x, x[0, None], rstd, epilogue, False,
+                   wscale)  # fmt: skip
     else:
         gemv(w, w, x, x[0, None], rstd, lo, hi, epilogue, False, False)
 
@@ -75,7 +81,8 @@ def o_proj(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, glob, lo, hi, rstd,
     """hmid[:, lo:hi] = h[:, lo:hi] + attn @ Wo[lo:hi].T"""
     _residual_projection(s, ptrs, layer, glob, lo, hi, rstd, w_stage,
                          LayerSlot.O_PROJ, LayerSlot.ATTN, s.q_size, LayerSlot.H_IN,
-                         LayerSlot.HMID, Op.O_PROJ, Point.ATTN)  # fmt: skip
+                         LayerSlot.HMID, Op.O_PROJ, Point.ATTN,
+                         LayerSlot.O_PROJ_SCALE)  # fmt: skip
 
 
 @cute.jit
@@ -84,7 +91,8 @@ def down(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, glob, lo, hi, rstd,
     """h_out[:, lo:hi] = hmid[:, lo:hi] + act @ Wd[lo:hi].T"""
     _residual_projection(s, ptrs, layer, glob, lo, hi, rstd, w_stage, LayerSlot.DOWN,
                          LayerSlot.ACT, s.intermediate, LayerSlot.HMID,
-                         LayerSlot.H_OUT, Op.DOWN, Point.MLP)  # fmt: skip
+                         LayerSlot.H_OUT, Op.DOWN, Point.MLP,
+                         LayerSlot.DOWN_SCALE)  # fmt: skip
 
 
 @cute.jit
@@ -109,12 +117,22 @@ def gate_up(
         act[i, row] = (silu * round_bf16(su)).to(BFloat16)
 
     if cutlass.const_expr(reads_pages(w_stage, Op.GATE_UP)):
+        ws, ws2 = None, None
+        if cutlass.const_expr(shape.fp8):
+            scales = ptrs[layer, LayerSlot.GATE_UP_SCALE]
+            ws = gmem(Float32, scales, (inter,))
+            ws2 = gmem(Float32, scales + inter * 4, (inter,))  # bytes
         if cutlass.const_expr(stages_input(shape)):
             stage_normed(x, norm, rstd, x_stage)
+            if cutlass.const_expr(shape.fp8):
+                fp8_input_scales(w_stage, x_stage, norm, rstd, False)
             paged_gemv(w_stage, Op.GATE_UP, 0, lo, hi, x_stage, norm, rstd, epilogue,
-                       False)  # fmt: skip
+                       False, ws, ws2)  # fmt: skip
         else:
-            paged_gemv(w_stage, Op.GATE_UP, 0, lo, hi, x, norm, rstd, epilogue, True)
+            if cutlass.const_expr(shape.fp8):
+                fp8_input_scales(w_stage, x, norm, rstd, True)
+            paged_gemv(w_stage, Op.GATE_UP, 0, lo, hi, x, norm, rstd, epilogue, True,
+                       ws, ws2)  # fmt: skip
     elif cutlass.const_expr(stages_input(shape)):
         stage_normed(x, norm, rstd, x_stage)
         gemv(gate, up, x_stage, norm, rstd, lo, hi, epilogue, False, True)

@@ -27,7 +27,7 @@ from vllm_ext.megakernel.kernel.ops.common import (
     warp_sum,
 )
 from vllm_ext.megakernel.kernel.ops.gemv import gemv
-from vllm_ext.megakernel.kernel.ops.gemv_paged import paged_gemv
+from vllm_ext.megakernel.kernel.ops.gemv_paged import fp8_input_scales, paged_gemv
 from vllm_ext.megakernel.kernel.ops.kv import kv_slot_entry
 from vllm_ext.megakernel.kernel.ops.weight_pipe import head_pages, reads_pages
 from vllm_ext.megakernel.kernel.shape import GlobalSlot, KernelShape, LayerSlot
@@ -118,21 +118,28 @@ def qkv(
     row_rstd(x, rstd, shape.rms_norm_eps)
     if cutlass.const_expr(stages_input(shape)):
         stage_normed(x, norm, rstd, x_stage)
+    wscale = None
+    if cutlass.const_expr(shape.fp8):
+        wscale = gmem(Float32, ptrs[layer, LayerSlot.QKV_SCALE], (rows,))
+        if cutlass.const_expr(stages_input(shape)):
+            fp8_input_scales(w_stage, x_stage, norm, rstd, False)
+        else:
+            fp8_input_scales(w_stage, x, norm, rstd, True)
     if cutlass.const_expr(shape.qkv_parts > 1):
         _head_parts(shape, w, x, x_stage, norm, rstd, bias, q, positions, slots,
                     cos_sin, cache, kv_block_stride, head_buf, w_stage, lo,
-                    hi)  # fmt: skip
+                    hi, wscale)  # fmt: skip
     else:
         _whole_heads(shape, ptrs, layer, lo, hi, kv_block_stride, rstd, head_buf,
                      head_rstd, x_stage, w_stage, w, x, norm, bias, q, positions,
-                     slots, cos_sin, cache)  # fmt: skip
+                     slots, cos_sin, cache, wscale)  # fmt: skip
 
 
 @cute.jit
 def _whole_heads(
     s: cutlass.Constexpr, ptrs, layer, lo, hi, kv_block_stride, rstd, head_buf,
     head_rstd, x_stage, w_stage, w, x, norm, bias, q, positions, slots, cos_sin,
-    cache,
+    cache, wscale,
 ):  # fmt: skip
     """Units [lo, hi) that are whole fused heads (the default)."""
     shape: KernelShape = s
@@ -147,10 +154,10 @@ def _whole_heads(
             page0 = (head - lo) * head_pages(shape)
             if cutlass.const_expr(stages_input(shape)):
                 paged_gemv(w_stage, Op.QKV, page0, first, first + d, x_stage, norm,
-                           rstd, epilogue, False)  # fmt: skip
+                           rstd, epilogue, False, wscale)  # fmt: skip
             else:
                 paged_gemv(w_stage, Op.QKV, page0, first, first + d, x, norm, rstd,
-                           epilogue, True)  # fmt: skip
+                           epilogue, True, wscale)  # fmt: skip
         elif cutlass.const_expr(stages_input(shape)):
             gemv(w, w, x_stage, norm, rstd, first, first + d, epilogue, False, False)
         else:
@@ -192,7 +199,7 @@ def _whole_heads(
 @cute.jit
 def _head_parts(
     s: cutlass.Constexpr, w, x, x_stage, norm, rstd, bias, q, positions, slots,
-    cos_sin, cache, kv_block_stride, head_buf, w_stage, lo, hi,
+    cos_sin, cache, kv_block_stride, head_buf, w_stage, lo, hi, wscale,
 ):  # fmt: skip
     """Units [lo, hi) that are parts of heads (isa.py; shape.qkv_parts > 1):
     part p of a head is rows ``[p*n, (p+1)*n)`` of each RoPE half (n = d /
@@ -216,10 +223,10 @@ def _head_parts(
                 page0 = (unit - lo) * head_pages(shape) + blk * (head_pages(shape) // 2)
                 if cutlass.const_expr(stages_input(shape)):
                     paged_gemv(w_stage, Op.QKV, page0, first, first + n, x_stage,
-                               norm, rstd, epilogue, False)  # fmt: skip
+                               norm, rstd, epilogue, False, wscale)  # fmt: skip
                 else:
                     paged_gemv(w_stage, Op.QKV, page0, first, first + n, x, norm,
-                               rstd, epilogue, True)  # fmt: skip
+                               rstd, epilogue, True, wscale)  # fmt: skip
             elif cutlass.const_expr(stages_input(shape)):
                 gemv(w, w, x_stage, norm, rstd, first, first + n, epilogue, False,
                      False)  # fmt: skip

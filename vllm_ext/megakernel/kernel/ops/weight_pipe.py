@@ -44,14 +44,15 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float32, Int32, Int64, Uint8
 from cutlass.experimental import primitives as prims
 
 from vllm_ext.megakernel.isa import WORDS, Op
 from vllm_ext.megakernel.kernel.ops.common import NUM_THREADS, NUM_WARPS
 from vllm_ext.megakernel.kernel.ops.gemv_mma import (
-    K_CHUNK,
+    fp8_scale_floats,
     group_rows,
+    k_chunk,
     page_index,
     scratch_floats,
 )
@@ -80,6 +81,8 @@ STATE_WORDS = 4
 L2_AHEAD_PAGES = 6
 # A slot's release: one arrival per consumer thread (``release_page``).
 EMPTY_ARRIVALS = NUM_THREADS
+# The opcodes whose weights an FP8 kernel reads as e4m3 codes.
+FP8_OPS = (Op.QKV, Op.O_PROJ, Op.GATE_UP, Op.DOWN)
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,12 @@ class Tile:
     # Units made of two equal blocks of rows (QKV head parts, isa.py) when
     # above 1: how many units a head has. Pages never straddle a block.
     parts: int = 1
+    mma: bool = False  # the tensor-core GEMV's pages (k chunks), else rows
+    fp8: bool = False  # e4m3 codes, a byte each (else bf16)
+
+    @property
+    def elem_bytes(self) -> int:
+        return 1 if self.fp8 else 2
 
     @property
     def k_pages(self) -> int:
@@ -121,12 +130,14 @@ def _row_tile(k: int, dual: bool, unit: int, cap: int | None = None,
 
 
 def _mma_tile(k: int, dual: bool, unit: int, cap: int | None = None,
-              parts: int = 1) -> Tile:  # fmt: skip
+              parts: int = 1, fp8: bool = False) -> Tile:  # fmt: skip
     """The tensor-core GEMV's pages: a row group of 64 rows (32 of each of
-    gate and up; at most ``cap``) by a 256-column k chunk."""
+    gate and up; at most ``cap``) by a 512-byte k chunk (256 bf16 weights,
+    512 e4m3 codes)."""
     rows = group_rows(dual)
+    chunk = k_chunk(fp8)
     return Tile(k, rows if cap is None else min(rows, cap), dual, unit,
-                min(K_CHUNK, k), parts)  # fmt: skip
+                min(chunk, k), parts, True, fp8)  # fmt: skip
 
 
 def geometry(s: KernelShape) -> dict[Op, Tile]:
@@ -144,9 +155,14 @@ def geometry(s: KernelShape) -> dict[Op, Tile]:
         Op.LM_HEAD: (s.hidden, False, 1, None, 1),
     }
     if s.mma_gemv:  # k chunks: every row fits
-        return {op: _mma_tile(*t) for op, t in rows.items()}
-    # A row (pair) wider than a page: that opcode reads global memory.
-    return {op: _row_tile(*t) for op, t in rows.items() if fits_page(t[0], t[1])}
+        geo = {op: _mma_tile(*t) for op, t in rows.items()}
+    else:
+        # A row (pair) wider than a page: that opcode reads global memory.
+        geo = {op: _row_tile(*t) for op, t in rows.items() if fits_page(t[0], t[1])}
+    if s.fp8:  # e4m3 on tensor cores at every batch; the LM head stays bf16
+        for op in FP8_OPS:
+            geo[op] = _mma_tile(*rows[op], fp8=True)
+    return geo
 
 
 def fits_page(k: int, dual: bool) -> bool:
@@ -174,10 +190,12 @@ def pipe_slots(free_bytes: int) -> int:
 def red_elems(shape: KernelShape) -> int:
     """fp32 scratch where warps' partial sums meet: the tensor-core GEMV's
     (its staged activations too), or [2 page parities, warps, 2 matrices,
-    batch] for split rows."""
-    if shape.mma_gemv:
-        return scratch_floats(shape.batch)
-    return 2 * NUM_WARPS * 2 * shape.batch
+    batch] for split rows; an FP8 kernel's inputs' scales after it
+    (``gemv_mma.fp8_scale_floats``)."""
+    scratch = 2 * NUM_WARPS * 2 * shape.batch
+    if shape.mma_gemv or shape.fp8:
+        scratch = max(scratch, scratch_floats(shape.batch))
+    return scratch + (fp8_scale_floats(shape.batch) if shape.fp8 else 0)
 
 
 def pipe_bytes(slots: int, shape: KernelShape) -> list[int]:
@@ -231,13 +249,16 @@ class Pipe:
             **kernel_args,
         )
 
-    def page(self, slot, rows: int, k: int, second: bool = False) -> cute.Tensor:
-        """Slot ``slot`` as a [rows, k] matrix; ``second``: the up half
-        (``rows`` and ``k``: the tile's ``per_page`` and ``k_chunk``)."""
-        offset = slot * PAGE_ELEMS + page_index(int(second), 0, 0, rows, k)
-        return cute.make_tensor(
-            self.pages.iterator + offset, cute.make_layout((rows, k), stride=(k, 1))
-        )
+    def page(self, slot, rows: int, k: int, second: bool = False,
+             fp8: bool = False) -> cute.Tensor:  # fmt: skip
+        """Slot ``slot`` as a [rows, k] matrix, bf16 or (``fp8``) e4m3 codes
+        as bytes; ``second``: the up half (``rows`` and ``k``: the tile's
+        ``per_page`` and ``k_chunk``)."""
+        at = page_index(int(second), 0, 0, rows, k)  # in the matrix's elements
+        base = self.pages.iterator + slot * PAGE_ELEMS + (at // 2 if fp8 else at)
+        if fp8:
+            base = cute.recast_ptr(base, dtype=Uint8)
+        return cute.make_tensor(base, cute.make_layout((rows, k), stride=(k, 1)))
 
 
 @cute.jit
@@ -283,9 +304,9 @@ def _pages(t: Tile, lo, hi):
 
 @cute.jit
 def _copy(p: cutlass.Constexpr, slot, offset, src: Int64, nbytes):
-    """One bulk copy of ``nbytes`` from ``src`` to element ``offset`` of
-    slot ``slot``, counted on the slot's mbarrier."""
-    dst = p.pages.iterator + slot * PAGE_ELEMS + offset
+    """One bulk copy of ``nbytes`` from ``src`` to byte ``offset`` of slot
+    ``slot``, counted on the slot's mbarrier."""
+    dst = p.pages.iterator + slot * PAGE_ELEMS + offset // 2
     gptr = cute.make_ptr(BFloat16, src, cute.AddressSpace.gmem, assumed_align=16)
     prims.cp_async_bulk_shared_cluster_global(dst, gptr, p.full.iterator + slot,
                                               nbytes)  # fmt: skip
@@ -299,7 +320,8 @@ def _issue_rows(p: cutlass.Constexpr, slot, t: cutlass.Constexpr, base: Int64, l
     whole rows, else one per row (and matrix). ``hint``: the same rows
     prefetched into L2 instead (no slot, nothing to wait for)."""
     tile: Tile = t
-    row_bytes = 2 * tile.k
+    eb = tile.elem_bytes
+    row_bytes = eb * tile.k
     if cutlass.const_expr(tile.k_chunk == tile.k):
         first = lo * tile.unit + kp * tile.per_page
         rows = cutlass.min(Int32(tile.per_page), hi * tile.unit - first)
@@ -314,29 +336,30 @@ def _issue_rows(p: cutlass.Constexpr, slot, t: cutlass.Constexpr, base: Int64, l
             cute.arch.mbarrier_arrive_and_expect_tx(p.full.iterator + slot, total)
             _copy(p, slot, 0, base + Int64(row) * row_bytes, nbytes)
             if cutlass.const_expr(tile.dual):
-                _copy(p, slot, page_index(1, 0, 0, tile.per_page, tile.k),
+                _copy(p, slot, page_index(1, 0, 0, tile.per_page, tile.k) * eb,
                       second + Int64(row) * row_bytes, nbytes)  # fmt: skip
     else:
         block, kc = kp // tile.k_pages, kp % tile.k_pages
         first = lo * tile.unit + block * tile.per_page
         rows = cutlass.min(Int32(tile.per_page), hi * tile.unit - first)
         k0 = kc * tile.k_chunk
-        nbytes = cutlass.min(Int32(tile.k_chunk), tile.k - k0) * 2
+        nbytes = cutlass.min(Int32(tile.k_chunk), tile.k - k0) * eb
         if cutlass.const_expr(not hint):
             total = rows * nbytes * (2 if tile.dual else 1)
             cute.arch.mbarrier_arrive_and_expect_tx(p.full.iterator + slot, total)
         row = unit_row(tile, first)
         for r in cutlass.range(rows):
-            src = Int64(row + r) * row_bytes + Int64(k0) * 2
+            src = Int64(row + r) * row_bytes + Int64(k0) * eb
             if cutlass.const_expr(hint):
                 prefetch_l2(base + src, nbytes)
                 if cutlass.const_expr(tile.dual):
                     prefetch_l2(second + src, nbytes)
             else:
-                _copy(p, slot, page_index(0, r, 0, tile.per_page, tile.k_chunk),
+                _copy(p, slot, page_index(0, r, 0, tile.per_page, tile.k_chunk) * eb,
                       base + src, nbytes)  # fmt: skip
                 if cutlass.const_expr(tile.dual):
-                    _copy(p, slot, page_index(1, r, 0, tile.per_page, tile.k_chunk),
+                    _copy(p, slot,
+                          page_index(1, r, 0, tile.per_page, tile.k_chunk) * eb,
                           second + src, nbytes)  # fmt: skip
 
 
@@ -360,7 +383,8 @@ def _issue(p: cutlass.Constexpr, op, layer, lo, hi, kp, slot,
     elif op == Op.GATE_UP:
         if cutlass.const_expr(Op.GATE_UP in geo):
             gate = ptrs[layer, LayerSlot.GATE_UP]
-            up = gate + Int64(shape.intermediate * shape.hidden * 2)
+            eb = geo[Op.GATE_UP].elem_bytes
+            up = gate + Int64(shape.intermediate * shape.hidden * eb)
             _issue_rows(p, slot, geo[Op.GATE_UP], gate, lo, hi, kp, up, hint)
     elif op == Op.DOWN:
         if cutlass.const_expr(Op.DOWN in geo):
