@@ -931,6 +931,31 @@ def test_gpu_route_through_vllm_with_a_stand_in_kernel(
         check_bf16_close(default, mega, "default", "megakernel (stand-in kernel)")
 
 
+def test_gpu_route_runs_an_fp8_checkpoint(demo_model, stand_in_route, monkeypatch,
+                                         tmp_path):  # fmt: skip
+    """An FP8 W8A8 checkpoint (the Llama demo, per-channel weights) through
+    the GPU route's host side (``stand_in_route``): FP8 kernels
+    (``KernelShape.fp8``) whose tables hold vLLM's e4m3 codes and row
+    scales, no dense copy of a linear weight (the GPU route reads them in
+    place); tokens and logprobs bit for bit reference mode's, which reads
+    the same codes dequantized."""
+    from vllm_ext.demo_quant import quantize_checkpoint
+
+    model = str(quantize_checkpoint(demo_model("llama"), tmp_path / "fp8",
+                                    "fp8-channel"))  # fmt: skip
+    executors = stand_in_route.executors
+    monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
+    interpreted, _ = _generate(model, "bfloat16", decode_backend="megakernel")
+    monkeypatch.delenv("VLLM_MEGAKERNEL_INTERPRET")
+    mega, (ran, _, _) = _generate(model, "bfloat16", decode_backend="megakernel")
+    assert mega == interpreted
+    assert ran == sum(e.launch.launches for e in executors) > 0
+    assert executors and all(e.shape.fp8 for e in executors)
+    for lw in executors[0].weights.layers:
+        assert lw.qkv is None and lw.down is None
+        assert lw.fp8.down.codes.dtype == torch.float8_e4m3fn
+
+
 @pytest.mark.parametrize("method", ["ngram", "eagle3"])
 def test_gpu_route_runs_verify_steps_as_reference_mode(
     demo_model, stand_in_route, monkeypatch, tmp_path, method

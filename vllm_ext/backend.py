@@ -28,10 +28,12 @@ from vllm.v1.worker.decode_backend import (
 from vllm_ext import envs
 from vllm_ext.attention import KV_CACHE_LAYOUT
 from vllm_ext.megakernel.kernel.launcher import ARCH_OF_CAPABILITY
+from vllm_ext.megakernel.kernel.shape import FP8_MAX_BATCH
 from vllm_ext.megakernel.planner import batch_buckets
 from vllm_ext.model_spec import ModelSpec, sliding_window_refusal
 from vllm_ext.parallel import shard_spec, stage_spec
 from vllm_ext.plugin import ATTENTION_BACKEND
+from vllm_ext.quant import FP8_W8A8
 from vllm_ext.runner import MAX_QUERY_LEN, DecodeExecutor, decode_inputs
 from vllm_ext.weights import DecodeWeights, stage_layers
 
@@ -193,7 +195,10 @@ class MegakernelDecodeBackend(DecodeBackend):
         self._ran_a_step = False
 
     def _make_executor(self, model: torch.nn.Module) -> DecodeExecutor:
-        weights = DecodeWeights.from_vllm_model(model, self.spec)
+        # (The kernel reads an FP8 layer's codes in place, no dense copy.)
+        weights = DecodeWeights.from_vllm_model(
+            model, self.spec, dense=bool(envs.VLLM_MEGAKERNEL_INTERPRET)
+        )
         if envs.VLLM_MEGAKERNEL_INTERPRET:
             # The instruction program the GPU would run, interpreted.
             from vllm_ext.megakernel.cost import DEVICES
@@ -321,7 +326,12 @@ def decode_batches(spec: ModelSpec, device: torch.device) -> tuple[int, str]:
     if envs.VLLM_MEGAKERNEL_INTERPRET:
         return envs.VLLM_MEGAKERNEL_MAX_BATCH, "reference mode, not gated"
     if os.environ.get("VLLM_MEGAKERNEL_MAX_BATCH"):
-        return envs.VLLM_MEGAKERNEL_MAX_BATCH, "VLLM_MEGAKERNEL_MAX_BATCH"
+        asked = envs.VLLM_MEGAKERNEL_MAX_BATCH
+        if spec.quant is not None and asked > FP8_MAX_BATCH:
+            return FP8_MAX_BATCH, (
+                "VLLM_MEGAKERNEL_MAX_BATCH, and FP8 kernels' largest bucket"
+            )
+        return asked, "VLLM_MEGAKERNEL_MAX_BATCH"
     from vllm_ext.megakernel import build, measured
 
     gpu = torch.cuda.get_device_name(device)
@@ -568,11 +578,15 @@ def _tp_group():
 
 def _check_gpu_kernel(vllm_config: VllmConfig, spec: ModelSpec) -> None:
     """What the compiled kernel (not the reference) needs."""
-    if spec.quant is not None:
+    moe = spec.moe is not None and any(spec.moe.sparse_layers)
+    if spec.quant is not None and (
+        spec.quant.name != FP8_W8A8 or moe or spec.mla is not None
+    ):
         raise ValueError(
-            f"--decode-backend megakernel runs {spec.quant.name} checkpoints in "
-            f"reference mode only: the kernel has no {spec.quant.name} device "
-            "functions yet. " + INTERPRET_HINT
+            f"--decode-backend megakernel runs {spec.quant.name} checkpoints of "
+            "this model in reference mode only: the kernel's quantized device "
+            f"functions are {FP8_W8A8}'s, in dense layers with grouped-query "
+            "attention. " + INTERPRET_HINT
         )
     capability = tuple(current_platform.get_device_capability() or ())
     if capability not in ARCH_OF_CAPABILITY:

@@ -232,6 +232,29 @@ def quantize_rows(w: torch.Tensor) -> Fp8Weight:
     return Fp8Weight(codes.contiguous(), scale.contiguous())
 
 
+def fp8_codes(layer: torch.nn.Module, shape: tuple[int, int]) -> Fp8Weight:
+    """A per-channel FP8 layer's codes and row scales as the kernel reads
+    them, from vLLM's layer in place: vLLM keeps the weight ``[K, N]`` as
+    the transposed view of row-major ``[N, K]`` codes (CUTLASS's operand on
+    a GPU) and ``weight_scale`` ``[N, 1]`` fp32. A weight stored ``[K, N]``
+    row-major instead is copied once (a byte a weight)."""
+    n, k = shape
+    weight, scale = layer.weight.detach(), layer.weight_scale.detach()
+    if (
+        weight.dtype != torch.float8_e4m3fn
+        or tuple(weight.shape) != (k, n)
+        or scale.dtype != torch.float32
+        or scale.numel() != n
+    ):
+        raise ValueError(
+            f"megakernel: {type(layer).__name__} {tuple(shape)}: vLLM keeps its "
+            f"FP8 weight as {weight.dtype} {tuple(weight.shape)} with scales "
+            f"{scale.dtype} {tuple(scale.shape)} (per tensor? repacked?); the "
+            "kernel reads e4m3 codes with a scale an output row"
+        )
+    return Fp8Weight(weight.t().contiguous(), scale.reshape(n).contiguous())
+
+
 def fp8_weight(layer: torch.nn.Module, shape: tuple[int, int]) -> torch.Tensor:
     """An FP8 layer's weight ``[N, K]`` in fp32: e4m3 codes times their
     scales: a 128x128 block's (``weight_scale_inv``, codes ``[N, K]`` as

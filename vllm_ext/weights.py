@@ -17,8 +17,10 @@ import torch
 
 from vllm_ext.model_spec import ModelSpec, UnsupportedModelError
 from vllm_ext.quant import (
+    FP8_W8A8,
     INT4_W4A16,
     Fp8Weight,
+    fp8_codes,
     fp8_experts,
     fp8_weight,
     int4_experts,
@@ -92,7 +94,9 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
     q_norm: torch.Tensor | None  # [head_dim]
     k_norm: torch.Tensor | None  # [head_dim]
-    o_proj: torch.Tensor  # [hidden, q_size] ([hidden, heads * v_head_dim]: MLA)
+    # (The dense linear weights are None where ``fp8`` holds the layer's
+    # codes and DecodeWeights was read for the GPU route: from_vllm_model.)
+    o_proj: torch.Tensor | None  # [hidden, q_size] ([hidden, heads * v_head_dim]: MLA)
     post_norm: torch.Tensor  # [hidden]
     # The dense MLP; None in a sparse layer, whose MLP is ``moe``.
     gate_up: torch.Tensor | None  # [2 * intermediate, hidden]
@@ -119,9 +123,16 @@ class DecodeWeights:
     vocab_range: tuple[int, int] | None = None
 
     @classmethod
-    def from_vllm_model(cls, model: torch.nn.Module, spec: ModelSpec) -> DecodeWeights:
+    def from_vllm_model(
+        cls, model: torch.nn.Module, spec: ModelSpec, dense: bool = True
+    ) -> DecodeWeights:
+        """The weights vLLM loaded. An FP8 W8A8 layer also gives its codes
+        and row scales in place (``LayerWeights.fp8``, what the kernel
+        reads); ``dense=False`` (the GPU route) leaves its dense fields None
+        instead of fp32 dequantized copies, 4 bytes a weight."""
         if spec.mla is not None:
             return _from_vllm_mla_model(cls, model, spec)
+        fp8 = spec.quant is not None and spec.quant.name == FP8_W8A8
         layers = []
         for i, layer in enumerate(stage_layers(model)):
             attn = layer.self_attn
@@ -129,19 +140,32 @@ class DecodeWeights:
             mlp = getattr(layer, "mlp", None) or layer.block_sparse_moe
             h, q, inter = spec.hidden_size, spec.q_size, spec.intermediate_size
             sparse = spec.moe is not None and spec.moe.sparse_layers[i]
+            shapes = {"qkv": (q + 2 * spec.kv_size, h), "o_proj": (h, q),
+                      "gate_up": (2 * inter, h), "down": (h, inter)}  # fmt: skip
+            modules = {"qkv": attn.qkv_proj, "o_proj": attn.o_proj}
+            if not sparse:
+                modules |= {"gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
+            codes = None
+            if fp8 and not sparse:
+                codes = Fp8Linears(
+                    *(fp8_codes(modules[n], shapes[n]) for n in FP8_LINEARS)
+                )
+            linear = {
+                n: linear_weight(m, shapes[n]) if dense or codes is None else None
+                for n, m in modules.items()
+            }
             weights = LayerWeights(
                 input_norm=layer.input_layernorm.weight,
-                qkv=linear_weight(attn.qkv_proj, (q + 2 * spec.kv_size, h)),
+                qkv=linear["qkv"],
                 qkv_bias=attn.qkv_proj.bias if spec.qkv_bias else None,
                 q_norm=attn.q_norm.weight if spec.qk_norm else None,
                 k_norm=attn.k_norm.weight if spec.qk_norm else None,
-                o_proj=linear_weight(attn.o_proj, (h, q)),
+                o_proj=linear["o_proj"],
                 post_norm=layer.post_attention_layernorm.weight,
-                gate_up=None
-                if sparse
-                else linear_weight(mlp.gate_up_proj, (2 * inter, h)),
-                down=None if sparse else linear_weight(mlp.down_proj, (h, inter)),
+                gate_up=linear.get("gate_up"),
+                down=linear.get("down"),
                 moe=moe_weights(mlp, spec) if sparse else None,
+                fp8=codes,
             )
             _check_layer(i, weights, spec)
             layers.append(weights)
@@ -452,6 +476,8 @@ def _check_layer(index: int, w: LayerWeights, spec: ModelSpec) -> None:
         expected["w13"] = (w.moe.w13, (e, 2 * inter, h))
         expected["w2"] = (w.moe.w2, (e, h, inter))
     for name, (tensor, shape) in expected.items():
+        if tensor is None:  # the GPU route's FP8 layer: its codes
+            tensor = getattr(w.fp8, name).codes
         if tuple(tensor.shape) != shape:
             raise ValueError(
                 f"megakernel: layer {index} {name} weight has shape "

@@ -9,12 +9,12 @@ arithmetic: test_gemv_mma_mapping.py; its pages: test_weight_pipe.py."""
 import dataclasses
 
 import pytest
-from test_kernel_aot import ROLES_BUDGET, check_sass, real_shape
+from test_kernel_aot import ROLES_BUDGET, check_sass, demo_shape, real_shape
 
 from vllm_ext.megakernel.isa import Op
 from vllm_ext.megakernel.kernel.aot import build
 from vllm_ext.megakernel.kernel.ops.gemv_mma import N_BLOCK, n_pad
-from vllm_ext.megakernel.kernel.ops.weight_pipe import MIN_SLOTS, geometry
+from vllm_ext.megakernel.kernel.ops.weight_pipe import FP8_OPS, MIN_SLOTS, geometry
 from vllm_ext.megakernel.kernel.persistent import (
     CONSUMER_REGS,
     SMEM_LIMIT,
@@ -45,6 +45,27 @@ def test_tensor_core_gemv_compiles_clean(config, batch, gpu, tmp_path):
     print(f"{config} b{batch} {gpu}: {built.registers} at launch, "
           f"{built.max_register} used, {built.mma_ops} HMMA, "
           f"{shared_bytes(shape)} B shared, {ring_slots(shape)} slots")  # fmt: skip
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_fp8_gemv_compiles_clean(batch, tmp_path):
+    """FP8 W8A8 (KernelShape.fp8) on the demo Llama, Hopper: QKV, O_PROJ,
+    GATE_UP and DOWN read e4m3 pages on tensor cores at batch 1 too, the LM
+    head bf16 (rows at batch 1); the inputs' quantization and the MMAs in
+    the SASS, no spill. (Real shapes, both archs: scripts/compile_grid.py.)"""
+    shape = dataclasses.replace(demo_shape("llama", batch), fp8=True)
+    geo = geometry(shape)
+    assert all(geo[op].mma and geo[op].fp8 for op in FP8_OPS)
+    assert not geo[Op.LM_HEAD].fp8 and geo[Op.LM_HEAD].mma == (batch > 1)
+    assert shared_bytes(shape) <= SMEM_LIMIT and ring_slots(shape) >= MIN_SLOTS
+    built = build("sm_90a", tmp_path, shape)
+    check_sass(built)
+    assert built.registers <= ROLES_BUDGET and built.max_register <= CONSUMER_REGS
+    # Two e4m3 MMAs per k block and matrix of the 4 single-matrix opcodes
+    # and gate/up; on sm_90 each runs as two f16 HMMAs.
+    assert built.mma_ops >= 2 * 2 * 5 and built.e4m3_converts > 0
+    print(f"fp8 b{batch}: {built.registers} at launch, {built.max_register} used, "
+          f"{built.mma_ops} HMMA, {built.e4m3_converts} e4m3 conversions")  # fmt: skip
 
 
 def test_which_kernels_run_the_tensor_cores():

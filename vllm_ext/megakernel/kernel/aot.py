@@ -86,6 +86,10 @@ class BuildResult:
     l2_prefetches: int  # bulk L2 prefetches of weight tiles (UBLKPF.L2)
     async_copies: int  # cp.async into shared memory (LDGSTS): weight staging
     mma_ops: int  # tensor-core MMAs (HMMA): the tensor-core GEMV
+    # FP8's conversions (F2FP ... E4M3): the inputs' quantization to e4m3
+    # (SATFINITE) and, where ptxas runs the e4m3 MMA as f16 MMAs (sm_90),
+    # the codes' unpacking.
+    e4m3_converts: int
     bulk_copies: int  # cp.async.bulk into shared memory (UBLKCP): the weight pipe
     page_waits: int  # mbarrier tests (SYNCS.PHASECHK): every ring's waits
     mbarrier_arrives: int  # SYNCS.ARRIVE: full (expect-tx), empty, ready
@@ -301,6 +305,7 @@ def build(arch: str, out: str | Path, shape: KernelShape) -> BuildResult:
         l2_prefetches=sass.count("UBLKPF.L2"),
         async_copies=sass.count("LDGSTS"),
         mma_ops=sass.count("HMMA"),
+        e4m3_converts=len(re.findall(r"\bF2FP\.\S*E4M3", sass)),
         bulk_copies=sass.count("UBLKCP"),
         page_waits=sass.count("SYNCS.PHASECHK"),
         mbarrier_arrives=len(re.findall(r"\bSYNCS\.ARRIVE", sass)),

@@ -187,7 +187,7 @@ class KernelExecutor:
         # (A later pipeline stage has no embedding.)
         dev = weights.layers[0].input_norm.device
         self.device = dev
-        _check_weights(weights, shape.fp8)
+        _check_weights(weights, shape)
         queue, lengths = program.encode()
         self.queue, self.lengths = queue.to(dev), lengths.to(dev)
         # One cell per counter, then the step number (epoch).
@@ -484,14 +484,14 @@ class KernelExecutor:
         return self.ws["logits"]
 
 
-def _check_weights(w: DecodeWeights, fp8: bool = False) -> None:
-    """bf16 weights, or (``fp8``) FP8 W8A8 layers' codes and scales in the
-    kernel's layout (``Fp8Linears``) in place of the linear weights."""
+def _check_weights(w: DecodeWeights, shape: KernelShape) -> None:
+    """bf16 weights, or (``shape.fp8``) FP8 W8A8 layers' codes and scales in
+    the kernel's layout (``Fp8Linears``) in place of the linear weights."""
     tensors = {"embed": w.embed, "final_norm": w.final_norm, "lm_head": w.lm_head}
-    linears = FP8_LINEARS if fp8 else ()
+    linears = FP8_LINEARS if shape.fp8 else ()
     for i, lw in enumerate(w.layers):
-        if fp8:
-            _check_fp8(i, lw)
+        if shape.fp8:
+            _check_fp8(i, lw, shape)
         for name in ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj",
                      "post_norm", "gate_up", "down"):  # fmt: skip
             if name not in linears:
@@ -510,18 +510,20 @@ def _check_weights(w: DecodeWeights, fp8: bool = False) -> None:
         )
 
 
-def _check_fp8(i: int, lw: LayerWeights) -> None:
+def _check_fp8(i: int, lw: LayerWeights, shape: KernelShape) -> None:
     if lw.fp8 is None:
         raise MegakernelError(
             f"megakernel: layer {i}: an FP8 kernel reads the layer's codes and "
             "scales (LayerWeights.fp8), and it has none"
         )
+    h, q, inter = shape.hidden, shape.q_size, shape.intermediate
+    dims = {"qkv": (q + 2 * shape.kv_heads * shape.head_dim, h), "o_proj": (h, q),
+            "gate_up": (2 * inter, h), "down": (h, inter)}  # fmt: skip
     for name in FP8_LINEARS:
-        f, dense = getattr(lw.fp8, name), getattr(lw, name)
-        rows = dense.shape[0]
+        f, (rows, k) = getattr(lw.fp8, name), dims[name]
         if (
             f.codes.dtype != torch.float8_e4m3fn
-            or tuple(f.codes.shape) != tuple(dense.shape)
+            or tuple(f.codes.shape) != (rows, k)
             or not f.codes.is_contiguous()
             or f.scale.dtype != torch.float32
             or tuple(f.scale.shape) != (rows,)
@@ -529,7 +531,7 @@ def _check_fp8(i: int, lw: LayerWeights) -> None:
         ):
             raise MegakernelError(
                 f"megakernel: layer {i} {name}: the kernel reads e4m3 codes "
-                f"{tuple(dense.shape)} row-major and fp32 scales ({rows},); got "
+                f"{(rows, k)} row-major and fp32 scales ({rows},); got "
                 f"{f.codes.dtype} {tuple(f.codes.shape)}, {f.scale.dtype} "
                 f"{tuple(f.scale.shape)}"
             )

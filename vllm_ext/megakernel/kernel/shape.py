@@ -190,6 +190,8 @@ WUK_GROUP = 4
 # The FP8 tensor-core GEMV's k per lane quad and step (gemv_mma.py): 4
 # lanes x 16 e4m3 codes, two m16n8k32 MMAs.
 FP8_K_BLOCK = 64
+# The largest batch bucket of an FP8 kernel (compile_grid: clean up to 16).
+FP8_MAX_BATCH = 16
 
 
 def page_rows(k: int, dual: bool = False) -> int:
@@ -374,6 +376,13 @@ class KernelShape:
                 "FP8 weights run in the default kernel of a dense model on one "
                 "GPU only (no FP8 mixture, latent attention or tensor parallel "
                 "device functions yet)"
+            )
+        if self.batch > FP8_MAX_BATCH:
+            # (8B's batch-64 build kept two words in local memory: 222
+            # registers, the consumers' budget.)
+            raise ValueError(
+                f"batch {self.batch}: FP8 kernels take at most {FP8_MAX_BATCH} "
+                "requests (register budget)"
             )
         widths = (self.hidden, self.q_heads * self.head_dim, self.intermediate)
         if any(k % FP8_K_BLOCK for k in widths):
