@@ -8,9 +8,11 @@ and no call, one CTA-wide barrier (start-up), the
 register split (two ``setmaxnreg``), the release signal, no trap (an expired
 wait records the abort instead); and each model's
 own instructions as CI judges them on demo shapes
-(tests/megakernel/test_{moe,mla}_kernel_aot.py): a mixture's TOPK ballot
-and population counts and the controller's routed prefetches, a latent
-attention's tensor-core MMAs, exp2 and quad reductions. Prints a Markdown
+(tests/megakernel/test_{moe,mla}_kernel_aot.py, test_gemv_mma_aot.py): a
+mixture's TOPK ballot and population counts and the controller's routed
+prefetches, a latent attention's tensor-core MMAs, exp2 and quad
+reductions, an FP8 model's e4m3 conversions and MMAs. (The FP8 kernels'
+buckets stop at 16; the INT4 configs have no device functions.) Prints a Markdown
 table, with the bulk-copy and ``HMMA`` sites (the weight ring and the
 tensor-core GEMV; docs/perf.md keeps each grid's summary); exits 1 if any
 build fails or breaks a rule.
@@ -43,10 +45,12 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "vllm_ext" / "configs"
 
 
-def rules(r: dict, moe: bool = False, mla: bool = False, tp: int = 1) -> list[str]:
+def rules(r: dict, moe: bool = False, mla: bool = False, fp8: bool = False,
+          tp: int = 1) -> list[str]:  # fmt: skip
     """What a default warp-role build must show in its SASS (empty: all),
-    with a mixture's (``moe``) and a latent attention's (``mla``) ops, and a
-    tensor-parallel rank's (``tp``) system-scope signals and acquire."""
+    with a mixture's (``moe``), a latent attention's (``mla``) and FP8
+    W8A8's (``fp8``) ops, and a tensor-parallel rank's (``tp``)
+    system-scope signals and acquire."""
     broken = []
     sys_ops = (r["sys_release_atomics"], r["sys_fences"], r["sys_acquire_loads"])
     if sys_ops != ((tp, 1, 1) if tp > 1 else (0, 0, 0)):
@@ -72,6 +76,8 @@ def rules(r: dict, moe: bool = False, mla: bool = False, tp: int = 1) -> list[st
         broken.append(f"{r['mma_ops']} HMMA: MLA_ATTN off the tensor cores")
     if mla and not (r["exp2"] and r["butterflies"]):
         broken.append("MLA_ATTN without its exp2 or quad reductions")
+    if fp8 and not (r["e4m3_converts"] and r["mma_ops"] >= 24):
+        broken.append("FP8 GEMVs without e4m3 conversions or their MMAs")
     return broken
 
 
@@ -82,7 +88,8 @@ def model_ops(config: str) -> dict[str, bool]:
     from vllm_ext.megakernel.plan import load_spec
 
     spec = load_spec(config, torch.bfloat16)
-    return {"moe": spec.moe is not None, "mla": spec.mla is not None}
+    return {"moe": spec.moe is not None, "mla": spec.mla is not None,
+            "fp8": spec.quant is not None}  # fmt: skip
 
 
 def build(config: str, batch: int, arch: str, out: Path, *flags: str) -> dict:
