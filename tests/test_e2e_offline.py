@@ -931,18 +931,21 @@ def test_gpu_route_through_vllm_with_a_stand_in_kernel(
         check_bf16_close(default, mega, "default", "megakernel (stand-in kernel)")
 
 
+@pytest.mark.parametrize("fmt", ["fp8-channel", "fp8-block"])
 def test_gpu_route_runs_an_fp8_checkpoint(demo_model, stand_in_route, monkeypatch,
-                                         tmp_path):  # fmt: skip
-    """An FP8 W8A8 checkpoint (the Llama demo, per-channel weights) through
-    the GPU route's host side (``stand_in_route``): FP8 kernels
-    (``KernelShape.fp8``) whose tables hold vLLM's e4m3 codes and row
-    scales, no dense copy of a linear weight (the GPU route reads them in
-    place); tokens and logprobs bit for bit reference mode's, which reads
-    the same codes dequantized."""
+                                         tmp_path, fmt):  # fmt: skip
+    """An FP8 checkpoint of the Llama demo (per-channel W8A8, or 128 x 128
+    blocks with vLLM's CPU kernel stood in for) through the GPU route's
+    host side (``stand_in_route``): FP8 kernels (``KernelShape.fp8``)
+    whose tables hold vLLM's e4m3 codes and row or block scales, no dense
+    copy of a linear weight (the GPU route reads them in place); tokens
+    and logprobs bit for bit reference mode's, which reads the same codes
+    dequantized."""
+    from tests import cpu_quant_ops
     from vllm_ext.demo_quant import quantize_checkpoint
 
-    model = str(quantize_checkpoint(demo_model("llama"), tmp_path / "fp8",
-                                    "fp8-channel"))  # fmt: skip
+    cpu_quant_ops.install(monkeypatch)
+    model = str(quantize_checkpoint(demo_model("llama"), tmp_path / fmt, fmt))
     executors = stand_in_route.executors
     monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
     interpreted, _ = _generate(model, "bfloat16", decode_backend="megakernel")
@@ -950,7 +953,9 @@ def test_gpu_route_runs_an_fp8_checkpoint(demo_model, stand_in_route, monkeypatc
     mega, (ran, _, _) = _generate(model, "bfloat16", decode_backend="megakernel")
     assert mega == interpreted
     assert ran == sum(e.launch.launches for e in executors) > 0
+    blocks = fmt == "fp8-block"
     assert executors and all(e.shape.fp8 for e in executors)
+    assert all(e.shape.fp8_block == blocks for e in executors)
     for lw in executors[0].weights.layers:
         assert lw.qkv is None and lw.down is None
         assert lw.fp8.down.codes.dtype == torch.float8_e4m3fn

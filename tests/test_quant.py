@@ -177,20 +177,19 @@ def test_int4_runs_in_reference_mode_only():
         backend._check_gpu_kernel(None, spec)
 
 
-def test_the_gpu_kernel_takes_fp8_w8a8_dense_models_only():
-    """Per-channel FP8 W8A8 on a dense model passes the kernel's format
-    check (it then needs a GPU: refused here for the missing one, not for
-    the format); FP8 blocks are refused by name, pointing at reference
-    mode."""
+def test_the_gpu_kernel_takes_fp8_on_dense_models():
+    """Per-channel FP8 W8A8 and FP8 blocks on a dense model pass the
+    kernel's format check (it then needs a GPU: refused here for the
+    missing one, not for the format); INT4 does not
+    (test_int4_runs_in_reference_mode_only)."""
     from vllm_ext import backend
 
-    spec = _llama_spec(_ct(FP8_CHANNEL, FP8_TOKEN, "float-quantized"))
-    with pytest.raises(ValueError, match="needs .*GPU"):
-        backend._check_gpu_kernel(None, spec)
+    channel = _llama_spec(_ct(FP8_CHANNEL, FP8_TOKEN, "float-quantized"))
     blocks = _llama_spec({"quant_method": "fp8", "activation_scheme": "dynamic",
                           "weight_block_size": [128, 128]})  # fmt: skip
-    with pytest.raises(ValueError, match="fp8-block128 .*reference mode only"):
-        backend._check_gpu_kernel(None, blocks)
+    for spec in (channel, blocks):
+        with pytest.raises(ValueError, match="needs .*GPU"):
+            backend._check_gpu_kernel(None, spec)
 
 
 @pytest.mark.parametrize(

@@ -210,15 +210,20 @@ def quantize_input(x: torch.Tensor, quant: QuantFormat | None) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Fp8Weight:
-    """An FP8 W8A8 layer's weight as the kernel reads it: e4m3 codes
-    ``[N, K]`` row-major (the storage under vLLM's ``[K, N]`` weight, so
-    read in place) and an fp32 scale an output row ``[N]``."""
+    """An FP8 layer's weight as the kernel reads it: e4m3 codes ``[N, K]``
+    row-major and fp32 scales: one an output row ``[N]`` (FP8 W8A8: the
+    storage under vLLM's ``[K, N]`` weight, read in place) or one a 128 x
+    128 block ``[N / 128, K / 128]`` (FP8 blocks: vLLM's ``weight`` and
+    ``weight_scale_inv``)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
 
     def dequantize(self) -> torch.Tensor:
-        """``[N, K]`` fp32: each code times its row's scale (exact)."""
+        """``[N, K]`` fp32: each code times its row's or block's scale
+        (exact; vLLM's ``block_dequant`` for blocks)."""
+        if self.scale.dim() == 2:
+            return _dequantize_blocks(self.codes, self.scale)
         return self.codes.float() * self.scale.float()[:, None]
 
 
@@ -232,13 +237,46 @@ def quantize_rows(w: torch.Tensor) -> Fp8Weight:
     return Fp8Weight(codes.contiguous(), scale.contiguous())
 
 
+def quantize_blocks(w: torch.Tensor) -> Fp8Weight:
+    """A weight ``[N, K]`` (whole blocks) quantized as FP8-block checkpoints
+    are: each 128 x 128 block's amax over 448 its scale (random-weight
+    models and the GPU check)."""
+    top = torch.finfo(torch.float8_e4m3fn).max
+    n, k = w.shape
+    blocks = w.float().view(n // BLOCK, BLOCK, k // BLOCK, BLOCK)
+    scale = (blocks.abs().amax(dim=(1, 3)) / top).clamp(min=1e-12)
+    codes = (blocks / scale[:, None, :, None]).clamp(-top, top)
+    codes = codes.to(torch.float8_e4m3fn).view(n, k)
+    return Fp8Weight(codes.contiguous(), scale.contiguous())
+
+
 def fp8_codes(layer: torch.nn.Module, shape: tuple[int, int]) -> Fp8Weight:
-    """A per-channel FP8 layer's codes and row scales as the kernel reads
-    them, from vLLM's layer in place: vLLM keeps the weight ``[K, N]`` as
+    """An FP8 layer's codes and scales as the kernel reads them, from
+    vLLM's layer in place. Per channel: vLLM keeps the weight ``[K, N]`` as
     the transposed view of row-major ``[N, K]`` codes (CUTLASS's operand on
-    a GPU) and ``weight_scale`` ``[N, 1]`` fp32. A weight stored ``[K, N]``
-    row-major instead is copied once (a byte a weight)."""
+    a GPU) and ``weight_scale`` ``[N, 1]`` fp32; a weight stored ``[K, N]``
+    row-major instead is copied once (a byte a weight). Blocks: ``weight``
+    ``[N, K]`` and ``weight_scale_inv`` ``[N / 128, K / 128]`` fp32, as
+    loaded (a layout a kernel repacked is refused)."""
     n, k = shape
+    blocks = getattr(layer, "weight_scale_inv", None)
+    if blocks is not None:
+        weight, scale = layer.weight.detach(), blocks.detach()
+        grid = (-(-n // BLOCK), -(-k // BLOCK))
+        if (
+            weight.dtype != torch.float8_e4m3fn
+            or tuple(weight.shape) != (n, k)
+            or not weight.is_contiguous()
+            or scale.dtype != torch.float32
+            or tuple(scale.shape) != grid
+        ):
+            raise ValueError(
+                f"megakernel: {type(layer).__name__} {tuple(shape)}: vLLM keeps "
+                f"its FP8 blocks as {weight.dtype} {tuple(weight.shape)} with "
+                f"scales {scale.dtype} {tuple(scale.shape)} (repacked?); the "
+                f"kernel reads row-major e4m3 codes and fp32 scales {grid}"
+            )
+        return Fp8Weight(weight, scale.contiguous())
     weight, scale = layer.weight.detach(), layer.weight_scale.detach()
     if (
         weight.dtype != torch.float8_e4m3fn

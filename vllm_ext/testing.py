@@ -9,7 +9,7 @@ import dataclasses
 import torch
 
 from vllm_ext.model_spec import ModelSpec
-from vllm_ext.quant import FP8_W8A8, quantize_rows
+from vllm_ext.quant import FP8_BLOCK, FP8_W8A8, quantize_blocks, quantize_rows
 from vllm_ext.runner import DecodeInputs
 from vllm_ext.weights import (
     FP8_LINEARS,
@@ -106,14 +106,15 @@ def random_weights(
 
 
 def fp8_layer(lw: LayerWeights, spec: ModelSpec) -> LayerWeights:
-    """A dense layer of ``random_weights`` as an FP8 W8A8 checkpoint holds
-    it: each linear weight's rows quantized (``quant.quantize_rows``), the
-    dense fields their fp32 dequantization (what reference mode reads)."""
-    if spec.quant.name != FP8_W8A8 or lw.moe is not None or lw.mla is not None:
-        raise ValueError(
-            f"random {spec.quant.name} weights: FP8 W8A8 dense layers only"
-        )
-    fp8 = Fp8Linears(*(quantize_rows(getattr(lw, n)) for n in FP8_LINEARS))
+    """A dense layer of ``random_weights`` as an FP8 checkpoint holds it:
+    each linear weight's rows (FP8 W8A8, ``quant.quantize_rows``) or 128 x
+    128 blocks (``quant.quantize_blocks``) quantized, the dense fields their
+    fp32 dequantization (what reference mode reads)."""
+    formats = {FP8_W8A8: quantize_rows, FP8_BLOCK: quantize_blocks}
+    if spec.quant.name not in formats or lw.moe is not None or lw.mla is not None:
+        raise ValueError(f"random {spec.quant.name} weights: FP8 dense layers only")
+    quantize = formats[spec.quant.name]
+    fp8 = Fp8Linears(*(quantize(getattr(lw, n)) for n in FP8_LINEARS))
     dense = {n: getattr(fp8, n).dequantize() for n in FP8_LINEARS}
     return dataclasses.replace(lw, fp8=fp8, **dense)
 

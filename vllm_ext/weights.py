@@ -17,6 +17,7 @@ import torch
 
 from vllm_ext.model_spec import ModelSpec, UnsupportedModelError
 from vllm_ext.quant import (
+    FP8_BLOCK,
     FP8_W8A8,
     INT4_W4A16,
     Fp8Weight,
@@ -132,7 +133,7 @@ class DecodeWeights:
         instead of fp32 dequantized copies, 4 bytes a weight."""
         if spec.mla is not None:
             return _from_vllm_mla_model(cls, model, spec)
-        fp8 = spec.quant is not None and spec.quant.name == FP8_W8A8
+        fp8 = spec.quant is not None and spec.quant.name in (FP8_W8A8, FP8_BLOCK)
         layers = []
         for i, layer in enumerate(stage_layers(model)):
             attn = layer.self_attn

@@ -71,7 +71,7 @@ from vllm_ext.megakernel.kernel.shape import (
     partial_rows,
     route_layout,
 )
-from vllm_ext.quant import Fp8Weight
+from vllm_ext.quant import FP8_BLOCK, Fp8Weight
 from vllm_ext.runner import DecodeInputs
 from vllm_ext.weights import (
     DecodeWeights,
@@ -271,9 +271,10 @@ class KernelStandIn:
         )
 
     def _fp8_layer(self, i: int, row) -> LayerWeights:
-        """An FP8 W8A8 layer (``KernelShape.fp8``): each linear weight's
-        e4m3 codes where the bf16 weight would be, its fp32 row scales in
-        the FP8 columns; the interpreter reads their dequantization."""
+        """An FP8 layer (``KernelShape.fp8``): each linear weight's e4m3
+        codes where the bf16 weight would be, its fp32 row (or 128 x 128
+        block) scales in the FP8 columns; the interpreter reads their
+        dequantization."""
         s = self.program.spec
         h, inter, d = s.hidden_size, s.intermediate_size, s.head_dim
         qkv_rows = s.q_size + 2 * s.kv_size
@@ -282,9 +283,12 @@ class KernelStandIn:
             return self._weight(row[slot], f"layer {i} {slot.name}", shape, present,
                                 dtype)  # fmt: skip
 
+        blocks = s.quant.name == FP8_BLOCK  # a scale a 128 x 128 block
+
         def fp8(codes, scales, n, k):
+            grid = (-(-n // 128), -(-k // 128)) if blocks else (n,)
             return Fp8Weight(at(codes, (n, k), dtype=torch.float8_e4m3fn),
-                             at(scales, (n,), dtype=FP32))  # fmt: skip
+                             at(scales, grid, dtype=FP32))  # fmt: skip
 
         f = Fp8Linears(
             qkv=fp8(LayerSlot.QKV, LayerSlot.QKV_SCALE, qkv_rows, h),

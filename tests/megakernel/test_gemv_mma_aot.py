@@ -47,13 +47,15 @@ def test_tensor_core_gemv_compiles_clean(config, batch, gpu, tmp_path):
           f"{shared_bytes(shape)} B shared, {ring_slots(shape)} slots")  # fmt: skip
 
 
-@pytest.mark.parametrize("batch", [1, 4])
-def test_fp8_gemv_compiles_clean(batch, tmp_path):
-    """FP8 W8A8 (KernelShape.fp8) on the demo Llama, Hopper: QKV, O_PROJ,
-    GATE_UP and DOWN read e4m3 pages on tensor cores at batch 1 too, the LM
-    head bf16 (rows at batch 1); the inputs' quantization and the MMAs in
-    the SASS, no spill. (Real shapes, both archs: scripts/compile_grid.py.)"""
-    shape = dataclasses.replace(demo_shape("llama", batch), fp8=True)
+@pytest.mark.parametrize("batch, block", [(1, False), (4, False), (16, True)])
+def test_fp8_gemv_compiles_clean(batch, block, tmp_path):
+    """FP8 (KernelShape.fp8; per channel, or 128 x 128 blocks, whose batch
+    16 first spilled) on the demo Llama, Hopper: QKV, O_PROJ, GATE_UP and
+    DOWN read e4m3 pages on tensor cores at batch 1 too, the LM head bf16
+    (rows at batch 1); the inputs' quantization and the MMAs in the SASS,
+    no spill. (Real shapes, both archs: scripts/compile_grid.py.)"""
+    shape = dataclasses.replace(demo_shape("llama", batch), fp8=True,
+                                fp8_block=block)  # fmt: skip
     geo = geometry(shape)
     assert all(geo[op].mma and geo[op].fp8 for op in FP8_OPS)
     assert not geo[Op.LM_HEAD].fp8 and geo[Op.LM_HEAD].mma == (batch > 1)
@@ -64,8 +66,9 @@ def test_fp8_gemv_compiles_clean(batch, tmp_path):
     # Two e4m3 MMAs per k block and matrix of the 4 single-matrix opcodes
     # and gate/up; on sm_90 each runs as two f16 HMMAs.
     assert built.mma_ops >= 2 * 2 * 5 and built.e4m3_converts > 0
-    print(f"fp8 b{batch}: {built.registers} at launch, {built.max_register} used, "
-          f"{built.mma_ops} HMMA, {built.e4m3_converts} e4m3 conversions")  # fmt: skip
+    print(f"fp8 b{batch} block={block}: {built.registers} at launch, "
+          f"{built.max_register} used, {built.mma_ops} HMMA, "
+          f"{built.e4m3_converts} e4m3 conversions")  # fmt: skip
 
 
 def test_which_kernels_run_the_tensor_cores():

@@ -12,6 +12,12 @@ scales and the quantized staging, one row group's pages end to end.
   fp32 torch arithmetic (the GPU's round-to-nearest fp32 operations):
   dequantized, it must equal the reference's ``quant.quantize_input`` bit
   for bit, the normed path (QKV, GATE_UP) included.
+- Block FP8 (``fp8_group_input``, ``emulate_block_group``): inputs
+  divided by their k group's scale equal ``quantize_input`` with groups of
+  128 bit for bit; each k block's two MMAs summed from zero and added
+  times the request's group scale and the block scale of each lane's own
+  row, rows straddling a 128-row block and past the matrix's last row,
+  equal the reference's block GEMM; the wrong group's scales do not.
 - ``emulate_group`` runs a row group's page sequence as the kernel does:
   pages of 512-byte k chunks and staged rows of 576 bytes, both through the
   kernel's own index functions, the warps' row blocks and k slices, the
@@ -37,6 +43,7 @@ from test_gemv_mma_mapping import LANES, G, Q
 from vllm_ext.megakernel.kernel.ops.common import NUM_WARPS
 from vllm_ext.megakernel.kernel.ops.gemv_mma import (
     E4M3_MAX,
+    FP8_GROUP,
     K_BLOCK8,
     MIN_SCALE,
     N_BLOCK,
@@ -56,10 +63,18 @@ from vllm_ext.megakernel.kernel.ops.gemv_mma import (
     warp_task,
 )
 from vllm_ext.megakernel.kernel.shape import FP8_K_BLOCK, PAGE_BYTES
-from vllm_ext.quant import FP8_W8A8, PER_TOKEN, QuantFormat, quantize_input
+from vllm_ext.quant import (
+    FP8_BLOCK,
+    FP8_W8A8,
+    PER_TOKEN,
+    PER_TOKEN_GROUP,
+    QuantFormat,
+    quantize_input,
+)
 from vllm_ext.reference import rms_norm
 
 FP8 = QuantFormat(FP8_W8A8, "compressed-tensors float-quantized", 8, -1, PER_TOKEN)
+FP8_BLOCKS = QuantFormat(FP8_BLOCK, "fp8", 8, 128, PER_TOKEN_GROUP)
 E4M3 = torch.float8_e4m3fn
 # A staged row of e4m3 codes: the bf16 row's bytes (``staged(fp8=True)``).
 STAGE_ROW_BYTES = 2 * STAGE_STRIDE
@@ -148,6 +163,18 @@ def fp8_input(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return z.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 
+def fp8_group_input(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block FP8 (``input_group_scales``, ``stage_chunk_fp8`` with
+    ``block``): a scale per request and k group of FP8_GROUP, each input
+    divided by its group's; codes [B, K], scales [B, K / FP8_GROUP]."""
+    b, k = y.shape
+    groups = y.view(b, k // FP8_GROUP, FP8_GROUP)
+    scale = torch.maximum(groups.abs().amax(dim=-1) / torch.tensor(E4M3_MAX),
+                          torch.tensor(MIN_SCALE, dtype=torch.float32))  # fmt: skip
+    z = (groups / scale[..., None]).view(b, k)
+    return z.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
 @pytest.mark.parametrize("normed", [False, True])
 def test_staged_codes_are_the_references_quantization(normed):
     """Bit for bit vLLM's per-token QuantFP8 (``quantize_input``), over rows
@@ -173,6 +200,10 @@ def test_staged_codes_are_the_references_quantization(normed):
     got = codes.float() * scale[:, None]
     want = quantize_input(y, FP8)
     assert torch.equal(got, want)
+    # Block FP8's groups of 128: divided by each group's scale.
+    codes, scale = fp8_group_input(y.float())
+    got = (codes.float().view(5, -1, FP8_GROUP) * scale[..., None]).view(5, k)
+    assert torch.equal(got, quantize_input(y, FP8_BLOCKS))
 
 
 def test_constants_are_vllms():
@@ -302,3 +333,107 @@ def test_lanes_cover_the_k_block_once():
         kk = VEC8 * lane_vector(kb, Q[:4])[:, None] + np.arange(VEC8)
         assert sorted(kk.ravel()) == list(range(kb * K_BLOCK8, (kb + 1) * K_BLOCK8))
     assert len(LANES) == 32
+
+
+def emulate_block_group(codes: list[np.ndarray], wsc: list[np.ndarray],
+                        x: torch.Tensor, row0: int, n_valid: int,
+                        per_page: int, mutation: str = "") -> np.ndarray:  # fmt: skip
+    """Block FP8's row group, rows [row0, row0 + n_valid) of each matrix
+    (``codes[m]`` [N, K], block scales ``wsc[m]`` [N / 128, K / 128]), as
+    ``_block_step`` computes it: per k block, the two MMAs from zero, then
+    ``(sum * a) * w`` added, ``a`` the request's group scale and ``w`` the
+    scale of each lane's own row's block (rows past the matrix: its last
+    block's). Pages and staging as ``emulate_group``'s. Returns [matrices,
+    n_valid, batch]."""
+    mats, (batch, k) = len(codes), x.shape
+    chunk = min(k_chunk(True), k)
+    q, a_scale = fp8_group_input(x.float())
+    q, a_scale = q.double().numpy(), a_scale.double().numpy()
+    n_blocks = n_pad(batch) // N_BLOCK
+    a_pad = np.full((n_pad(batch), k // FP8_GROUP), np.nan)
+    a_pad[:batch] = a_scale
+    staged = np.full((n_pad(batch), k), np.nan)
+    staged[:batch] = q
+    acc = np.zeros((NUM_WARPS, mats, n_blocks, 32, 4))
+    for kc in range(-(-k // chunk)):
+        k0 = kc * chunk
+        k_len = min(chunk, k - k0)
+        page = np.full(PAGE_BYTES, np.nan)
+        for m in range(mats):
+            for r in range(n_valid):
+                at = page_index(m, r, 0, per_page, chunk)
+                page[at : at + k_len] = codes[m][row0 + r, k0 : k0 + k_len]
+        for warp in range(NUM_WARPS):
+            rb, sl, ks = warp_task(warp, n_valid)
+            if sl >= ks:
+                continue
+            for kb in range(sl, k_len // k_block(True), ks):
+                kk = VEC8 * lane_vector(kb, Q)[:, None] + np.arange(VEC8)
+                grp = (k0 + kb * K_BLOCK8) // FP8_GROUP
+                if mutation == "group":
+                    grp = (k0 + kb * K_BLOCK8) // K_BLOCK8 % (k // FP8_GROUP)
+                row = row0 + rb * ROWS + G  # this lane's rows: row, row + 8
+                for nb in range(n_blocks):
+                    n = nb * N_BLOCK + G[:, None]
+                    b = staged[n, k0 + kk].reshape(32, 4, 4)
+                    a0 = a_pad[nb * N_BLOCK + 2 * Q, grp]
+                    a1 = a_pad[nb * N_BLOCK + 2 * Q + 1, grp]
+                    for m in range(mats):
+                        last = wsc[m].shape[0] - 1
+                        w_lo = wsc[m][np.minimum(row // FP8_GROUP, last), grp]
+                        w_hi = wsc[m][np.minimum((row + 8) // FP8_GROUP, last), grp]
+                        lo, hi = (page[page_index(m, rb * ROWS + G[:, None] + dr, kk,
+                                                  per_page, chunk)].reshape(32, 4, 4)
+                                  for dr in (0, 8))  # fmt: skip
+                        d = _mma_pair(lo, hi, b, np.zeros((32, 4)))
+                        pairs = ((a0, w_lo), (a1, w_lo), (a0, w_hi), (a1, w_hi))
+                        for c, (a, w) in enumerate(pairs):
+                            acc[warp, m, nb, :, c] += d[:, c] * a * w
+    blocks = row_blocks(n_valid)
+    sums = np.zeros((NUM_WARPS, mats, ROWS, n_pad(batch)))
+    for warp in range(NUM_WARPS):
+        for nb in range(n_blocks):
+            col = nb * N_BLOCK + 2 * Q
+            c = acc[warp, :, nb]
+            sums[warp, :, G, col], sums[warp, :, G, col + 1] = c[..., 0].T, c[..., 1].T
+            sums[warp, :, G + 8, col] = c[..., 2].T
+            sums[warp, :, G + 8, col + 1] = c[..., 3].T
+    _, _, ks = warp_task(0, n_valid)
+    out = np.full((mats, n_valid, batch), np.nan)
+    for i in range(n_valid):
+        rb, r = i // ROWS, i % ROWS
+        out[:, i] = sum(sums[rb + blocks * sl, :, r, :batch] for sl in range(ks))
+    return out
+
+
+# Row groups straddling a 128-row block (row0 96), ending past the matrix
+# (the last group of a 200-row matrix), batch 1 and 16, gate/up.
+BLOCK_GRID = [(1, False, 96, 64, 1024), (16, True, 96, 32, 640),
+              (4, False, 192, 8, 512)]  # fmt: skip
+
+
+@pytest.mark.parametrize("mutation", ["", "group"])
+@pytest.mark.parametrize("batch, dual, row0, n_valid, k", BLOCK_GRID)
+def test_block_row_group_is_the_block_gemm(batch, dual, row0, n_valid, k, mutation):
+    """Against the reference: the input quantized per token in groups of
+    128 times the blocks' dequantization (vLLM's block_dequant, partial
+    last block); a k block scaled by the wrong group's scales fails."""
+    from vllm_ext.quant import _dequantize_blocks
+
+    gen = torch.Generator().manual_seed(batch * 7 + row0)
+    per_page, mats, rows = group_rows(dual), 2 if dual else 1, 200
+    codes = [_e4m3(gen, rows, k) for _ in range(mats)]
+    grid = (-(-rows // FP8_GROUP), k // FP8_GROUP)
+    wsc = [(torch.rand(*grid, generator=gen) + 0.01) / 64 for _ in range(mats)]
+    x = (torch.randn(batch, k, generator=gen) * 3).to(torch.bfloat16)
+    got = emulate_block_group(codes, [w.numpy() for w in wsc], x, row0, n_valid,
+                              per_page, mutation)  # fmt: skip
+    xq = quantize_input(x, FP8_BLOCKS).double().numpy()
+    rows_ = slice(row0, row0 + n_valid)
+    dense = [_dequantize_blocks(torch.from_numpy(c).to(E4M3), w).double().numpy()
+             for c, w in zip(codes, wsc, strict=True)]  # fmt: skip
+    want = np.stack([d[rows_] @ xq.T for d in dense])
+    size = np.stack([np.abs(d[rows_]) @ np.abs(xq).T for d in dense])
+    assert not np.isnan(got).any()
+    close = (np.abs(got - want) <= 1e-6 * size).all()
+    assert close == (mutation == "")

@@ -15,7 +15,14 @@ from vllm_ext.megakernel.cost import DEVICES
 from vllm_ext.megakernel.kernel.launcher import KernelExecutor, MegakernelError
 from vllm_ext.megakernel.kernel.shape import GlobalSlot, KernelShape, LayerSlot
 from vllm_ext.megakernel.planner import plan
-from vllm_ext.quant import FP8_W8A8, INT4_W4A16, PER_TOKEN, QuantFormat
+from vllm_ext.quant import (
+    FP8_BLOCK,
+    FP8_W8A8,
+    INT4_W4A16,
+    PER_TOKEN,
+    PER_TOKEN_GROUP,
+    QuantFormat,
+)
 from vllm_ext.reference import ReferenceExecutor
 from vllm_ext.runner import DecodeInputs
 from vllm_ext.testing import BLOCK_SIZE, random_decode_inputs, random_weights
@@ -117,19 +124,22 @@ def test_refusals():
         KernelExecutor(program, fp32, None, block_size=BLOCK_SIZE, max_blocks=4)
 
 
-# compressed-tensors' per-channel FP8 (W8A8, dynamic per-token activations).
+# compressed-tensors' per-channel FP8 (W8A8, dynamic per-token activations)
+# and FP8 with 128 x 128 blocks (activations per token in groups of 128).
 FP8 = QuantFormat(FP8_W8A8, "compressed-tensors float-quantized", 8, -1, PER_TOKEN)
+FP8_BLOCKS = QuantFormat(FP8_BLOCK, "fp8", 8, 128, PER_TOKEN_GROUP)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_fp8_layers_through_the_table(arch):
-    """An FP8 W8A8 model (KernelShape.fp8): the table holds each linear
-    layer's e4m3 codes where its bf16 weight would be and its fp32 row
-    scales in the FP8 columns; the stand-in reads only those (no dense
-    weight is registered), and steps at batch 1 and a padded bucket equal
-    the plain forward's with the reference's per-token input quantization
-    over the dequantized weights."""
-    spec = dataclasses.replace(make_spec(arch, torch.bfloat16), quant=FP8)
+@pytest.mark.parametrize("arch, fmt", [("llama", FP8), ("qwen3", FP8),
+                                       ("llama", FP8_BLOCKS)])  # fmt: skip
+def test_fp8_layers_through_the_table(arch, fmt):
+    """An FP8 model (KernelShape.fp8, per channel or in blocks): the table
+    holds each linear layer's e4m3 codes where its bf16 weight would be
+    and its fp32 row or block scales in the FP8 columns; the stand-in reads
+    only those (no dense weight is registered), and steps at batch 1 and a
+    padded bucket equal the plain forward's with the reference's input
+    quantization over the dequantized weights."""
+    spec = dataclasses.replace(make_spec(arch, torch.bfloat16), quant=fmt)
     weights = random_weights(spec, seed=1)
     f = weights.layers[0].fp8
     assert f.gate_up.codes.dtype == torch.float8_e4m3fn
@@ -139,7 +149,7 @@ def test_fp8_layers_through_the_table(arch):
         standin = KernelStandIn(program, weights)
         ex = KernelExecutor(program, weights, standin, block_size=BLOCK_SIZE,
                             max_blocks=-(-MAX_LEN // BLOCK_SIZE))  # fmt: skip
-        assert ex.shape.fp8
+        assert ex.shape.fp8 and ex.shape.fp8_block == (fmt is FP8_BLOCKS)
         for i, lw in enumerate(weights.layers):
             for name, codes, scale in (
                 ("qkv", LayerSlot.QKV, LayerSlot.QKV_SCALE),
@@ -185,7 +195,7 @@ def test_fp8_refusals():
     with pytest.raises(MegakernelError, match="layer 0 down: the kernel reads e4m3"):
         KernelExecutor(program, swapped, None, block_size=BLOCK_SIZE, max_blocks=4)
     int4 = dataclasses.replace(spec, quant=QuantFormat(INT4_W4A16, "gptq", 4, 64))
-    with pytest.raises(ValueError, match="fp8-w8a8's only"):
+    with pytest.raises(ValueError, match="fp8-w8a8's and fp8-block128's only"):
         KernelShape.from_program(plan(int4, 1, DEVICE), BLOCK_SIZE)
 
 

@@ -39,6 +39,7 @@ from vllm_ext.megakernel.variants import Variants
 from vllm_ext.megakernel.verify import verify
 from vllm_ext.model_spec import UnsupportedModelError
 from vllm_ext.parallel import shard_spec
+from vllm_ext.quant import FP8_BLOCK, FP8_W8A8
 
 KERNEL_DIR = Path(aot.__file__).resolve().parent
 # Under "vllm." as vLLM's init_logger names the backend's: vLLM's handlers
@@ -382,9 +383,11 @@ def main(argv: list[str] | None = None) -> int:
     except UnsupportedModelError as e:
         print(f"build: {e}", file=sys.stderr)
         return 2
-    if spec.quant is not None:
+    if spec.quant is not None and spec.quant.name not in (FP8_W8A8, FP8_BLOCK):
         # The plan CLI counts its bytes; the kernel has no device functions
-        # for it yet and would read the weights as the model dtype.
+        # for it yet and would read the weights as the model dtype. (FP8's:
+        # KernelShape.fp8, which refuses it in a variant, a mixture, a
+        # latent attention or tensor parallel.)
         print(f"build: no {spec.quant.name} device functions yet", file=sys.stderr)
         return 2
     if args.block_size < 16 or args.block_size % 16:

@@ -521,17 +521,18 @@ def _check_fp8(i: int, lw: LayerWeights, shape: KernelShape) -> None:
             "gate_up": (2 * inter, h), "down": (h, inter)}  # fmt: skip
     for name in FP8_LINEARS:
         f, (rows, k) = getattr(lw.fp8, name), dims[name]
+        scales = (-(-rows // 128), -(-k // 128)) if shape.fp8_block else (rows,)
         if (
             f.codes.dtype != torch.float8_e4m3fn
             or tuple(f.codes.shape) != (rows, k)
             or not f.codes.is_contiguous()
             or f.scale.dtype != torch.float32
-            or tuple(f.scale.shape) != (rows,)
+            or tuple(f.scale.shape) != scales
             or not f.scale.is_contiguous()
         ):
             raise MegakernelError(
                 f"megakernel: layer {i} {name}: the kernel reads e4m3 codes "
-                f"{(rows, k)} row-major and fp32 scales ({rows},); got "
+                f"{(rows, k)} row-major and fp32 scales {scales}; got "
                 f"{f.codes.dtype} {tuple(f.codes.shape)}, {f.scale.dtype} "
                 f"{tuple(f.scale.shape)}"
             )

@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from enum import IntEnum
 
-from vllm_ext.quant import FP8_W8A8
+from vllm_ext.quant import BLOCK as FP8_GROUP
+from vllm_ext.quant import FP8_BLOCK, FP8_W8A8
 
 
 class LayerSlot(IntEnum):
@@ -75,8 +76,9 @@ class LayerSlot(IntEnum):
     Q_PE = 36  # [B, heads, qk_rope_head_dim] bf16, rotated
     # An FP8 kernel's rows are FP8_SLOTS wide (KernelShape.fp8): QKV,
     # O_PROJ, GATE_UP and DOWN then hold e4m3 codes (the same [N, K]
-    # row-major shapes, a byte each) and these their fp32 scales, one an
-    # output row (GATE_UP's: gate rows, then up rows).
+    # row-major shapes, a byte each) and these their fp32 scales: one an
+    # output row ([N]; GATE_UP's: gate rows, then up rows) or, with
+    # ``fp8_block``, one a 128 x 128 block ([N / 128, K / 128] row-major).
     QKV_SCALE = 37  # [q_size + 2 kv_size] fp32
     O_PROJ_SCALE = 38  # [hidden]
     GATE_UP_SCALE = 39  # [2 intermediate]
@@ -282,6 +284,10 @@ class KernelShape:
     # quantize their inputs per token as they enter, on tensor cores at
     # every batch (gemv_mma.py); embedding and LM head stay bf16.
     fp8: bool = False
+    # With ``fp8``: 128 x 128 weight blocks and inputs quantized per token
+    # in groups of 128 (quant.FP8_BLOCK, DeepSeek-V3's and Qwen3's FP8
+    # checkpoints), each k group's sum scaled before it is added.
+    fp8_block: bool = False
     # Test only, never served: "" or one of PLANTED_BUGS, a deliberately
     # wrong kernel the GPU check must reject. Only the build CLI's
     # --plant-bug sets it (not from_program, not VLLM_MEGAKERNEL_VARIANTS).
@@ -316,6 +322,8 @@ class KernelShape:
                              f"tp_size ({self.tp_size})")  # fmt: skip
         if self.fp8:
             self._check_fp8()
+        elif self.fp8_block:
+            raise ValueError("fp8_block is a kind of fp8 kernel (fp8 too)")
         if self.tp_size > 1 and self._variants():
             raise ValueError("tensor parallel runs in the default kernel only, "
                              f"not with {', '.join(self._variants())}")  # fmt: skip
@@ -385,11 +393,19 @@ class KernelShape:
                 "requests (register budget)"
             )
         widths = (self.hidden, self.q_heads * self.head_dim, self.intermediate)
-        if any(k % FP8_K_BLOCK for k in widths):
+        multiple = FP8_GROUP if self.fp8_block else FP8_K_BLOCK
+        if any(k % multiple for k in widths):
             raise ValueError(
-                f"FP8 GEMV widths {widths}: multiples of {FP8_K_BLOCK} (the "
-                "e4m3 MMA's k per lane quad)"
+                f"FP8 GEMV widths {widths}: multiples of {multiple} (the e4m3 "
+                "MMA's k per lane quad; with blocks, their k groups)"
             )
+
+    @property
+    def fp8_groups(self) -> int:
+        """Block FP8: k groups of the widest quantized input (0 otherwise)."""
+        if not self.fp8_block:
+            return 0
+        return max(self.hidden, self.q_size, self.intermediate) // FP8_GROUP
 
     def _check_moe(self) -> None:
         variants = self._variants()
@@ -510,10 +526,10 @@ class KernelShape:
     ) -> KernelShape:
         s = program.spec
         fp8 = s.quant is not None
-        if fp8 and s.quant.name != FP8_W8A8:
+        if fp8 and s.quant.name not in (FP8_W8A8, FP8_BLOCK):
             raise ValueError(
                 f"{s.quant.name} weights: the kernel's quantized device functions "
-                f"are {FP8_W8A8}'s only"
+                f"are {FP8_W8A8}'s and {FP8_BLOCK}'s only"
             )
         gqa = dict(q_heads=s.num_q_heads, kv_heads=s.num_kv_heads,
                    head_dim=s.head_dim)  # fmt: skip
@@ -566,6 +582,7 @@ class KernelShape:
             tp_size=s.tp_size,
             ranks_in_launch=ranks_in_launch,
             fp8=fp8,
+            fp8_block=fp8 and s.quant.name == FP8_BLOCK,
             **gqa,
             **moe,
             **mla,

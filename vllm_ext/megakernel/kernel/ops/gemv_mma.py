@@ -108,11 +108,18 @@ def k_block(fp8: bool) -> int:
     return K_BLOCK8 if fp8 else K_BLOCK
 
 
-def fp8_scale_floats(batch: int) -> int:
-    """fp32 words of an FP8 kernel's per-request input scales
-    (``input_scales``): every warp's amax, then the scales, then their
-    reciprocals, each a row of the padded batch."""
-    return (NUM_WARPS + 2) * n_pad(batch)
+# Block FP8 (KernelShape.fp8_block): inputs quantized per token in groups
+# of FP8_GROUP, weights' scales per FP8_GROUP x FP8_GROUP block.
+FP8_GROUP = 128
+
+
+def fp8_scale_floats(batch: int, groups: int = 0) -> int:
+    """fp32 words of an FP8 kernel's per-request input scales: per channel
+    (``input_scales``) every warp's amax, then the scales, then their
+    reciprocals; with ``groups`` k groups (block FP8,
+    ``input_group_scales``) a scale per group; each a row of the padded
+    batch."""
+    return max(NUM_WARPS + 2, groups) * n_pad(batch)
 
 
 def group_rows(dual: bool) -> int:
@@ -209,13 +216,15 @@ def staged(scratch: cute.Tensor, batch: int, buf, fp8: bool = False) -> cute.Ten
     )
 
 
-def fp8_scales(scratch: cute.Tensor, batch: int) -> cute.Tensor:
-    """An FP8 kernel's input scales past the GEMV's scratch: [NUM_WARPS + 2,
-    padded batch] fp32 (``fp8_scale_floats``): the warps' amax rows, the
-    scales, their reciprocals."""
+def fp8_scales(scratch: cute.Tensor, batch: int, groups: int = 0) -> cute.Tensor:
+    """An FP8 kernel's input scales past the GEMV's scratch
+    (``fp8_scale_floats``), fp32: per channel [NUM_WARPS + 2, padded batch]
+    (the warps' amax rows, the scales, their reciprocals); block FP8
+    [groups, padded batch]."""
     n = n_pad(batch)
-    at = scratch.iterator + (cute.size(scratch) - fp8_scale_floats(batch))
-    return cute.make_tensor(at, cute.make_layout((NUM_WARPS + 2, n), stride=(n, 1)))
+    rows = groups if groups else NUM_WARPS + 2
+    at = scratch.iterator + (cute.size(scratch) - fp8_scale_floats(batch, groups))
+    return cute.make_tensor(at, cute.make_layout((rows, n), stride=(n, 1)))
 
 
 def partials(scratch: cute.Tensor, batch: int, dual: bool) -> cute.Tensor:
@@ -344,24 +353,51 @@ def input_scales(x: cute.Tensor, norm: cute.Tensor, rstd: cute.Tensor,
 
 
 @cute.jit
+def input_group_scales(x: cute.Tensor, norm: cute.Tensor, rstd: cute.Tensor,
+                       sc: cute.Tensor, normed: cutlass.Constexpr):  # fmt: skip
+    """Block FP8: each request's scale per k group of FP8_GROUP (``sc``
+    from ``fp8_scales`` with groups), as vLLM's per-token-group
+    quantization takes it: the group's amax over 448, at least
+    ``MIN_SCALE``; a thread a group. Barrier after."""
+    tidx, _, _ = thread_ids()
+    batch, k = x.shape
+    groups = k // FP8_GROUP
+    for idx in cutlass.range(tidx, batch * groups, NUM_THREADS):
+        n, grp = idx // groups, idx % groups
+        m = Float32(0.0)
+        for v in cutlass.range(FP8_GROUP // VEC, unroll=4):
+            y = _input_vector(x, norm, rstd, n, grp * (FP8_GROUP // VEC) + v, normed)
+            for e in cutlass.range_constexpr(VEC):
+                m = cute.arch.fmax(m, cute.arch.fmax(y[e], -y[e]))
+        sc[grp, n] = cute.arch.fmax(m / Float32(E4M3_MAX), Float32(MIN_SCALE))
+    consumer_sync()
+
+
+@cute.jit
 def stage_chunk_fp8(
     x: cute.Tensor, norm: cute.Tensor, rstd: cute.Tensor, sc: cute.Tensor, k0,
     k_len, stage: cute.Tensor, normed: cutlass.Constexpr,
+    block: cutlass.Constexpr = False,
 ):  # fmt: skip
     """``stage_chunk`` for FP8: every request's inputs k0 .. k0 + k_len
     (normed when asked) times its scale's reciprocal, rounded to e4m3
-    (vLLM's QuantFP8 per token), 16 codes a thread."""
+    (vLLM's QuantFP8 per token), 16 codes a thread; ``block``: divided by
+    its k group's scale instead (vLLM's per-token-group quantization
+    divides)."""
     tidx, _, _ = thread_ids()
     batch = x.shape[0]
     v0 = k0 // VEC
     for idx in cutlass.range(tidx, batch * STAGE_VECS, NUM_THREADS):
         n, v = idx // STAGE_VECS, idx % STAGE_VECS
         if v * VEC8 < k_len:
-            inv = sc[NUM_WARPS + 1, n]
             q = cute.make_rmem_tensor((4,), Int32)
             for h in cutlass.range_constexpr(2):
                 y = _input_vector(x, norm, rstd, n, v0 + 2 * v + h, normed)
-                z = y * inv
+                z = y
+                if cutlass.const_expr(block):
+                    z = y / sc[(k0 + v * VEC8) // FP8_GROUP, n]
+                else:
+                    z = y * sc[NUM_WARPS + 1, n]
                 for i in cutlass.range_constexpr(2):
                     e = 4 * i
                     q[2 * h + i] = to_e4m3x4(z[e], z[e + 1], z[e + 2], z[e + 3])
@@ -373,16 +409,22 @@ def stage_chunk_fp8(
 def mma_chunk(
     w: cute.Tensor, w2: cute.Tensor, dual: cutlass.Constexpr, stage: cute.Tensor,
     rb, sl, ks, kblocks, batch: cutlass.Constexpr, acc: cute.Tensor,
-    fp8: cutlass.Constexpr = False,
+    fp8: cutlass.Constexpr = False, wsc: cute.Tensor = None,
+    wsc2: cute.Tensor = None, sc: cute.Tensor = None, row0=0, k0=0,
 ):  # fmt: skip
     """This warp's share of one page: rows ``16 rb`` .. ``16 rb + 15`` of
     ``w`` (and ``w2``) against every staged request, k blocks ``sl``,
     ``sl + ks``, .. below ``kblocks``, accumulated into ``acc`` [matrices,
     request blocks, 4]. ``fp8``: e4m3 weights and staged inputs, the same
-    registers through ``mma_e4m3``."""
+    registers through ``mma_e4m3``. Block FP8 (``wsc``: the weights' block
+    scales, ``wsc2`` gate/up's up half; ``sc`` the inputs' group scales;
+    the page's first matrix row ``row0`` and column ``k0``): each k
+    block's MMAs sum from zero, then ``(sum * a) * w`` is added (vLLM's
+    block GEMM), w the scale of each lane's own row's block."""
     _, _, lane = thread_ids()
     vec = VEC8 if fp8 else VEC
     mma = mma_e4m3 if fp8 else mma_bf16
+    block = wsc is not None
     g, q = lane // 4, lane % 4
     row = rb * ROWS + g
     n_mats = 2 if dual else 1
@@ -395,19 +437,56 @@ def mma_chunk(
             load_frag(cute.zipped_divide(mat[row, None], (vec,)), j, a[m, 0, None])
             load_frag(cute.zipped_divide(mat[row + 8, None], (vec,)), j,
                       a[m, 1, None])  # fmt: skip
-        for nb in cutlass.range_constexpr(n_blocks):
-            b = cute.make_rmem_tensor((4,), Int32)
-            load_frag(cute.zipped_divide(stage[nb * N_BLOCK + g, None], (vec,)), j, b)
-            for m in cutlass.range_constexpr(n_mats):
-                for half in cutlass.range_constexpr(2):
-                    e = 2 * half
-                    d = mma(
-                        a[m, 0, e], a[m, 1, e], a[m, 0, e + 1], a[m, 1, e + 1],
-                        b[e], b[e + 1],
-                        acc[m, nb, 0], acc[m, nb, 1], acc[m, nb, 2], acc[m, nb, 3],
-                    )  # fmt: skip
-                    for c in cutlass.range_constexpr(4):
-                        acc[m, nb, c] = d[c]
+        if cutlass.const_expr(block):
+            grp = (k0 + kb * K_BLOCK8) // FP8_GROUP
+            _block_step(a, stage, vec, j, g, q, n_mats, n_blocks, acc, wsc, wsc2, sc,
+                        row0 + rb * ROWS + g, grp)  # fmt: skip
+        else:
+            for nb in cutlass.range_constexpr(n_blocks):
+                b = cute.make_rmem_tensor((4,), Int32)
+                load_frag(cute.zipped_divide(stage[nb * N_BLOCK + g, None], (vec,)),
+                          j, b)  # fmt: skip
+                for m in cutlass.range_constexpr(n_mats):
+                    for half in cutlass.range_constexpr(2):
+                        e = 2 * half
+                        d = mma(
+                            a[m, 0, e], a[m, 1, e], a[m, 0, e + 1], a[m, 1, e + 1],
+                            b[e], b[e + 1],
+                            acc[m, nb, 0], acc[m, nb, 1], acc[m, nb, 2], acc[m, nb, 3],
+                        )  # fmt: skip
+                        for c in cutlass.range_constexpr(4):
+                            acc[m, nb, c] = d[c]
+
+
+@cute.jit
+def _block_step(a: cute.Tensor, stage: cute.Tensor, vec: cutlass.Constexpr, j, g, q,
+                n_mats: cutlass.Constexpr, n_blocks: cutlass.Constexpr,
+                acc: cute.Tensor, wsc: cute.Tensor, wsc2: cute.Tensor,
+                sc: cute.Tensor, row, grp):  # fmt: skip
+    """One k block of block FP8 (``mma_chunk``): rows ``row`` and ``row +
+    8`` (this lane's, of the matrix) in k group ``grp``."""
+    last = wsc.shape[0] - 1  # (stale rows past the matrix: any valid scale)
+    ws = cute.make_rmem_tensor((2, 2), Float32)
+    for m in cutlass.range_constexpr(n_mats):
+        t = wsc if m == 0 else wsc2
+        ws[m, 0] = t[cutlass.min(row // FP8_GROUP, last), grp]
+        ws[m, 1] = t[cutlass.min((row + 8) // FP8_GROUP, last), grp]
+    for nb in cutlass.range_constexpr(n_blocks):
+        b = cute.make_rmem_tensor((4,), Int32)
+        load_frag(cute.zipped_divide(stage[nb * N_BLOCK + g, None], (vec,)), j, b)
+        a0 = sc[grp, nb * N_BLOCK + 2 * q]
+        a1 = sc[grp, nb * N_BLOCK + 2 * q + 1]
+        for m in cutlass.range_constexpr(n_mats):
+            d = (Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0))
+            for half in cutlass.range_constexpr(2):
+                e = 2 * half
+                d = mma_e4m3(a[m, 0, e], a[m, 1, e], a[m, 0, e + 1], a[m, 1, e + 1],
+                             b[e], b[e + 1], d[0], d[1], d[2], d[3])  # fmt: skip
+            # C fragment: (row, requests 2q, 2q + 1), then row + 8.
+            acc[m, nb, 0] = acc[m, nb, 0] + d[0] * a0 * ws[m, 0]
+            acc[m, nb, 1] = acc[m, nb, 1] + d[1] * a1 * ws[m, 0]
+            acc[m, nb, 2] = acc[m, nb, 2] + d[2] * a0 * ws[m, 1]
+            acc[m, nb, 3] = acc[m, nb, 3] + d[3] * a1 * ws[m, 1]
 
 
 @cute.jit

@@ -17,13 +17,16 @@ from vllm_ext.megakernel.kernel.ops.common import (
     NUM_THREADS,
     NUM_WARPS,
     consumer_sync,
+    gmem,
     thread_ids,
     vectors,
 )
 from vllm_ext.megakernel.kernel.ops.gemv import cache_input, cached_vectors, gemv_row
 from vllm_ext.megakernel.kernel.ops.gemv_mma import (
+    FP8_GROUP,
     N_BLOCK,
     fp8_scales,
+    input_group_scales,
     input_scales,
     k_block,
     mma_chunk,
@@ -42,6 +45,7 @@ from vllm_ext.megakernel.kernel.ops.weight_pipe import (
     wait_page,
     warps_per_row,
 )
+from vllm_ext.megakernel.kernel.shape import KernelShape
 
 
 @cute.jit
@@ -126,12 +130,26 @@ def _paged_rows(p: cutlass.Constexpr, tile: cutlass.Constexpr, page0, row0, row_
                 epilogue(first + rr, i, s1, s2)
 
 
+def fp8_weight_scales(s: KernelShape, addr, rows: int, k: int) -> cute.Tensor:
+    """An FP8 matrix's scales at ``addr``: one a row ``[rows]``, or with
+    ``fp8_block`` one a 128 x 128 block ``[ceil(rows / 128), k / 128]``."""
+    if s.fp8_block:
+        return gmem(Float32, addr, (-(-rows // FP8_GROUP), k // FP8_GROUP))
+    return gmem(Float32, addr, (rows,))
+
+
 @cute.jit
 def fp8_input_scales(p: cutlass.Constexpr, x: cute.Tensor, norm: cute.Tensor,
                      rstd: cute.Tensor, normed: cutlass.Constexpr):  # fmt: skip
     """An FP8 projection's per-request input scales, once an instruction
-    before its ``paged_gemv`` calls (``gemv_mma.input_scales``)."""
-    input_scales(x, norm, rstd, fp8_scales(p.red, x.shape[0]), normed)
+    before its ``paged_gemv`` calls (``gemv_mma.input_scales``; block FP8:
+    a scale per k group, ``input_group_scales``)."""
+    shape: KernelShape = p.shape
+    sc = fp8_scales(p.red, x.shape[0], shape.fp8_groups)
+    if cutlass.const_expr(shape.fp8_block):
+        input_group_scales(x, norm, rstd, sc, normed)
+    else:
+        input_scales(x, norm, rstd, sc, normed)
 
 
 @cute.jit
@@ -144,14 +162,18 @@ def _paged_mma(p: cutlass.Constexpr, tile: cutlass.Constexpr, page0, row0, row_e
     then each warp's row block and k slice; a warp's accumulators carry
     across its group's k pages; the slices meet in ``mma_finish``, FP8's
     sums times the input's and the row's scales (vLLM's scaled GEMM
-    epilogue: ``a * (w * sum)``)."""
+    epilogue: ``a * (w * sum)``), block FP8's scaled per k block as they
+    are added (``mma_chunk``)."""
     _, warp, _ = thread_ids()
     batch = x.shape[0]
     rows, k_chunk, dual, fp8 = tile.per_page, tile.k_chunk, tile.dual, tile.fp8
     part = partials(p.red, batch, dual)
     finish = epilogue
+    block = fp8 and p.shape.fp8_block
+    sc = None
     if cutlass.const_expr(fp8):
-        sc = fp8_scales(p.red, batch)
+        sc = fp8_scales(p.red, batch, p.shape.fp8_groups)
+    if cutlass.const_expr(fp8 and not block):
 
         def scaled(row, n, s1, s2):
             a = sc[NUM_WARPS, n]
@@ -175,7 +197,7 @@ def _paged_mma(p: cutlass.Constexpr, tile: cutlass.Constexpr, page0, row0, row_e
             k_len = cutlass.min(Int32(k_chunk), tile.k - k0)
             stage = staged(p.red, batch, pg % 2, fp8)
             if cutlass.const_expr(fp8):
-                stage_chunk_fp8(x, norm, rstd, sc, k0, k_len, stage, normed)
+                stage_chunk_fp8(x, norm, rstd, sc, k0, k_len, stage, normed, block)
             else:
                 stage_chunk(x, norm, rstd, k0, k_len, stage, normed)
             # The chunk is staged; every warp is past page pg - 1, so its
@@ -187,8 +209,13 @@ def _paged_mma(p: cutlass.Constexpr, tile: cutlass.Constexpr, page0, row0, row_e
             if cutlass.const_expr(dual):
                 w2 = p.page(pg % p.slots, rows, k_chunk, second=True, fp8=fp8)
             if sl < ks:
-                mma_chunk(w1, w2, dual, stage, rb, sl, ks, k_len // k_block(fp8),
-                          batch, acc, fp8)  # fmt: skip
+                if cutlass.const_expr(block):
+                    mma_chunk(w1, w2, dual, stage, rb, sl, ks, k_len // k_block(fp8),
+                              batch, acc, fp8, wscale, wscale2, sc, first,
+                              k0)  # fmt: skip
+                else:
+                    mma_chunk(w1, w2, dual, stage, rb, sl, ks, k_len // k_block(fp8),
+                              batch, acc, fp8)  # fmt: skip
             release_page(p, pg)
         mma_finish(part, acc, first, n_valid, sl, ks, row_blocks(n_valid), batch,
                    finish, dual)  # fmt: skip

@@ -18,7 +18,11 @@ from vllm_ext.megakernel.kernel.ops.common import (
     stages_input,
 )
 from vllm_ext.megakernel.kernel.ops.gemv import gemv
-from vllm_ext.megakernel.kernel.ops.gemv_paged import fp8_input_scales, paged_gemv
+from vllm_ext.megakernel.kernel.ops.gemv_paged import (
+    fp8_input_scales,
+    fp8_weight_scales,
+    paged_gemv,
+)
 from vllm_ext.megakernel.kernel.ops.weight_pipe import reads_pages
 from vllm_ext.megakernel.kernel.shape import GlobalSlot, KernelShape, LayerSlot
 
@@ -54,7 +58,7 @@ def _residual_projection(
 
     wscale = None
     if cutlass.const_expr(shape.fp8):
-        wscale = gmem(Float32, ptrs[layer, scale], (h,))
+        wscale = fp8_weight_scales(shape, ptrs[layer, scale], h, k)
     _plain_gemv(shape, w, xs, rstd, lo, hi, epilogue, w_stage, op, wscale)
 
 
@@ -120,8 +124,9 @@ def gate_up(
         ws, ws2 = None, None
         if cutlass.const_expr(shape.fp8):
             scales = ptrs[layer, LayerSlot.GATE_UP_SCALE]
-            ws = gmem(Float32, scales, (inter,))
-            ws2 = gmem(Float32, scales + inter * 4, (inter,))  # bytes
+            ws = fp8_weight_scales(shape, scales, inter, h)
+            # The up rows' scales (bytes; with blocks, whole blocks of gate).
+            ws2 = fp8_weight_scales(shape, scales + cute.size(ws) * 4, inter, h)
         if cutlass.const_expr(stages_input(shape)):
             stage_normed(x, norm, rstd, x_stage)
             if cutlass.const_expr(shape.fp8):

@@ -27,7 +27,11 @@ from vllm_ext.megakernel.kernel.ops.common import (
     warp_sum,
 )
 from vllm_ext.megakernel.kernel.ops.gemv import gemv
-from vllm_ext.megakernel.kernel.ops.gemv_paged import fp8_input_scales, paged_gemv
+from vllm_ext.megakernel.kernel.ops.gemv_paged import (
+    fp8_input_scales,
+    fp8_weight_scales,
+    paged_gemv,
+)
 from vllm_ext.megakernel.kernel.ops.kv import kv_slot_entry
 from vllm_ext.megakernel.kernel.ops.weight_pipe import head_pages, reads_pages
 from vllm_ext.megakernel.kernel.shape import GlobalSlot, KernelShape, LayerSlot
@@ -120,7 +124,7 @@ def qkv(
         stage_normed(x, norm, rstd, x_stage)
     wscale = None
     if cutlass.const_expr(shape.fp8):
-        wscale = gmem(Float32, ptrs[layer, LayerSlot.QKV_SCALE], (rows,))
+        wscale = fp8_weight_scales(shape, ptrs[layer, LayerSlot.QKV_SCALE], rows, h)
         if cutlass.const_expr(stages_input(shape)):
             fp8_input_scales(w_stage, x_stage, norm, rstd, False)
         else:

@@ -195,7 +195,8 @@ def red_elems(shape: KernelShape) -> int:
     scratch = 2 * NUM_WARPS * 2 * shape.batch
     if shape.mma_gemv or shape.fp8:
         scratch = max(scratch, scratch_floats(shape.batch))
-    return scratch + (fp8_scale_floats(shape.batch) if shape.fp8 else 0)
+    fp8 = fp8_scale_floats(shape.batch, shape.fp8_groups) if shape.fp8 else 0
+    return scratch + fp8
 
 
 def pipe_bytes(slots: int, shape: KernelShape) -> list[int]:
