@@ -11,8 +11,8 @@ own instructions as CI judges them on demo shapes
 (tests/megakernel/test_{moe,mla}_kernel_aot.py, test_gemv_mma_aot.py): a
 mixture's TOPK ballot and population counts and the controller's routed
 prefetches, a latent attention's tensor-core MMAs, exp2 and quad
-reductions, an FP8 model's e4m3 conversions and MMAs. (The FP8 kernels'
-buckets stop at 16; the INT4 configs have no device functions.) Prints a Markdown
+reductions, an FP8 model's e4m3 conversions and MMAs, an INT4 model's
+MMAs. (The FP8 and INT4 kernels' buckets stop at 16.) Prints a Markdown
 table, with the bulk-copy and ``HMMA`` sites (the weight ring and the
 tensor-core GEMV; docs/perf.md keeps each grid's summary); exits 1 if any
 build fails or breaks a rule.
@@ -46,11 +46,11 @@ CONFIGS = ROOT / "vllm_ext" / "configs"
 
 
 def rules(r: dict, moe: bool = False, mla: bool = False, fp8: bool = False,
-          tp: int = 1) -> list[str]:  # fmt: skip
+          int4: bool = False, tp: int = 1) -> list[str]:  # fmt: skip
     """What a default warp-role build must show in its SASS (empty: all),
-    with a mixture's (``moe``), a latent attention's (``mla``) and FP8
-    W8A8's (``fp8``) ops, and a tensor-parallel rank's (``tp``)
-    system-scope signals and acquire."""
+    with a mixture's (``moe``), a latent attention's (``mla``), FP8's
+    (``fp8``) and INT4's (``int4``) ops, and a tensor-parallel rank's
+    (``tp``) system-scope signals and acquire."""
     broken = []
     sys_ops = (r["sys_release_atomics"], r["sys_fences"], r["sys_acquire_loads"])
     if sys_ops != ((tp, 1, 1) if tp > 1 else (0, 0, 0)):
@@ -78,6 +78,8 @@ def rules(r: dict, moe: bool = False, mla: bool = False, fp8: bool = False,
         broken.append("MLA_ATTN without its exp2 or quad reductions")
     if fp8 and not (r["e4m3_converts"] and r["mma_ops"] >= 24):
         broken.append("FP8 GEMVs without e4m3 conversions or their MMAs")
+    if int4 and r["mma_ops"] < 40:  # eight MMAs a k block, five matrices
+        broken.append(f"{r['mma_ops']} HMMA: INT4 GEMVs off the tensor cores")
     return broken
 
 
@@ -88,8 +90,10 @@ def model_ops(config: str) -> dict[str, bool]:
     from vllm_ext.megakernel.plan import load_spec
 
     spec = load_spec(config, torch.bfloat16)
+    quant = spec.quant.name if spec.quant is not None else ""
     return {"moe": spec.moe is not None, "mla": spec.mla is not None,
-            "fp8": spec.quant is not None}  # fmt: skip
+            "fp8": quant.startswith("fp8"),
+            "int4": quant.startswith("int4")}  # fmt: skip
 
 
 def build(config: str, batch: int, arch: str, out: Path, *flags: str) -> dict:

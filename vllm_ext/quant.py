@@ -343,6 +343,42 @@ class Int4Weight:
         return (self.codes.to(torch.int16) - 8).to(s.dtype) * s
 
 
+@dataclass(frozen=True)
+class PackedInt4:
+    """A W4A16 layer's weight as the kernel reads it: ``codes`` ``[N, K /
+    2]`` uint8, two codes a byte, code ``2j`` in the low nibble of byte
+    ``j`` (compressed-tensors' eight a 32-bit word, low bits first, read as
+    bytes); ``scale`` ``[N, K / group]`` bf16."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+
+    def unpacked(self) -> Int4Weight:
+        c = self.codes
+        codes = torch.stack([c & 0xF, c >> 4], dim=-1).view(c.shape[0], -1)
+        return Int4Weight(codes.contiguous(), self.scale)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.unpacked().dequantize()
+
+
+def pack_int4(w: Int4Weight) -> PackedInt4:
+    """``w``'s codes two a byte, low nibble first (``PackedInt4``)."""
+    c = w.codes
+    return PackedInt4((c[:, 0::2] | (c[:, 1::2] << 4)).contiguous(), w.scales)
+
+
+def quantize_int4(w: torch.Tensor, group: int) -> PackedInt4:
+    """A weight ``[N, K]`` quantized as symmetric W4A16 checkpoints are:
+    each group's absmax over 7 its scale (in ``w``'s dtype), codes the
+    value plus 8 (random-weight models and the GPU check)."""
+    n, k = w.shape
+    groups = w.float().view(n, k // group, group)
+    scale = (groups.abs().amax(dim=-1) / 7).clamp(min=1e-8).to(w.dtype)
+    q = torch.round(groups / scale.float()[..., None]).clamp(-8, 7) + 8
+    return pack_int4(Int4Weight(q.to(torch.uint8).view(n, k), scale.contiguous()))
+
+
 def int4_scales(layer: torch.nn.Module, n: int) -> torch.Tensor:
     """A W4A16 layer's group scales ``[N, K / group]`` in the model dtype
     (``weight_scale`` or GPTQ's ``scales``; ``[K / group, N]`` after vLLM's

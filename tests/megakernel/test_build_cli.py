@@ -122,12 +122,9 @@ def test_bad_config_exits_2(tmp_path, capsys):
     # of experts.
     moe = ("--config", "qwen3-30b-a3b", "--batch", "1")
     assert "default kernel" in refused(*moe, "--legacy-control")
-    # Quantized checkpoints: planned and costed, not built where the kernel
-    # has no device functions for them (INT4); FP8 W8A8's run in the
-    # default kernel only.
-    assert "no int4-w4a16 device functions" in refused(
-        "--config", "llama-3.1-8b-w4a16", "--batch", "1"
-    )
+    # Quantized checkpoints (FP8, INT4) run in the default kernel only.
     fp8 = ("--config", "llama-3.1-8b-fp8", "--batch", "1")
     assert "FP8 weights run in the default kernel" in refused(*fp8, "--legacy-control")
+    int4 = ("--config", "llama-3.1-8b-w4a16", "--batch", "1")
+    assert "INT4 weights run in the default kernel" in refused(*int4, "--wide-attn")
     assert not any((tmp_path / n).exists() for n in ("program.pt", "manifest.json"))

@@ -71,6 +71,25 @@ def test_fp8_gemv_compiles_clean(batch, block, tmp_path):
           f"{built.e4m3_converts} e4m3 conversions")  # fmt: skip
 
 
+@pytest.mark.parametrize("batch, group", [(1, 64), (16, 128)])
+def test_int4_gemv_compiles_clean(batch, group, tmp_path):
+    """INT4 W4A16 (KernelShape.int4_group) on the demo Llama, Hopper: the
+    quantized projections read 4-bit pages on tensor cores at every batch;
+    their eight bf16 MMAs a k block and the codes' unpacking (bf16 halves
+    subtracted, then scaled) in the SASS, no spill. (Real shapes, both
+    archs: scripts/compile_grid.py.)"""
+    shape = dataclasses.replace(demo_shape("llama", batch), int4_group=group)
+    geo = geometry(shape)
+    assert all(geo[op].mma and geo[op].int4 for op in FP8_OPS)
+    assert shared_bytes(shape) <= SMEM_LIMIT and ring_slots(shape) >= MIN_SLOTS
+    built = build("sm_90a", tmp_path, shape)
+    check_sass(built)
+    assert built.registers <= ROLES_BUDGET and built.max_register <= CONSUMER_REGS
+    assert built.mma_ops >= 8 * 5 and built.e4m3_converts == 0
+    print(f"int4 b{batch} g{group}: {built.registers} at launch, "
+          f"{built.max_register} used, {built.mma_ops} HMMA")  # fmt: skip
+
+
 def test_which_kernels_run_the_tensor_cores():
     """Every batch above 1 of the dense shapes; not batch 1 (the CUDA-core
     GEMV streams at 3.5-4 TB/s there), not the legacy control (the previous

@@ -176,7 +176,7 @@ def test_fp8_layers_through_the_table(arch, fmt):
 def test_fp8_refusals():
     """An FP8 kernel without codes, or with codes in vLLM's [K, N] view
     rather than the row-major [N, K] storage under it, is refused by name;
-    so is a quantized format the kernel has no device functions for."""
+    so is a quantized layout the kernel has no device functions for."""
     spec = dataclasses.replace(make_spec("llama", torch.bfloat16), quant=FP8)
     weights = random_weights(spec, seed=1)
     program = plan(spec, 1, DEVICE)
@@ -194,8 +194,9 @@ def test_fp8_refusals():
     swapped = dataclasses.replace(weights, layers=(bad, *weights.layers[1:]))
     with pytest.raises(MegakernelError, match="layer 0 down: the kernel reads e4m3"):
         KernelExecutor(program, swapped, None, block_size=BLOCK_SIZE, max_blocks=4)
-    int4 = dataclasses.replace(spec, quant=QuantFormat(INT4_W4A16, "gptq", 4, 64))
-    with pytest.raises(ValueError, match="fp8-w8a8's and fp8-block128's only"):
+    # (INT4 with a scale a whole row: no device function takes it yet.)
+    int4 = dataclasses.replace(spec, quant=QuantFormat(INT4_W4A16, "gptq", 4, -1))
+    with pytest.raises(ValueError, match="INT4 group size -1"):
         KernelShape.from_program(plan(int4, 1, DEVICE), BLOCK_SIZE)
 
 

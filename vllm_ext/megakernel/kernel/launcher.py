@@ -184,6 +184,10 @@ class KernelExecutor:
             )
         if shape.mla:
             _check_mla(shape, weights)
+        if shape.int4_group:
+            raise MegakernelError(
+                "megakernel: the launcher does not pass INT4 operands yet"
+            )
         # (A later pipeline stage has no embedding.)
         dev = weights.layers[0].input_norm.device
         self.device = dev

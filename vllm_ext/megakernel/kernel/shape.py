@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from enum import IntEnum
 
 from vllm_ext.quant import BLOCK as FP8_GROUP
-from vllm_ext.quant import FP8_BLOCK, FP8_W8A8
+from vllm_ext.quant import FP8_BLOCK, FP8_W8A8, INT4_W4A16
 
 
 class LayerSlot(IntEnum):
@@ -74,11 +74,13 @@ class LayerSlot(IntEnum):
     QKV_A = 34  # [B, q_lora_rank + latent_width] bf16: the down projection
     Q_LAT = 35  # [B, heads, kv_lora_rank] bf16: q_nope @ W_UK
     Q_PE = 36  # [B, heads, qk_rope_head_dim] bf16, rotated
-    # An FP8 kernel's rows are FP8_SLOTS wide (KernelShape.fp8): QKV,
-    # O_PROJ, GATE_UP and DOWN then hold e4m3 codes (the same [N, K]
-    # row-major shapes, a byte each) and these their fp32 scales: one an
+    # A quantized kernel's rows are FP8_SLOTS wide (KernelShape.quantized):
+    # QKV, O_PROJ, GATE_UP and DOWN then hold e4m3 codes (the same [N, K]
+    # row-major shapes, a byte each; INT4: [N, K / 2] bytes, two codes
+    # each, low nibble first) and these their scales: FP8's fp32, one an
     # output row ([N]; GATE_UP's: gate rows, then up rows) or, with
-    # ``fp8_block``, one a 128 x 128 block ([N / 128, K / 128] row-major).
+    # ``fp8_block``, one a 128 x 128 block ([N / 128, K / 128] row-major);
+    # INT4's bf16, one a row and group ([N, K / group]).
     QKV_SCALE = 37  # [q_size + 2 kv_size] fp32
     O_PROJ_SCALE = 38  # [hidden]
     GATE_UP_SCALE = 39  # [2 intermediate]
@@ -162,7 +164,7 @@ def partial_row(point: int, layer: int) -> int:
 
 def table_width(shape: KernelShape) -> int:
     """Columns of the address table the kernel for ``shape`` reads."""
-    if shape.fp8:
+    if shape.quantized:
         return FP8_SLOTS
     if shape.mla:
         return MLA_SLOTS
@@ -192,8 +194,11 @@ WUK_GROUP = 4
 # The FP8 tensor-core GEMV's k per lane quad and step (gemv_mma.py): 4
 # lanes x 16 e4m3 codes, two m16n8k32 MMAs.
 FP8_K_BLOCK = 64
-# The largest batch bucket of an FP8 kernel (compile_grid: clean up to 16).
+# The largest batch bucket of an FP8 or INT4 kernel (compile_grid: clean up
+# to 16).
 FP8_MAX_BATCH = 16
+# The INT4 tensor-core GEMV's k per lane quad and step: 4 lanes x 32 codes.
+INT4_K_BLOCK = 128
 
 
 def page_rows(k: int, dual: bool = False) -> int:
@@ -288,6 +293,10 @@ class KernelShape:
     # in groups of 128 (quant.FP8_BLOCK, DeepSeek-V3's and Qwen3's FP8
     # checkpoints), each k group's sum scaled before it is added.
     fp8_block: bool = False
+    # INT4 W4A16 (quant.INT4_W4A16; 0: not): the group size of the bf16
+    # scales along k. QKV, O_PROJ, GATE_UP and DOWN read 4-bit codes (two a
+    # byte) on tensor cores at every batch (gemv_int4.py).
+    int4_group: int = 0
     # Test only, never served: "" or one of PLANTED_BUGS, a deliberately
     # wrong kernel the GPU check must reject. Only the build CLI's
     # --plant-bug sets it (not from_program, not VLLM_MEGAKERNEL_VARIANTS).
@@ -324,6 +333,8 @@ class KernelShape:
             self._check_fp8()
         elif self.fp8_block:
             raise ValueError("fp8_block is a kind of fp8 kernel (fp8 too)")
+        if self.int4_group:
+            self._check_int4()
         if self.tp_size > 1 and self._variants():
             raise ValueError("tensor parallel runs in the default kernel only, "
                              f"not with {', '.join(self._variants())}")  # fmt: skip
@@ -399,6 +410,37 @@ class KernelShape:
                 f"FP8 GEMV widths {widths}: multiples of {multiple} (the e4m3 "
                 "MMA's k per lane quad; with blocks, their k groups)"
             )
+
+    def _check_int4(self) -> None:
+        if self.fp8:
+            raise ValueError("a kernel's weights are FP8 or INT4, not both")
+        if self._variants() or self.moe or self.mla or self.tp_size > 1:
+            raise ValueError(
+                "INT4 weights run in the default kernel of a dense model on one "
+                "GPU only (no INT4 mixture, latent attention or tensor parallel "
+                "device functions yet)"
+            )
+        if self.batch > FP8_MAX_BATCH:
+            raise ValueError(
+                f"batch {self.batch}: INT4 kernels take at most {FP8_MAX_BATCH} "
+                "requests (the largest bucket compiled clean)"
+            )
+        if self.int4_group not in (32, 64, 128):
+            raise ValueError(
+                f"INT4 group size {self.int4_group}: 32, 64 or 128 (a lane's 32 "
+                "codes in one group; per-channel scales not yet)"
+            )
+        widths = (self.hidden, self.q_heads * self.head_dim, self.intermediate)
+        if any(k % INT4_K_BLOCK for k in widths):
+            raise ValueError(
+                f"INT4 GEMV widths {widths}: multiples of {INT4_K_BLOCK} (the "
+                "k per lane quad)"
+            )
+
+    @property
+    def quantized(self) -> bool:
+        """QKV, O_PROJ, GATE_UP and DOWN read codes with scales (FP8, INT4)."""
+        return self.fp8 or self.int4_group > 0
 
     @property
     def fp8_groups(self) -> int:
@@ -525,11 +567,11 @@ class KernelShape:
         ranks_in_launch: int = 1,
     ) -> KernelShape:
         s = program.spec
-        fp8 = s.quant is not None
-        if fp8 and s.quant.name not in (FP8_W8A8, FP8_BLOCK):
+        fp8 = s.quant is not None and s.quant.name in (FP8_W8A8, FP8_BLOCK)
+        int4 = s.quant is not None and s.quant.name == INT4_W4A16
+        if s.quant is not None and not (fp8 or int4):
             raise ValueError(
-                f"{s.quant.name} weights: the kernel's quantized device functions "
-                f"are {FP8_W8A8}'s and {FP8_BLOCK}'s only"
+                f"{s.quant.name} weights: the kernel has no device functions for them"
             )
         gqa = dict(q_heads=s.num_q_heads, kv_heads=s.num_kv_heads,
                    head_dim=s.head_dim)  # fmt: skip
@@ -583,6 +625,7 @@ class KernelShape:
             ranks_in_launch=ranks_in_launch,
             fp8=fp8,
             fp8_block=fp8 and s.quant.name == FP8_BLOCK,
+            int4_group=s.quant.group_size if int4 else 0,
             **gqa,
             **moe,
             **mla,

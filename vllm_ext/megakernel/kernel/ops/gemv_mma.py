@@ -98,13 +98,29 @@ E4M3_MAX = 448.0
 MIN_SCALE = 1.0 / (E4M3_MAX * 512.0)
 
 
-def k_chunk(fp8: bool) -> int:
-    """Columns of a page's k chunk (of each matrix): 512 bytes."""
+# INT4 W4A16 (KernelShape.int4_group; gemv_int4.py): a lane's 128-bit
+# vector holds 32 codes, a k block is 128 codes (eight bf16 MMAs), a page
+# 128 rows (64 of each of gate and up) by a 512-code chunk (256 bytes a
+# row), a staged row 512 bf16 plus the pad (1088 bytes, 64 mod 128).
+VEC4 = 32
+K_BLOCK4 = 4 * VEC4
+K_CHUNK4 = 512
+GROUP_ROWS4 = 128
+STAGE_STRIDE4 = K_CHUNK4 + STAGE_PAD
+
+
+def k_chunk(fp8: bool, int4: bool = False) -> int:
+    """Columns of a page's k chunk (of each matrix): 512 bytes (INT4: 256
+    bytes of 128 rows)."""
+    if int4:
+        return K_CHUNK4
     return 2 * K_CHUNK if fp8 else K_CHUNK
 
 
-def k_block(fp8: bool) -> int:
+def k_block(fp8: bool, int4: bool = False) -> int:
     """k of one lane quad's step (4 lanes x one 128-bit vector)."""
+    if int4:
+        return K_BLOCK4
     return K_BLOCK8 if fp8 else K_BLOCK
 
 
@@ -122,9 +138,10 @@ def fp8_scale_floats(batch: int, groups: int = 0) -> int:
     return max(NUM_WARPS + 2, groups) * n_pad(batch)
 
 
-def group_rows(dual: bool) -> int:
+def group_rows(dual: bool, int4: bool = False) -> int:
     """Rows of a full page (of each matrix when dual)."""
-    return GROUP_ROWS // 2 if dual else GROUP_ROWS
+    rows = GROUP_ROWS4 if int4 else GROUP_ROWS
+    return rows // 2 if dual else rows
 
 
 def n_pad(batch: int) -> int:
@@ -132,10 +149,10 @@ def n_pad(batch: int) -> int:
     return (batch + N_BLOCK - 1) // N_BLOCK * N_BLOCK
 
 
-def stage_elems(batch: int) -> int:
+def stage_elems(batch: int, int4: bool = False) -> int:
     """bf16 elements of one staging buffer: a padded row per request of the
     padded batch (rows past the batch are read, never written)."""
-    return n_pad(batch) * STAGE_STRIDE
+    return n_pad(batch) * (STAGE_STRIDE4 if int4 else STAGE_STRIDE)
 
 
 def red_floats(batch: int) -> int:
@@ -143,10 +160,10 @@ def red_floats(batch: int) -> int:
     return NUM_WARPS * 2 * ROWS * n_pad(batch)
 
 
-def scratch_floats(batch: int) -> int:
+def scratch_floats(batch: int, int4: bool = False) -> int:
     """fp32 words of the GEMV's shared scratch: the two staging buffers,
     which the reduction reuses."""
-    return max(red_floats(batch), stage_elems(batch))  # 2 bf16 buffers
+    return max(red_floats(batch), stage_elems(batch, int4))  # 2 bf16 buffers
 
 
 def row_blocks(n_valid):
@@ -169,10 +186,11 @@ def lane_vector(kb, q):
     return kb * (K_BLOCK // VEC) + q
 
 
-def stage_index(buf, n, k, batch: int):
+def stage_index(buf, n, k, batch: int, int4: bool = False):
     """Element of request ``n``'s staged k (within the chunk) in buffer
     ``buf`` (the page's parity)."""
-    return buf * stage_elems(batch) + n * STAGE_STRIDE + k
+    stride = STAGE_STRIDE4 if int4 else STAGE_STRIDE
+    return buf * stage_elems(batch, int4) + n * stride + k
 
 
 def page_index(m, row, k, per_page: int, k_chunk: int):
@@ -200,12 +218,18 @@ def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, *, loc=None, ip=None):
     )
 
 
-def staged(scratch: cute.Tensor, batch: int, buf, fp8: bool = False) -> cute.Tensor:
+def staged(scratch: cute.Tensor, batch: int, buf, fp8: bool = False,
+           int4: bool = False) -> cute.Tensor:  # fmt: skip
     """Staging buffer ``buf`` of the GEMV's scratch as [padded batch,
     K_CHUNK] bf16 with the padded row stride (``fp8``: the same bytes as
-    [padded batch, 2 K_CHUNK] e4m3 codes, as bytes)."""
+    [padded batch, 2 K_CHUNK] e4m3 codes, as bytes; ``int4``: [padded
+    batch, K_CHUNK4] bf16)."""
     base = cute.recast_ptr(scratch.iterator, dtype=BFloat16)
-    base = base + stage_index(buf, 0, 0, batch)
+    base = base + stage_index(buf, 0, 0, batch, int4)
+    if int4:
+        return cute.make_tensor(
+            base, cute.make_layout((n_pad(batch), K_CHUNK4), stride=(STAGE_STRIDE4, 1))
+        )
     if fp8:
         return cute.make_tensor(
             cute.recast_ptr(base, dtype=Uint8),

@@ -11,7 +11,7 @@ FP8 weights the tensor-core one at every batch (``Tile.mma``)."""
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Uint16
 
 from vllm_ext.megakernel.kernel.ops.common import (
     NUM_THREADS,
@@ -22,6 +22,7 @@ from vllm_ext.megakernel.kernel.ops.common import (
     vectors,
 )
 from vllm_ext.megakernel.kernel.ops.gemv import cache_input, cached_vectors, gemv_row
+from vllm_ext.megakernel.kernel.ops.gemv_int4 import int4_chunk, stage_chunk_int4
 from vllm_ext.megakernel.kernel.ops.gemv_mma import (
     FP8_GROUP,
     N_BLOCK,
@@ -131,8 +132,12 @@ def _paged_rows(p: cutlass.Constexpr, tile: cutlass.Constexpr, page0, row0, row_
 
 
 def fp8_weight_scales(s: KernelShape, addr, rows: int, k: int) -> cute.Tensor:
-    """An FP8 matrix's scales at ``addr``: one a row ``[rows]``, or with
-    ``fp8_block`` one a 128 x 128 block ``[ceil(rows / 128), k / 128]``."""
+    """A quantized matrix's scales at ``addr``: FP8's one a row ``[rows]``
+    fp32, or with ``fp8_block`` one a 128 x 128 block ``[ceil(rows / 128),
+    k / 128]``; INT4's one a row and group ``[rows, k / group]``, bf16 read
+    as its bits (``gemv_int4.unpack`` multiplies by them in bf16)."""
+    if s.int4_group:
+        return gmem(Uint16, addr, (rows, k // s.int4_group))
     if s.fp8_block:
         return gmem(Float32, addr, (-(-rows // FP8_GROUP), k // FP8_GROUP))
     return gmem(Float32, addr, (rows,))
@@ -167,6 +172,7 @@ def _paged_mma(p: cutlass.Constexpr, tile: cutlass.Constexpr, page0, row0, row_e
     _, warp, _ = thread_ids()
     batch = x.shape[0]
     rows, k_chunk, dual, fp8 = tile.per_page, tile.k_chunk, tile.dual, tile.fp8
+    int4 = tile.int4
     part = partials(p.red, batch, dual)
     finish = epilogue
     block = fp8 and p.shape.fp8_block
@@ -195,8 +201,10 @@ def _paged_mma(p: cutlass.Constexpr, tile: cutlass.Constexpr, page0, row0, row_e
             pg = base + grp * tile.k_pages + kc
             k0 = kc * k_chunk
             k_len = cutlass.min(Int32(k_chunk), tile.k - k0)
-            stage = staged(p.red, batch, pg % 2, fp8)
-            if cutlass.const_expr(fp8):
+            stage = staged(p.red, batch, pg % 2, fp8, int4)
+            if cutlass.const_expr(int4):
+                stage_chunk_int4(x, norm, rstd, k0, k_len, stage, normed)
+            elif cutlass.const_expr(fp8):
                 stage_chunk_fp8(x, norm, rstd, sc, k0, k_len, stage, normed, block)
             else:
                 stage_chunk(x, norm, rstd, k0, k_len, stage, normed)
@@ -204,12 +212,17 @@ def _paged_mma(p: cutlass.Constexpr, tile: cutlass.Constexpr, page0, row0, row_e
             # buffer is free for page pg + 1.
             consumer_sync()
             wait_page(p, pg)
-            w1 = p.page(pg % p.slots, rows, k_chunk, fp8=fp8)
+            w1 = p.page(pg % p.slots, rows, k_chunk, fp8=fp8, int4=int4)
             w2 = w1
             if cutlass.const_expr(dual):
-                w2 = p.page(pg % p.slots, rows, k_chunk, second=True, fp8=fp8)
+                w2 = p.page(pg % p.slots, rows, k_chunk, second=True, fp8=fp8,
+                            int4=int4)  # fmt: skip
             if sl < ks:
-                if cutlass.const_expr(block):
+                if cutlass.const_expr(int4):
+                    int4_chunk(w1, w2, dual, stage, rb, sl, ks,
+                               k_len // k_block(False, True), batch, acc, wscale,
+                               wscale2, first, k0, p.shape.int4_group)  # fmt: skip
+                elif cutlass.const_expr(block):
                     mma_chunk(w1, w2, dual, stage, rb, sl, ks, k_len // k_block(fp8),
                               batch, acc, fp8, wscale, wscale2, sc, first,
                               k0)  # fmt: skip

@@ -57,7 +57,7 @@ def _residual_projection(
             dst[i, row] = y.to(BFloat16)
 
     wscale = None
-    if cutlass.const_expr(shape.fp8):
+    if cutlass.const_expr(shape.quantized):
         wscale = fp8_weight_scales(shape, ptrs[layer, scale], h, k)
     _plain_gemv(shape, w, xs, rstd, lo, hi, epilogue, w_stage, op, wscale)
 
@@ -69,9 +69,9 @@ def _plain_gemv(
 ):  # fmt: skip
     """The GEMV of a projection with no norm and one matrix: from the
     weight pipeline's pages, or (legacy control, rows wider than a page)
-    from global memory. ``wscale``: an FP8 projection's row scales."""
+    from global memory. ``wscale``: a quantized projection's scales."""
     if cutlass.const_expr(reads_pages(w_stage, op)):
-        if cutlass.const_expr(wscale is not None):
+        if cutlass.const_expr(s.fp8):
             fp8_input_scales(w_stage, x, x[0, None], rstd, False)
         paged_gemv(w_stage, op, 0, lo, hi, x, x[0, None], rstd, epilogue, False,
                    wscale)  # fmt: skip
@@ -122,11 +122,13 @@ def gate_up(
 
     if cutlass.const_expr(reads_pages(w_stage, Op.GATE_UP)):
         ws, ws2 = None, None
-        if cutlass.const_expr(shape.fp8):
+        if cutlass.const_expr(shape.quantized):
             scales = ptrs[layer, LayerSlot.GATE_UP_SCALE]
             ws = fp8_weight_scales(shape, scales, inter, h)
-            # The up rows' scales (bytes; with blocks, whole blocks of gate).
-            ws2 = fp8_weight_scales(shape, scales + cute.size(ws) * 4, inter, h)
+            # The up rows' scales (bytes; with blocks, whole blocks of gate;
+            # INT4's bf16).
+            size = 2 if shape.int4_group else 4
+            ws2 = fp8_weight_scales(shape, scales + cute.size(ws) * size, inter, h)
         if cutlass.const_expr(stages_input(shape)):
             stage_normed(x, norm, rstd, x_stage)
             if cutlass.const_expr(shape.fp8):

@@ -123,8 +123,9 @@ def qkv(
     if cutlass.const_expr(stages_input(shape)):
         stage_normed(x, norm, rstd, x_stage)
     wscale = None
-    if cutlass.const_expr(shape.fp8):
+    if cutlass.const_expr(shape.quantized):
         wscale = fp8_weight_scales(shape, ptrs[layer, LayerSlot.QKV_SCALE], rows, h)
+    if cutlass.const_expr(shape.fp8):
         if cutlass.const_expr(stages_input(shape)):
             fp8_input_scales(w_stage, x_stage, norm, rstd, False)
         else:

@@ -81,7 +81,7 @@ STATE_WORDS = 4
 L2_AHEAD_PAGES = 6
 # A slot's release: one arrival per consumer thread (``release_page``).
 EMPTY_ARRIVALS = NUM_THREADS
-# The opcodes whose weights an FP8 kernel reads as e4m3 codes.
+# The opcodes whose weights a quantized kernel reads as codes (FP8, INT4).
 FP8_OPS = (Op.QKV, Op.O_PROJ, Op.GATE_UP, Op.DOWN)
 
 
@@ -101,10 +101,13 @@ class Tile:
     parts: int = 1
     mma: bool = False  # the tensor-core GEMV's pages (k chunks), else rows
     fp8: bool = False  # e4m3 codes, a byte each (else bf16)
+    int4: bool = False  # 4-bit codes, two a byte
 
-    @property
-    def elem_bytes(self) -> int:
-        return 1 if self.fp8 else 2
+    def bytes_of(self, elems):
+        """Bytes of ``elems`` weights (bf16, e4m3 or 4-bit; even counts)."""
+        if self.int4:
+            return elems // 2
+        return elems if self.fp8 else elems * 2
 
     @property
     def k_pages(self) -> int:
@@ -130,14 +133,15 @@ def _row_tile(k: int, dual: bool, unit: int, cap: int | None = None,
 
 
 def _mma_tile(k: int, dual: bool, unit: int, cap: int | None = None,
-              parts: int = 1, fp8: bool = False) -> Tile:  # fmt: skip
+              parts: int = 1, fp8: bool = False,
+              int4: bool = False) -> Tile:  # fmt: skip
     """The tensor-core GEMV's pages: a row group of 64 rows (32 of each of
     gate and up; at most ``cap``) by a 512-byte k chunk (256 bf16 weights,
-    512 e4m3 codes)."""
-    rows = group_rows(dual)
-    chunk = k_chunk(fp8)
+    512 e4m3 codes), or for INT4 128 rows (64 each) by 512 codes."""
+    rows = group_rows(dual, int4)
+    chunk = k_chunk(fp8, int4)
     return Tile(k, rows if cap is None else min(rows, cap), dual, unit,
-                min(chunk, k), parts, True, fp8)  # fmt: skip
+                min(chunk, k), parts, True, fp8, int4)  # fmt: skip
 
 
 def geometry(s: KernelShape) -> dict[Op, Tile]:
@@ -159,9 +163,9 @@ def geometry(s: KernelShape) -> dict[Op, Tile]:
     else:
         # A row (pair) wider than a page: that opcode reads global memory.
         geo = {op: _row_tile(*t) for op, t in rows.items() if fits_page(t[0], t[1])}
-    if s.fp8:  # e4m3 on tensor cores at every batch; the LM head stays bf16
+    if s.fp8 or s.int4_group:  # tensor cores at every batch; the LM head bf16
         for op in FP8_OPS:
-            geo[op] = _mma_tile(*rows[op], fp8=True)
+            geo[op] = _mma_tile(*rows[op], fp8=s.fp8, int4=bool(s.int4_group))
     return geo
 
 
@@ -193,8 +197,8 @@ def red_elems(shape: KernelShape) -> int:
     batch] for split rows; an FP8 kernel's inputs' scales after it
     (``gemv_mma.fp8_scale_floats``)."""
     scratch = 2 * NUM_WARPS * 2 * shape.batch
-    if shape.mma_gemv or shape.fp8:
-        scratch = max(scratch, scratch_floats(shape.batch))
+    if shape.mma_gemv or shape.fp8 or shape.int4_group:
+        scratch = max(scratch, scratch_floats(shape.batch, bool(shape.int4_group)))
     fp8 = fp8_scale_floats(shape.batch, shape.fp8_groups) if shape.fp8 else 0
     return scratch + fp8
 
@@ -251,13 +255,18 @@ class Pipe:
         )
 
     def page(self, slot, rows: int, k: int, second: bool = False,
-             fp8: bool = False) -> cute.Tensor:  # fmt: skip
+             fp8: bool = False, int4: bool = False) -> cute.Tensor:  # fmt: skip
         """Slot ``slot`` as a [rows, k] matrix, bf16 or (``fp8``) e4m3 codes
-        as bytes; ``second``: the up half (``rows`` and ``k``: the tile's
+        as bytes, or (``int4``) [rows, k / 2] bytes of two codes each;
+        ``second``: the up half (``rows`` and ``k``: the tile's
         ``per_page`` and ``k_chunk``)."""
         at = page_index(int(second), 0, 0, rows, k)  # in the matrix's elements
-        base = self.pages.iterator + slot * PAGE_ELEMS + (at // 2 if fp8 else at)
-        if fp8:
+        if int4:
+            at, k = at // 4, k // 2  # (bf16 elements; a row's bytes)
+        elif fp8:
+            at = at // 2
+        base = self.pages.iterator + slot * PAGE_ELEMS + at
+        if fp8 or int4:
             base = cute.recast_ptr(base, dtype=Uint8)
         return cute.make_tensor(base, cute.make_layout((rows, k), stride=(k, 1)))
 
@@ -321,8 +330,7 @@ def _issue_rows(p: cutlass.Constexpr, slot, t: cutlass.Constexpr, base: Int64, l
     whole rows, else one per row (and matrix). ``hint``: the same rows
     prefetched into L2 instead (no slot, nothing to wait for)."""
     tile: Tile = t
-    eb = tile.elem_bytes
-    row_bytes = eb * tile.k
+    row_bytes = tile.bytes_of(tile.k)
     if cutlass.const_expr(tile.k_chunk == tile.k):
         first = lo * tile.unit + kp * tile.per_page
         rows = cutlass.min(Int32(tile.per_page), hi * tile.unit - first)
@@ -337,30 +345,33 @@ def _issue_rows(p: cutlass.Constexpr, slot, t: cutlass.Constexpr, base: Int64, l
             cute.arch.mbarrier_arrive_and_expect_tx(p.full.iterator + slot, total)
             _copy(p, slot, 0, base + Int64(row) * row_bytes, nbytes)
             if cutlass.const_expr(tile.dual):
-                _copy(p, slot, page_index(1, 0, 0, tile.per_page, tile.k) * eb,
-                      second + Int64(row) * row_bytes, nbytes)  # fmt: skip
+                at = tile.bytes_of(page_index(1, 0, 0, tile.per_page, tile.k))
+                _copy(p, slot, at, second + Int64(row) * row_bytes,
+                      nbytes)  # fmt: skip
     else:
         block, kc = kp // tile.k_pages, kp % tile.k_pages
         first = lo * tile.unit + block * tile.per_page
         rows = cutlass.min(Int32(tile.per_page), hi * tile.unit - first)
         k0 = kc * tile.k_chunk
-        nbytes = cutlass.min(Int32(tile.k_chunk), tile.k - k0) * eb
+        nbytes = tile.bytes_of(cutlass.min(Int32(tile.k_chunk), tile.k - k0))
         if cutlass.const_expr(not hint):
             total = rows * nbytes * (2 if tile.dual else 1)
             cute.arch.mbarrier_arrive_and_expect_tx(p.full.iterator + slot, total)
         row = unit_row(tile, first)
         for r in cutlass.range(rows):
-            src = Int64(row + r) * row_bytes + Int64(k0) * eb
+            src = Int64(row + r) * row_bytes + Int64(tile.bytes_of(k0))
             if cutlass.const_expr(hint):
                 prefetch_l2(base + src, nbytes)
                 if cutlass.const_expr(tile.dual):
                     prefetch_l2(second + src, nbytes)
             else:
-                _copy(p, slot, page_index(0, r, 0, tile.per_page, tile.k_chunk) * eb,
+                _copy(p, slot,
+                      tile.bytes_of(page_index(0, r, 0, tile.per_page, tile.k_chunk)),
                       base + src, nbytes)  # fmt: skip
                 if cutlass.const_expr(tile.dual):
                     _copy(p, slot,
-                          page_index(1, r, 0, tile.per_page, tile.k_chunk) * eb,
+                          tile.bytes_of(page_index(1, r, 0, tile.per_page,
+                                                   tile.k_chunk)),
                           second + src, nbytes)  # fmt: skip
 
 
@@ -384,8 +395,9 @@ def _issue(p: cutlass.Constexpr, op, layer, lo, hi, kp, slot,
     elif op == Op.GATE_UP:
         if cutlass.const_expr(Op.GATE_UP in geo):
             gate = ptrs[layer, LayerSlot.GATE_UP]
-            eb = geo[Op.GATE_UP].elem_bytes
-            up = gate + Int64(shape.intermediate * shape.hidden * eb)
+            up = gate + Int64(
+                geo[Op.GATE_UP].bytes_of(shape.intermediate * shape.hidden)
+            )
             _issue_rows(p, slot, geo[Op.GATE_UP], gate, lo, hi, kp, up, hint)
     elif op == Op.DOWN:
         if cutlass.const_expr(Op.DOWN in geo):
