@@ -2,8 +2,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # The one-call GPU check. Here (no GPU needed): build the megakernel for the
 # H200 (sm_90a) for a 1B-class and an 8B-class Llama shape at batch 1, 4,
-# 16 and 64, Qwen2 (QKV bias) and Qwen3 (QK-norm) shapes at batch 1, a
-# tensor-parallel case (every rank in one launch), the
+# 16 and 64, Qwen2 (QKV bias) and Qwen3 (QK-norm) shapes at batch 1, an
+# FP8 W8A8 Llama-3.1-8B at batch 1, a tensor-parallel case (every rank in
+# one launch), the
 # variants and kernels with planted bugs that the check must reject (below), into
 # .device/ (git-ignored), with the programs, a manifest and FlashInfer's
 # decode for the baseline. On the GPU machine (Python, torch with CUDA; no
@@ -100,6 +101,29 @@ MOE=${DEVICE_CHECK_MOE-"qwen3-30b-a3b:1:4 qwen3-30b-a3b:16:4"}
 # interpreter's pass). Empty: none.
 MLA=${DEVICE_CHECK_MLA-"deepseek-v3:1:4 kimi-k2:1:2"}
 # ---- end MLA ----
+# Quantized checkpoints, MODEL:BATCH[:LAYERS]: by default FP8 W8A8
+# (compressed-tensors float-quantized: e4m3 weights with an fp32 scale an
+# output row, inputs quantized per token as they enter; the KernelShape.fp8
+# kernel); llama-3.1-8b-w4a16 (INT4) and qwen3-8b-fp8 (FP8 blocks) build
+# and are checked the same way, with no per-op baseline yet (correctness
+# only; each adds ~2 MiB: trim another list to fit). Built like the
+# defaults, run with their first LAYERS layers where given, on random weights
+# drawn on the GPU; each instruction checked (the references quantize the
+# linears' inputs), the batch-1 cases also against the interpreter,
+# FlashInfer and in graph replays; timed against the per-op step with
+# vLLM's FP8 linears in torch (per_op.py's per-op-fp8-scaled-mm: opens no
+# bucket) and the floor of the FP8 weight bytes. Eight layers: the kernel
+# is the same for any number (layers are data), and the first, a middle
+# and the last still get every attention chunk checked; the 8B bf16
+# batch-1 case took 65-71 s to check and 25-30 s to time on an H200, most
+# of it its 32 layers' local checks and interpreter pass, which scale with
+# the layers (the per-op compile, ~20 s, does not); and the weights drawn
+# (codes, scales, the references' fp32 dequantization, bf16 embedding and
+# LM head) are 11 GB, 14 GB at the draw's peak, where 32 layers are 37 and
+# 51 GB. The step then reads 1.75 GB of FP8 layers beside the 1.05 GB
+# bf16 LM head: the breakdown's per-kind rows give the FP8 GEMVs' bandwidth
+# apart. DEVICE_CHECK_QUANT="llama-3.1-8b-fp8:1" runs all 32. Empty: none.
+QUANT=${DEVICE_CHECK_QUANT-"llama-3.1-8b-fp8:1:8"}
 # Tensor parallel, MODEL:BATCH:TP: every rank of a TP program in one launch
 # on the one GPU (build.py --tp TP --one-gpu-ranks; device_ranks.py), built
 # into MODEL-bBATCH-tpTP and run after the defaults: the ranks' outputs
@@ -211,6 +235,13 @@ if ((${#moe_models[@]})); then
     "$VENV/bin/python" "$ROOT/scripts/baseline/moe_baseline.py" "$BUNDLE" \
         "${args[@]}" --batches "$batches" >/dev/null
 fi
+for triple in $QUANT; do
+    IFS=: read -r model batch depth <<<"$triple"
+    build_case "$model" "$batch" "$BUNDLE/$model-b$batch"
+    if [[ -n $depth ]]; then
+        layers="$layers $model-b$batch=$depth"
+    fi
+done
 for triple in $RANKS; do
     IFS=: read -r model batch tp <<<"$triple"
     build_case "$model" "$batch" "$BUNDLE/$model-b$batch-tp$tp" --tp "$tp" \
@@ -282,7 +313,7 @@ echo "[device_check] bundle $BUNDLE: $((size / 1024)) KiB (limit 60 MiB)"
 # It travels with the working tree, 64 MiB in all (the device tool's carry).
 if ((size > 60 << 20)); then
     echo "device_check: the bundle is over 60 MiB: leave cases out" \
-        "(DEVICE_CHECK_VARIANTS, ..._MOE, ..._MLA, ..._VERIFY)" >&2
+        "(DEVICE_CHECK_VARIANTS, ..._MOE, ..._MLA, ..._VERIFY, ..._QUANT)" >&2
     exit 1
 fi
 if [[ ${1:-} == --dry-run ]]; then

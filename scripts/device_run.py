@@ -37,6 +37,13 @@ A multi-head latent attention case (DeepSeek-V3, Kimi-K2: device_mla.py)
 has its own instructions checked, its attention held to the torch
 absorbed attention, and its per-op step from scripts/baseline/mla_per_op.py.
 A tensor-parallel case (device_ranks.py) runs every rank in one launch.
+An FP8 W8A8 case (e4m3 weights with a scale an output row, inputs quantized
+per token: ``KernelShape.fp8``) draws random FP8 weights and is checked
+like the dense cases (the references quantize the linears' inputs as the
+kernel does), its weight guard over the codes and scales the kernel reads;
+it is timed against the per-op step with vLLM's FP8 linears in torch
+(``per_op.FP8_BASELINE``: torch._scaled_mm, named apart: it opens no
+bucket) and the floor of its FP8 weight bytes.
 Writes OUT_DIR/device_check.json and .md as each part ends, with a verdict:
 passed, incomplete (a required check did not run) or failed.
 """
@@ -66,7 +73,7 @@ import mla_per_op  # noqa: E402
 import torch  # noqa: E402
 from flashinfer_baseline import flashinfer_attend  # noqa: E402
 from flashinfer_mla import FlashInferMla, flashinfer_attention  # noqa: E402
-from per_op import per_op_step  # noqa: E402
+from per_op import FP8_BASELINE, per_op_step  # noqa: E402
 
 from vllm_ext.megakernel.calibrate import (  # noqa: E402
     LATENCIES_US,
@@ -102,6 +109,7 @@ from vllm_ext.megakernel.planner import plan, qkv_parts_to_fill  # noqa: E402
 from vllm_ext.megakernel.variants import KERNEL  # noqa: E402
 from vllm_ext.megakernel.verify import stuck_heads  # noqa: E402
 from vllm_ext.model_spec import MlaSpec, ModelSpec, MoeSpec  # noqa: E402
+from vllm_ext.quant import FP8_W8A8, QuantFormat  # noqa: E402
 from vllm_ext.runner import DecodeInputs  # noqa: E402
 from vllm_ext.testing import (  # noqa: E402
     BLOCK_SIZE,
@@ -109,6 +117,7 @@ from vllm_ext.testing import (  # noqa: E402
     random_verify_inputs,
     random_weights,
 )
+from vllm_ext.weights import QUANT_LINEARS  # noqa: E402
 
 DEVICE = "cuda"  # the tests run the correctness path on "cpu" with a stand-in
 STEPS = 3
@@ -124,6 +133,15 @@ BENCH_CONTEXT = 512  # every request's history in the timings
 # to bf16 (as FlashAttention rounds it): up to 2^-9 of each term, 5e-3 of
 # an element at worst in tests/megakernel/test_mla_attn_mapping.py's
 # float64 emulation, so it is held to the attention's bound.
+# An FP8 W8A8 case's linears (QKV, O_PROJ, GATE_UP, DOWN) are held to the
+# same bounds: the kernel quantizes its staged inputs as quantize_input does
+# (bit for bit, from the same bf16 inputs the check reads), its e4m3 x e4m3
+# products are exact (on sm_90 ptxas turns the e4m3 MMA into f16 HMMAs),
+# summed in fp32 and scaled after the sum, a_scale * (w_scale * sum), where
+# the reference multiplies the dequantized operands: fp32 rounding apart,
+# so the bf16 outputs differ as a bf16 kernel's do. A kernel that skips
+# the input quantization, or reads one row's scale from its neighbour, is
+# far outside them (tests/megakernel/test_device_check.py).
 TOLERANCE = {"bf16": 2**-5, "fp32": 1e-3, "attn": 2**-6}
 # Element-wise, each output is also held to |a - b| <= tol * (|b| + f * max|b|)
 # (see judge()), where f is the fraction below: the rounding of one output
@@ -169,6 +187,10 @@ ABORT_SPINS = (1 << 12, 1 << 16)
 # The per-op baseline of a speculative verify step (timing()): not the
 # fair one, which reads a request's cache once.
 VERIFY_BASELINE = "vllm-default-split-kv-rows-as-requests"
+# The per-op steps whose figures the report's main table shows: vLLM's
+# default decode, and an FP8 case's (the same step, its linears by
+# torch._scaled_mm: named below the table).
+MAIN_TABLE_BASELINES = (FAIR_BASELINE, FP8_BASELINE)
 # Wall-clock budget of the whole check. The machine's start takes 1-2 of the
 # 15 lent minutes, so a call runs at most 6 minutes and a second one still
 # fits; what the deadline cuts is listed, and the report is written as each
@@ -177,9 +199,12 @@ BUDGET_S = int(os.environ.get("DEVICE_CHECK_BUDGET_S", "330"))
 
 
 def saved_spec(meta: dict) -> ModelSpec:
-    """The model shape build.save_program saved (bf16)."""
+    """The model shape build.save_program saved (bf16; an FP8 checkpoint's
+    format too: its bytes are the floor's, its linears the references')."""
     fields = dict(meta["spec"])
     fields["dtype"] = torch.bfloat16
+    if fields.get("quant") is not None:  # saved as a dict
+        fields["quant"] = QuantFormat(**fields["quant"])
     if fields.get("moe") is not None:  # saved as a dict
         moe = dict(fields["moe"], sparse_layers=tuple(fields["moe"]["sparse_layers"]))
         fields["moe"] = MoeSpec(**moe)
@@ -635,8 +660,11 @@ def local_errors(
             _attention_errors(ex, spec, inputs, n, i, before, cos, sin, note,
                               every_chunk=i in attn_layers)  # fmt: skip
         attn_flat = ws["attn"][i][:n].reshape(n, -1)
+        # (FP8: each linear's input quantized per token, as the kernel does;
+        # QKV's and GATE_UP's references read spec.quant themselves.)
         note("O_PROJ", i, hmid,
-             o_proj.reference(attn_flat, h, lw.o_proj, 0, hidden, dt))  # fmt: skip
+             o_proj.reference(attn_flat, h, lw.o_proj, 0, hidden, dt,
+                              spec.quant))  # fmt: skip
         if lw.moe is not None:
             out.update(_mixture_errors(ex, spec, i, n, note))
             continue
@@ -644,7 +672,7 @@ def local_errors(
         note("GATE_UP", i, act,
              gate_up.reference(hmid, lw, spec, 0, spec.intermediate_size))  # fmt: skip
         note("DOWN", i, ws["h"][i + 1][:n],
-             down.reference(act, hmid, lw.down, 0, hidden, dt))  # fmt: skip
+             down.reference(act, hmid, lw.down, 0, hidden, dt, spec.quant))  # fmt: skip
     last = ws["h"][spec.num_layers][:n]
     note("FINAL_NORM", spec.num_layers, ws["out"][:n],
          final_norm.reference(last, w.final_norm, spec.rms_norm_eps, 0, hidden,
@@ -889,17 +917,24 @@ def _staged_inputs(ex, inputs: DecodeInputs, n: int) -> dict[str, torch.Tensor]:
 
 
 def _weights(w):
-    """(name, tensor) of every weight the kernel reads."""
+    """(name, tensor) of every weight the kernel reads: a quantized layer's
+    linears as their codes and scales (its dense fields, their
+    dequantization, are the references' and not in the kernel's table)."""
     yield "embed", w.embed
     yield "final_norm", w.final_norm
     if w.lm_head is not None:
         yield "lm_head", w.lm_head
     for i, lw in enumerate(w.layers):
+        linears = QUANT_LINEARS if lw.quant is not None else ()
         for name in ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm",
                      "o_proj", "post_norm", "gate_up", "down"):  # fmt: skip
             t = getattr(lw, name)
-            if t is not None:
+            if t is not None and name not in linears:
                 yield f"layer {i} {name}", t
+        for name in linears:
+            f = getattr(lw.quant, name)
+            yield f"layer {i} {name} codes", f.codes
+            yield f"layer {i} {name} scales", f.scale
         for name, t in device_mla.mla_weights(lw):
             yield f"layer {i} {name}", t
 
@@ -968,6 +1003,18 @@ def graphed(fn):
     except Exception as e:  # reported, then timed eagerly
         print(f"graph capture failed: {e}", file=sys.stderr)
         return None
+
+
+def per_op_baseline(spec: ModelSpec) -> str | None:
+    """The name of a decode case's per-op step: vLLM's default decode
+    (measured.FAIR_BASELINE), or for an FP8 W8A8 model the same step with
+    its linears by torch._scaled_mm (per_op.FP8_BASELINE), which stands for
+    vLLM's CUTLASS FP8 GEMMs without being them: it opens no bucket. None
+    for another format (FP8 blocks): per_op_step has no linears for it and
+    refuses it, which the timing reports as its per_op_error."""
+    if spec.quant is None:
+        return FAIR_BASELINE
+    return FP8_BASELINE if spec.quant.name == FP8_W8A8 else None
 
 
 def timing(case_dir: Path) -> dict:
@@ -1040,7 +1087,7 @@ def timing(case_dir: Path) -> dict:
     result["per_op_attention"] = "flashinfer-split-kv"
     # What per_op_graph_ms timed, for vllm_ext.megakernel.measured: compiled
     # pieces, one KV-append kernel and split-KV paged attention (per_op.py).
-    result["per_op_baseline"] = FAIR_BASELINE
+    result["per_op_baseline"] = per_op_baseline(spec)
     if tokens > 1:
         # A verify step per op: FlashInfer's decode takes each row as a
         # request of its own (the rows share their request's block table,
@@ -1486,7 +1533,7 @@ def markdown(report: dict) -> str:
     for name, c in report["cases"].items():
         t = c.get("timing", {})
         mk, po = t.get("megakernel_ms"), t.get("per_op_graph_ms")
-        if t.get("per_op_baseline", FAIR_BASELINE) != FAIR_BASELINE:
+        if t.get("per_op_baseline", FAIR_BASELINE) not in MAIN_TABLE_BASELINES:
             po = None  # (a verify case's: in the verify table, named)
         ga, pe = t.get("gemm_attn_graph_ms"), t.get("per_op_eager_ops_graph_ms")
         floor = t["weight_bytes"] / bw * 1e3 if bw and "weight_bytes" in t else None
@@ -1603,6 +1650,18 @@ def markdown(report: dict) -> str:
         if isinstance(c.get("timing"), dict) and c["timing"].get("per_op_attention")
     }
     lines += ["", f"per-op attention: {', '.join(sorted(attention)) or '-'}"]
+    # A per-op figure in the main table against another step than vLLM's
+    # default decode (an FP8 case's) says so.
+    named = [
+        name
+        for name, c in report["cases"].items()
+        if isinstance(c.get("timing"), dict)
+        and c["timing"].get("per_op_baseline") == FP8_BASELINE
+    ]
+    if named:
+        lines.append(f"per-op step of {', '.join(named)}: {FP8_BASELINE} (vLLM's "
+                     "FP8 linears by torch._scaled_mm, not its CUTLASS GEMM; "
+                     "opens no bucket)")  # fmt: skip
     sanitizer = "; ".join(
         f"{tool} {r['status']}"
         + (f" on {r['case']}" if r.get("case") else "")

@@ -305,8 +305,8 @@ def _record_absorbed_kv_b(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor]
     read = DecodeWeights.from_vllm_model.__func__
     pairs = []
 
-    def recording(cls, model, spec):
-        weights = read(cls, model, spec)
+    def recording(cls, model, spec, **kwargs):
+        weights = read(cls, model, spec, **kwargs)
         heads, nope = spec.mla.num_heads, spec.mla.qk_nope_head_dim
         for layer, w in zip(stage_layers(model), weights.layers, strict=True):
             attn = next(m for m in layer.self_attn.modules() if hasattr(m, "W_UV"))
@@ -931,16 +931,17 @@ def test_gpu_route_through_vllm_with_a_stand_in_kernel(
         check_bf16_close(default, mega, "default", "megakernel (stand-in kernel)")
 
 
-@pytest.mark.parametrize("fmt", ["fp8-channel", "fp8-block"])
-def test_gpu_route_runs_an_fp8_checkpoint(demo_model, stand_in_route, monkeypatch,
-                                         tmp_path, fmt):  # fmt: skip
-    """An FP8 checkpoint of the Llama demo (per-channel W8A8, or 128 x 128
-    blocks with vLLM's CPU kernel stood in for) through the GPU route's
-    host side (``stand_in_route``): FP8 kernels (``KernelShape.fp8``)
-    whose tables hold vLLM's e4m3 codes and row or block scales, no dense
-    copy of a linear weight (the GPU route reads them in place); tokens
-    and logprobs bit for bit reference mode's, which reads the same codes
-    dequantized."""
+@pytest.mark.parametrize("fmt", ["fp8-channel", "fp8-block", "pack-quantized"])
+def test_gpu_route_runs_a_quantized_checkpoint(demo_model, stand_in_route,
+                                               monkeypatch, tmp_path, fmt):  # fmt: skip
+    """A quantized checkpoint of the Llama demo (FP8 per-channel W8A8, FP8
+    128 x 128 blocks, INT4 W4A16 in groups of 32; vLLM's CPU kernels stood
+    in for where it has none) through the GPU route's host side
+    (``stand_in_route``): quantized kernels (``KernelShape.quantized``)
+    whose tables hold the codes and scales (FP8's vLLM's own, in place;
+    INT4's packed two a byte from what vLLM loaded), no dense copy of a
+    linear weight; tokens and logprobs bit for bit reference mode's, which
+    reads the same codes dequantized."""
     from tests import cpu_quant_ops
     from vllm_ext.demo_quant import quantize_checkpoint
 
@@ -953,12 +954,14 @@ def test_gpu_route_runs_an_fp8_checkpoint(demo_model, stand_in_route, monkeypatc
     mega, (ran, _, _) = _generate(model, "bfloat16", decode_backend="megakernel")
     assert mega == interpreted
     assert ran == sum(e.launch.launches for e in executors) > 0
-    blocks = fmt == "fp8-block"
-    assert executors and all(e.shape.fp8 for e in executors)
+    blocks, int4 = fmt == "fp8-block", fmt == "pack-quantized"
+    assert executors and all(e.shape.quantized for e in executors)
     assert all(e.shape.fp8_block == blocks for e in executors)
+    assert all(e.shape.int4_group == (32 if int4 else 0) for e in executors)
+    codes = torch.uint8 if int4 else torch.float8_e4m3fn
     for lw in executors[0].weights.layers:
         assert lw.qkv is None and lw.down is None
-        assert lw.fp8.down.codes.dtype == torch.float8_e4m3fn
+        assert lw.quant.down.codes.dtype == codes
 
 
 @pytest.mark.parametrize("method", ["ngram", "eagle3"])

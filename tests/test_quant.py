@@ -165,16 +165,20 @@ def _llama_spec(quantization_config: dict):
     return ModelSpec.from_hf_config(config, torch.bfloat16, 512)
 
 
-def test_int4_runs_in_reference_mode_only():
-    """A dense INT4 model's spec carries its format; the GPU kernel refuses
-    it at start-up (no INT4 device functions yet), pointing at reference
-    mode."""
+def test_per_channel_int4_runs_in_reference_mode_only():
+    """A dense INT4 model's spec carries its format; the GPU kernel takes
+    groups of 32 to 128 (it then needs a GPU: refused here for the missing
+    one) and refuses a scale a whole row at start-up (no device function
+    for it), pointing at reference mode."""
     from vllm_ext import backend
 
     spec = _llama_spec(_ct({"group_size": 32}))
     assert spec.quant == quant_format(_ct({"group_size": 32}))
-    with pytest.raises(ValueError, match="reference mode only.*INTERPRET=1"):
+    with pytest.raises(ValueError, match="needs .*GPU"):
         backend._check_gpu_kernel(None, spec)
+    rows = _llama_spec(_ct({"strategy": "channel", "group_size": None}))
+    with pytest.raises(ValueError, match="reference mode only.*INTERPRET=1"):
+        backend._check_gpu_kernel(None, rows)
 
 
 def test_the_gpu_kernel_takes_fp8_on_dense_models():

@@ -33,7 +33,7 @@ from vllm_ext.megakernel.planner import batch_buckets
 from vllm_ext.model_spec import ModelSpec, sliding_window_refusal
 from vllm_ext.parallel import shard_spec, stage_spec
 from vllm_ext.plugin import ATTENTION_BACKEND
-from vllm_ext.quant import FP8_BLOCK, FP8_W8A8
+from vllm_ext.quant import FP8_BLOCK, FP8_W8A8, INT4_W4A16
 from vllm_ext.runner import MAX_QUERY_LEN, DecodeExecutor, decode_inputs
 from vllm_ext.weights import DecodeWeights, stage_layers
 
@@ -579,14 +579,19 @@ def _tp_group():
 def _check_gpu_kernel(vllm_config: VllmConfig, spec: ModelSpec) -> None:
     """What the compiled kernel (not the reference) needs."""
     moe = spec.moe is not None and any(spec.moe.sparse_layers)
-    if spec.quant is not None and (
-        spec.quant.name not in (FP8_W8A8, FP8_BLOCK) or moe or spec.mla is not None
-    ):
+    int4_groups = spec.quant is not None and spec.quant.group_size in (32, 64, 128)
+    taken = (
+        spec.quant is None
+        or spec.quant.name in (FP8_W8A8, FP8_BLOCK)
+        or (spec.quant.name == INT4_W4A16 and int4_groups)
+    )
+    if spec.quant is not None and (not taken or moe or spec.mla is not None):
         raise ValueError(
             f"--decode-backend megakernel runs {spec.quant.name} checkpoints of "
             "this model in reference mode only: the kernel's quantized device "
-            f"functions are {FP8_W8A8}'s and {FP8_BLOCK}'s, in dense layers "
-            "with grouped-query attention. " + INTERPRET_HINT
+            f"functions are {FP8_W8A8}'s, {FP8_BLOCK}'s and {INT4_W4A16}'s in "
+            "groups of 32, 64 or 128, in dense layers with grouped-query "
+            "attention. " + INTERPRET_HINT
         )
     capability = tuple(current_platform.get_device_capability() or ())
     if capability not in ARCH_OF_CAPABILITY:

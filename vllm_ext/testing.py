@@ -9,15 +9,22 @@ import dataclasses
 import torch
 
 from vllm_ext.model_spec import ModelSpec
-from vllm_ext.quant import FP8_BLOCK, FP8_W8A8, quantize_blocks, quantize_rows
+from vllm_ext.quant import (
+    FP8_BLOCK,
+    FP8_W8A8,
+    INT4_W4A16,
+    quantize_blocks,
+    quantize_int4,
+    quantize_rows,
+)
 from vllm_ext.runner import DecodeInputs
 from vllm_ext.weights import (
-    FP8_LINEARS,
+    QUANT_LINEARS,
     DecodeWeights,
-    Fp8Linears,
     LayerWeights,
     MlaWeights,
     MoeWeights,
+    QuantLinears,
 )
 
 BLOCK_SIZE = 16
@@ -106,17 +113,20 @@ def random_weights(
 
 
 def fp8_layer(lw: LayerWeights, spec: ModelSpec) -> LayerWeights:
-    """A dense layer of ``random_weights`` as an FP8 checkpoint holds it:
-    each linear weight's rows (FP8 W8A8, ``quant.quantize_rows``) or 128 x
-    128 blocks (``quant.quantize_blocks``) quantized, the dense fields their
-    fp32 dequantization (what reference mode reads)."""
-    formats = {FP8_W8A8: quantize_rows, FP8_BLOCK: quantize_blocks}
+    """A dense layer of ``random_weights`` as a quantized checkpoint holds
+    it: each linear weight's rows (FP8 W8A8, ``quant.quantize_rows``), 128 x
+    128 blocks (``quant.quantize_blocks``) or groups (INT4 W4A16,
+    ``quant.quantize_int4``) quantized, the dense fields their
+    dequantization (what reference mode reads)."""
+    group = spec.quant.group_size
+    formats = {FP8_W8A8: quantize_rows, FP8_BLOCK: quantize_blocks,
+               INT4_W4A16: lambda w: quantize_int4(w, group)}  # fmt: skip
     if spec.quant.name not in formats or lw.moe is not None or lw.mla is not None:
-        raise ValueError(f"random {spec.quant.name} weights: FP8 dense layers only")
+        raise ValueError(f"random {spec.quant.name} weights: dense layers only")
     quantize = formats[spec.quant.name]
-    fp8 = Fp8Linears(*(quantize(getattr(lw, n)) for n in FP8_LINEARS))
-    dense = {n: getattr(fp8, n).dequantize() for n in FP8_LINEARS}
-    return dataclasses.replace(lw, fp8=fp8, **dense)
+    fp8 = QuantLinears(*(quantize(getattr(lw, n)) for n in QUANT_LINEARS))
+    dense = {n: getattr(fp8, n).dequantize() for n in QUANT_LINEARS}
+    return dataclasses.replace(lw, quant=fp8, **dense)
 
 
 def random_decode_inputs(

@@ -21,12 +21,15 @@ from vllm_ext.quant import (
     FP8_W8A8,
     INT4_W4A16,
     Fp8Weight,
+    Int4Weight,
+    PackedInt4,
     fp8_codes,
     fp8_experts,
     fp8_weight,
     int4_experts,
     int4_scales,
     int4_weight,
+    pack_int4,
 )
 
 
@@ -68,23 +71,24 @@ class MlaWeights:
         return self.kv_b.view(num_heads, -1, self.kv_b.shape[-1])[:, nope:]
 
 
-# The linear weights an FP8 W8A8 layer holds as codes (Fp8Linears' fields,
-# LayerWeights' dense ones).
-FP8_LINEARS = ("qkv", "o_proj", "gate_up", "down")
+# The linear weights a quantized layer holds as codes (QuantLinears'
+# fields, LayerWeights' dense ones).
+QUANT_LINEARS = ("qkv", "o_proj", "gate_up", "down")
 
 
 @dataclass(frozen=True)
-class Fp8Linears:
-    """An FP8 W8A8 layer's linear weights as the kernel reads them
-    (``quant.FP8_W8A8``; ``KernelShape.fp8``): QKV, O_PROJ, the fused gate
-    and up (gate rows, then up rows) and DOWN, codes with row scales. The
-    layer's dense fields hold their dequantization, which reference mode
-    and the program interpreter read."""
+class QuantLinears:
+    """A quantized layer's linear weights as the kernel reads them
+    (``KernelShape.quantized``): QKV, O_PROJ, the fused gate and up (gate
+    rows, then up rows) and DOWN, codes with scales: FP8 (``Fp8Weight``) or
+    INT4 (``PackedInt4``), each with ``codes``, ``scale`` and
+    ``dequantize()``. The layer's dense fields hold their dequantization,
+    which reference mode and the program interpreter read."""
 
-    qkv: Fp8Weight
-    o_proj: Fp8Weight
-    gate_up: Fp8Weight
-    down: Fp8Weight
+    qkv: Fp8Weight | PackedInt4
+    o_proj: Fp8Weight | PackedInt4
+    gate_up: Fp8Weight | PackedInt4
+    down: Fp8Weight | PackedInt4
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,7 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
     q_norm: torch.Tensor | None  # [head_dim]
     k_norm: torch.Tensor | None  # [head_dim]
-    # (The dense linear weights are None where ``fp8`` holds the layer's
+    # (The dense linear weights are None where ``quant`` holds the layer's
     # codes and DecodeWeights was read for the GPU route: from_vllm_model.)
     o_proj: torch.Tensor | None  # [hidden, q_size] ([hidden, heads * v_head_dim]: MLA)
     post_norm: torch.Tensor  # [hidden]
@@ -104,7 +108,7 @@ class LayerWeights:
     down: torch.Tensor | None  # [hidden, intermediate]
     moe: MoeWeights | None = None
     mla: MlaWeights | None = None
-    fp8: Fp8Linears | None = None  # the kernel's operands of an FP8 layer
+    quant: QuantLinears | None = None  # the kernel's operands (quantized)
 
 
 @dataclass(frozen=True)
@@ -127,13 +131,16 @@ class DecodeWeights:
     def from_vllm_model(
         cls, model: torch.nn.Module, spec: ModelSpec, dense: bool = True
     ) -> DecodeWeights:
-        """The weights vLLM loaded. An FP8 W8A8 layer also gives its codes
-        and row scales in place (``LayerWeights.fp8``, what the kernel
-        reads); ``dense=False`` (the GPU route) leaves its dense fields None
-        instead of fp32 dequantized copies, 4 bytes a weight."""
+        """The weights vLLM loaded. A quantized layer also gives the
+        kernel's operands (``LayerWeights.quant``): an FP8 layer's codes and
+        scales in place, an INT4 layer's codes packed two a byte (a copy:
+        on a GPU vLLM keeps Marlin's tiles) with its group scales;
+        ``dense=False`` (the GPU route) leaves its dense fields None instead
+        of dequantized copies (FP8's fp32: 4 bytes a weight)."""
         if spec.mla is not None:
             return _from_vllm_mla_model(cls, model, spec)
         fp8 = spec.quant is not None and spec.quant.name in (FP8_W8A8, FP8_BLOCK)
+        int4 = spec.quant is not None and spec.quant.name == INT4_W4A16
         layers = []
         for i, layer in enumerate(stage_layers(model)):
             attn = layer.self_attn
@@ -148,13 +155,20 @@ class DecodeWeights:
                 modules |= {"gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
             codes = None
             if fp8 and not sparse:
-                codes = Fp8Linears(
-                    *(fp8_codes(modules[n], shapes[n]) for n in FP8_LINEARS)
+                codes = QuantLinears(
+                    *(fp8_codes(modules[n], shapes[n]) for n in QUANT_LINEARS)
                 )
-            linear = {
-                n: linear_weight(m, shapes[n]) if dense or codes is None else None
-                for n, m in modules.items()
-            }
+            if int4 and not sparse:
+                read = {n: int4_linear(modules[n], shapes[n]) for n in QUANT_LINEARS}
+                codes = QuantLinears(*(pack_int4(read[n]) for n in QUANT_LINEARS))
+                linear = {
+                    n: read[n].dequantize() if dense else None for n in QUANT_LINEARS
+                }
+            else:
+                linear = {
+                    n: linear_weight(m, shapes[n]) if dense or codes is None else None
+                    for n, m in modules.items()
+                }
             weights = LayerWeights(
                 input_norm=layer.input_layernorm.weight,
                 qkv=linear["qkv"],
@@ -166,7 +180,7 @@ class DecodeWeights:
                 gate_up=linear.get("gate_up"),
                 down=linear.get("down"),
                 moe=moe_weights(mlp, spec) if sparse else None,
-                fp8=codes,
+                quant=codes,
             )
             _check_layer(i, weights, spec)
             layers.append(weights)
@@ -304,23 +318,31 @@ def linear_weight(layer: torch.nn.Module, shape: tuple[int, int]) -> torch.Tenso
         weight = getattr(layer, "weight", None)
         if weight is not None and weight.dtype == torch.float8_e4m3fn:
             return fp8_weight(layer, shape)
-        if getattr(layer, "use_w4a8", False):
-            # vLLM's CPU INT4 kernel on an AMX CPU in bf16: int8 activations.
-            raise UnsupportedModelError(
-                "vLLM runs this INT4 checkpoint W4A8 on this CPU (AMX, bf16), "
-                "where a GPU runs W4A16, the numerics reference mode follows; "
-                "set VLLM_CPU_INT4_W4A8=0"
-            )
-        scales = int4_scales(layer, n)
-        dense = _read_back(
-            lambda x: layer.quant_method.apply(layer, x), k, scales.dtype,
-            scales.device,
-        )  # fmt: skip
-        return int4_weight(layer, dense, scales).dequantize()
+        return int4_linear(layer, shape).dequantize()
     weight = layer.weight
     if weight.numel() or not hasattr(layer, "cpu_linear"):
         return weight
     return _read_back(lambda x: layer.cpu_linear(x, weight, None), k, weight.dtype)
+
+
+def int4_linear(layer: torch.nn.Module, shape: tuple[int, int]) -> Int4Weight:
+    """A W4A16 layer's codes and group scales, whatever layout vLLM's kernel
+    repacked them into: the weight read back through the layer's own
+    ``quant_method.apply`` on the identity (exact), and its scales."""
+    n, k = shape
+    if getattr(layer, "use_w4a8", False):
+        # vLLM's CPU INT4 kernel on an AMX CPU in bf16: int8 activations.
+        raise UnsupportedModelError(
+            "vLLM runs this INT4 checkpoint W4A8 on this CPU (AMX, bf16), "
+            "where a GPU runs W4A16, the numerics reference mode follows; "
+            "set VLLM_CPU_INT4_W4A8=0"
+        )
+    scales = int4_scales(layer, n)
+    dense = _read_back(
+        lambda x: layer.quant_method.apply(layer, x), k, scales.dtype,
+        scales.device,
+    )  # fmt: skip
+    return int4_weight(layer, dense, scales)
 
 
 def _read_back(multiply, k: int, dtype: torch.dtype, device=None) -> torch.Tensor:
@@ -477,10 +499,14 @@ def _check_layer(index: int, w: LayerWeights, spec: ModelSpec) -> None:
         expected["w13"] = (w.moe.w13, (e, 2 * inter, h))
         expected["w2"] = (w.moe.w2, (e, h, inter))
     for name, (tensor, shape) in expected.items():
-        if tensor is None:  # the GPU route's FP8 layer: its codes
-            tensor = getattr(w.fp8, name).codes
-        if tuple(tensor.shape) != shape:
+        got = None if tensor is None else tuple(tensor.shape)
+        if tensor is None:  # the GPU route's quantized layer: its codes
+            codes = getattr(w.quant, name).codes
+            got = tuple(codes.shape)
+            if isinstance(getattr(w.quant, name), PackedInt4):
+                got = (got[0], 2 * got[1])  # two codes a byte
+        if got != shape:
             raise ValueError(
-                f"megakernel: layer {index} {name} weight has shape "
-                f"{tuple(tensor.shape)}, expected {shape}"
+                f"megakernel: layer {index} {name} weight has shape {got}, "
+                f"expected {shape}"
             )

@@ -8,6 +8,16 @@ against vLLM on a GPU):
 
 - the GEMMs (fused QKV, O, fused gate/up, down, LM head): cuBLAS through
   ``F.linear``, here too: the same library and calls.
+- an FP8 W8A8 model's linears (``quant.FP8_W8A8``: e4m3 weights with a
+  scale an output row, inputs quantized per token; the LM head stays
+  bf16): vLLM's ``Fp8LinearOp``, its input quantized per token by
+  ``QuantFP8``'s torch code (which Inductor fuses with the norm before
+  it), then CUTLASS's ``cutlass_scaled_mm`` (sm90, FP8 fast-accumulation
+  schedules). Here: the same quantization in torch (``quantize_per_token``,
+  compiled with its piece), then ``torch._scaled_mm`` with row-wise scales
+  and fast accumulation (``fp8_linear``): PyTorch's FP8 GEMM, not vLLM's
+  CUTLASS one, so the step is named apart (``FP8_BASELINE``) and opens no
+  bucket (``measured.FAIR_BASELINE``).
 - the elementwise work between them (residual add + RMSNorm, QK-norm, RoPE
   with its cos/sin lookup, SiLU-mul): Inductor-fused kernels of the model
   compiled piecewise, split at attention. Here: the same pieces compiled by
@@ -54,9 +64,10 @@ import torch.nn.functional as F
 
 from vllm_ext.model_spec import ModelSpec
 from vllm_ext.paged_kv import write_kv
+from vllm_ext.quant import FP8_W8A8
 from vllm_ext.reference import decode_attention, moe_mlp
 from vllm_ext.runner import DecodeInputs
-from vllm_ext.weights import DecodeWeights, LayerWeights
+from vllm_ext.weights import QUANT_LINEARS, DecodeWeights, LayerWeights
 
 # attend(layer, q, k, v): append k, v [B, kv heads, d] to the layer's paged
 # cache, return the attention of q [B, q heads, d] as [B, q heads * d].
@@ -64,6 +75,62 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # mixture(layer, x): a sparse layer's mixture of experts on its normed input
 # x [B, hidden] -> [B, hidden], both in the model dtype.
 Mixture = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+# What the GPU check names the per-op step of an FP8 W8A8 model (its linears
+# by ``fp8_linear``): not vLLM's CUTLASS GEMM, so not measured.FAIR_BASELINE.
+FP8_BASELINE = "per-op-fp8-scaled-mm"
+# A linear layer's weight as the pieces take it: a tensor in the model dtype
+# (``F.linear``), or an FP8 layer's (e4m3 codes [N, K], fp32 row scales [N])
+# pair (``fp8_linear``). Tensors, not an ``Fp8Weight``: the compiled pieces
+# take the weights as arguments, so one graph serves every layer.
+Weight = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] quantized per token to e4m3 as vLLM's dynamic ``QuantFP8``
+    does in torch: (codes [M, K], fp32 scales [M, 1]), each row's scale its
+    amax / 448, at least 1 / (448 * 512), the row times its reciprocal. The
+    codes times the scales are ``quant.quantize_input``'s, bit for bit."""
+    fp8 = torch.float8_e4m3fn
+    top = torch.finfo(fp8).max
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    scale = (amax / top).clamp(min=1.0 / (top * 512.0))
+    codes = (x.float() * scale.reciprocal()).clamp(-top, top).to(fp8)
+    return codes, scale
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """An FP8 W8A8 linear on ``x`` [M, K] (model dtype) as a GPU runs it:
+    ``x`` quantized per token, then one FP8 GEMM of the codes, both scales
+    applied to its fp32 sums (``scale_a`` a row's, ``scale_b`` a column's),
+    out in ``x``'s dtype. Fast accumulation, as vLLM's sm90 CUTLASS
+    schedules (``...FP8FastAccum``) sum."""
+    q, s = quantize_per_token(x)
+    return torch._scaled_mm(q, codes.t(), scale_a=s, scale_b=scale.view(1, -1),
+                            bias=bias, out_dtype=x.dtype,
+                            use_fast_accum=True)  # fmt: skip
+
+
+def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None):
+    """``F.linear``, or ``fp8_linear`` for an FP8 layer's (codes, scale)."""
+    if isinstance(w, tuple):
+        return fp8_linear(x, *w, bias)
+    return F.linear(x, w, bias)
+
+
+def operand(lw: LayerWeights, name: str) -> Weight:
+    """Layer ``lw``'s linear weight ``name`` as its GEMM reads it: an FP8
+    layer's (codes, scale), else the dense tensor."""
+    if lw.quant is not None and name in QUANT_LINEARS:
+        f = getattr(lw.quant, name)
+        return f.codes, f.scale
+    return getattr(lw, name)
 
 
 def reference_mixture(spec: ModelSpec, weights: DecodeWeights) -> Mixture:
@@ -112,7 +179,13 @@ def per_op_step(
     ``compile_options``: ``torch.compile`` keyword arguments for the three
     pieces (``{}`` for Inductor), or None to run them eagerly. With
     ``elementwise=False`` the norms, QK-norm, RoPE and SiLU-mul are left
-    out: the GEMMs and attention alone, a floor for any per-op decode."""
+    out: the GEMMs and attention alone, a floor for any per-op decode (an
+    FP8 model's per-token quantization stays: its GEMMs' operand).
+
+    An FP8 W8A8 model (``spec.quant``) runs its linears by ``fp8_linear``
+    on its layers' codes and scales (``LayerWeights.quant``; the dense fields,
+    their dequantization, are not read)."""
+    _check_fp8(spec, weights)
     dt, eps, d = spec.dtype, spec.rms_norm_eps, spec.head_dim
     nq, nkv, inter = spec.num_q_heads, spec.num_kv_heads, spec.intermediate_size
 
@@ -132,7 +205,7 @@ def per_op_step(
     def pre_attn(h, residual, positions, cos_sin, input_norm, qkv_w, qkv_b,
                  q_norm, k_norm):  # fmt: skip
         residual = h if residual is None else h + residual
-        qkv = F.linear(norm(residual, input_norm), qkv_w, qkv_b)
+        qkv = linear(norm(residual, input_norm), qkv_w, qkv_b)
         q, k, v = qkv.view(-1, nq + 2 * nkv, d).split([nq, nkv, nkv], 1)
         if q_norm is not None:
             q, k = norm(q, q_norm), norm(k, k_norm)
@@ -146,22 +219,36 @@ def per_op_step(
 
     def pre(i: int) -> tuple:
         lw = weights.layers[i]
-        return (lw.input_norm, lw.qkv, lw.qkv_bias, lw.q_norm, lw.k_norm)
+        return (lw.input_norm, operand(lw, "qkv"), lw.qkv_bias, lw.q_norm,
+                lw.k_norm)  # fmt: skip
 
     return piecewise_step(weights, inputs, attend, pre_attn, post_attn, norm, pre,
                           compile_options, mixture)  # fmt: skip
 
 
+def _check_fp8(spec: ModelSpec, weights: DecodeWeights) -> None:
+    """A quantized model's step needs FP8 W8A8 codes and scales in every
+    layer (``random_weights`` of its spec), and dense layers."""
+    if spec.quant is None:
+        return
+    if spec.quant.name != FP8_W8A8:
+        raise ValueError(f"per-op step: no {spec.quant.name} linears (FP8 W8A8's only)")
+    if spec.moe is not None or any(lw.quant is None for lw in weights.layers):
+        raise ValueError("per-op step: an FP8 W8A8 model's dense layers need "
+                         "their codes and scales (LayerWeights.quant)")  # fmt: skip
+
+
 def dense_mlp(norm: Callable, inter: int, dt: torch.dtype, elementwise: bool = True):
     """``post_attn(o, residual, o_w, post_norm, gate_up_w, down_w) -> (mlp
     output, residual)``: o_proj and the residual add, the post-attention
-    norm, gate/up, SiLU-mul (left out without ``elementwise``), down."""
+    norm, gate/up, SiLU-mul (left out without ``elementwise``), down. Each
+    weight a ``Weight``: a tensor, or an FP8 layer's (codes, scale)."""
 
     def post_attn(o, residual, o_w, post_norm, gate_up_w, down_w):
-        residual = F.linear(o, o_w) + residual
-        gate, up = F.linear(norm(residual, post_norm), gate_up_w).split(inter, -1)
+        residual = linear(o, o_w) + residual
+        gate, up = linear(norm(residual, post_norm), gate_up_w).split(inter, -1)
         act = (F.silu(gate.float()) * up.float()).to(dt) if elementwise else gate
-        return F.linear(act, down_w), residual
+        return linear(act, down_w), residual
 
     return post_attn
 
@@ -199,7 +286,7 @@ def piecewise_step(
 
     # A sparse layer: up to the mixture's input, then from its output.
     def moe_in(o, residual, o_w, post_norm):
-        residual = F.linear(o, o_w) + residual
+        residual = linear(o, o_w) + residual
         return norm(residual, post_norm), residual
 
     def moe_out(y, residual, positions, cos_sin, *pre_w):
@@ -213,7 +300,8 @@ def piecewise_step(
         )
 
     def post(lw: LayerWeights) -> tuple:
-        return (lw.o_proj, lw.post_norm, lw.gate_up, lw.down)
+        return (operand(lw, "o_proj"), lw.post_norm, operand(lw, "gate_up"),
+                operand(lw, "down"))  # fmt: skip
 
     layers = weights.layers
 
@@ -230,7 +318,7 @@ def piecewise_step(
                 *q, residual = middle(o, residual, pos, cos_sin, *post(lw), *pre(nxt))
                 continue
             assert mixture is not None
-            x, residual = moe_in(o, residual, lw.o_proj, lw.post_norm)
+            x, residual = moe_in(o, residual, operand(lw, "o_proj"), lw.post_norm)
             y = mixture(i, x)
             if nxt is None:
                 return final(y, residual, weights.final_norm, weights.lm_head)

@@ -71,14 +71,14 @@ from vllm_ext.megakernel.kernel.shape import (
     partial_rows,
     route_layout,
 )
-from vllm_ext.quant import FP8_BLOCK, Fp8Weight
+from vllm_ext.quant import FP8_BLOCK, INT4_W4A16, Fp8Weight, PackedInt4
 from vllm_ext.runner import DecodeInputs
 from vllm_ext.weights import (
     DecodeWeights,
-    Fp8Linears,
     LayerWeights,
     MlaWeights,
     MoeWeights,
+    QuantLinears,
 )
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -255,7 +255,7 @@ class KernelStandIn:
             return self._weight(row[slot], f"layer {i} {slot.name}", shape, present)
 
         if s.quant is not None:
-            return self._fp8_layer(i, row)
+            return self._quant_layer(i, row)
         return LayerWeights(
             input_norm=at(LayerSlot.INPUT_NORM, (h,)),
             qkv=at(LayerSlot.QKV, (qkv_rows, h), gqa),
@@ -270,11 +270,12 @@ class KernelStandIn:
             mla=None if gqa else self._mla(i, row),
         )
 
-    def _fp8_layer(self, i: int, row) -> LayerWeights:
-        """An FP8 layer (``KernelShape.fp8``): each linear weight's e4m3
-        codes where the bf16 weight would be, its fp32 row (or 128 x 128
-        block) scales in the FP8 columns; the interpreter reads their
-        dequantization."""
+    def _quant_layer(self, i: int, row) -> LayerWeights:
+        """A quantized layer (``KernelShape.quantized``): each linear
+        weight's codes where the bf16 weight would be (FP8's e4m3 ``[N,
+        K]``, INT4's packed bytes ``[N, K / 2]``), its scales in the last
+        four columns (FP8's fp32 a row or 128 x 128 block, INT4's bf16 a
+        row and group); the interpreter reads their dequantization."""
         s = self.program.spec
         h, inter, d = s.hidden_size, s.intermediate_size, s.head_dim
         qkv_rows = s.q_size + 2 * s.kv_size
@@ -286,11 +287,15 @@ class KernelStandIn:
         blocks = s.quant.name == FP8_BLOCK  # a scale a 128 x 128 block
 
         def fp8(codes, scales, n, k):
+            if s.quant.name == INT4_W4A16:
+                group = s.quant.group_size
+                return PackedInt4(at(codes, (n, k // 2), dtype=torch.uint8),
+                                  at(scales, (n, k // group)))  # fmt: skip
             grid = (-(-n // 128), -(-k // 128)) if blocks else (n,)
             return Fp8Weight(at(codes, (n, k), dtype=torch.float8_e4m3fn),
                              at(scales, grid, dtype=FP32))  # fmt: skip
 
-        f = Fp8Linears(
+        f = QuantLinears(
             qkv=fp8(LayerSlot.QKV, LayerSlot.QKV_SCALE, qkv_rows, h),
             o_proj=fp8(LayerSlot.O_PROJ, LayerSlot.O_PROJ_SCALE, h, s.q_size),
             gate_up=fp8(LayerSlot.GATE_UP, LayerSlot.GATE_UP_SCALE, 2 * inter, h),
@@ -306,7 +311,7 @@ class KernelStandIn:
             post_norm=at(LayerSlot.POST_NORM, (h,)),
             gate_up=f.gate_up.dequantize(),
             down=f.down.dequantize(),
-            fp8=f,
+            quant=f,
         )
 
     def _moe(self, i: int, row) -> MoeWeights:
@@ -560,8 +565,8 @@ def register_executor(standin: KernelStandIn, ex, kv_caches=()) -> None:
         dense = (lw.input_norm, lw.qkv, lw.qkv_bias, lw.q_norm, lw.k_norm,
                  lw.o_proj, lw.post_norm, lw.gate_up, lw.down)  # fmt: skip
         standin.register(*(t for t in dense if t is not None))
-        if lw.fp8 is not None:
-            for f in (lw.fp8.qkv, lw.fp8.o_proj, lw.fp8.gate_up, lw.fp8.down):
+        if lw.quant is not None:
+            for f in (lw.quant.qkv, lw.quant.o_proj, lw.quant.gate_up, lw.quant.down):
                 standin.register(f.codes, f.scale)
         if lw.moe is not None:
             m = lw.moe

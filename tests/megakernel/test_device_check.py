@@ -11,7 +11,9 @@ import shutil
 import subprocess
 import sys
 import types
+from contextlib import ExitStack
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -35,9 +37,18 @@ from vllm_ext.megakernel.kernel.shape import (
     AbortWord,
     KernelShape,
 )
+from vllm_ext.megakernel.ops import down as down_op
 from vllm_ext.megakernel.planner import plan
 from vllm_ext.megakernel.verify import stuck_heads
 from vllm_ext.model_spec import ModelSpec
+from vllm_ext.quant import (
+    FP8_BLOCK,
+    FP8_W8A8,
+    INT4_W4A16,
+    PER_TOKEN,
+    PER_TOKEN_GROUP,
+    QuantFormat,
+)
 from vllm_ext.testing import BLOCK_SIZE, random_weights
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,6 +87,9 @@ def test_dry_run_builds_a_small_bundle():
            "DEVICE_CHECK_MOE": "", "DEVICE_CHECK_MLA": "deepseek-v3:1:4",
            # A verify step: requests of 2 rows on the batch-2 bucket's kernel.
            "DEVICE_CHECK_VERIFY": "llama-3.2-1b:2:2",
+           # (CI time: the FP8 kernel's build adds ~20 s here on two cores;
+           # its case is test_an_fp8_case_is_an_fp8_model_throughout's.)
+           "DEVICE_CHECK_QUANT": "",
            # racecheck's own case at batch 1 (CI time; 4 is the same build).
            "DEVICE_CHECK_RACECHECK": "1"}  # fmt: skip
     proc = subprocess.run(
@@ -166,7 +180,7 @@ def test_a_failed_build_fails_the_dry_run():
            "DEVICE_CHECK_BATCHES": "1", "DEVICE_CHECK_FLASHINFER": "0",
            "DEVICE_CHECK_VARIANTS": "", "DEVICE_CHECK_PLANTED": "",
            "DEVICE_CHECK_COVERAGE": "", "DEVICE_CHECK_MOE": "",
-           "DEVICE_CHECK_MLA": ""}  # fmt: skip
+           "DEVICE_CHECK_MLA": "", "DEVICE_CHECK_QUANT": ""}  # fmt: skip
     proc = subprocess.run(
         [str(ROOT / "scripts" / "device_check.sh"), "--dry-run"],
         capture_output=True, text=True, timeout=300, env=env,
@@ -180,20 +194,24 @@ def test_a_failed_build_fails_the_dry_run():
 def harness(request, tmp_path, monkeypatch):
     """device_run on CPU: a tiny Qwen3-shaped case, the kernel replaced by
     the stand-in (optionally corrupting one buffer after each launch). An
-    indirect parameter, a dict, changes the architecture ("arch") or the
-    program (the planner's options)."""
+    indirect parameter, a dict, changes the architecture ("arch"), makes
+    the model quantized ("quant": a QuantFormat, random codes) or
+    changes the program (the planner's options)."""
     d = _device_run()
     monkeypatch.setattr(d, "DEVICE", "cpu")
     monkeypatch.setattr(d, "CONTEXT", 40)
     monkeypatch.setattr(d, "FULL_CHECK_BATCHES", (2,))  # the case's batch
     options = dict(getattr(request, "param", {}))
     arch = options.pop("arch", "qwen3")
+    quant = options.pop("quant", None)
     if arch == "deepseek_routing":  # qwen3_moe with DeepSeek-V3's mixture
         spec = deepseek_routing(torch.bfloat16)
     elif arch in ("qwen3_moe", "mixtral"):
         spec = ModelSpec.from_hf_config(hf_config(arch), torch.bfloat16, 512)
     else:
         spec = make_spec(arch, torch.bfloat16)
+    if quant is not None:
+        spec = dataclasses.replace(spec, quant=quant)
     program = plan(spec, 2, DEVICES["h200"], with_lm_head=True, **options)
     save_program(tmp_path / "program.pt", program,
                  KernelShape.from_program(program, BLOCK_SIZE))  # fmt: skip
@@ -223,6 +241,11 @@ def harness(request, tmp_path, monkeypatch):
                     for r, slot in enumerate(ex.slot_mapping.tolist()):
                         if slot >= 0 and int(ex.seq_lens[r]) > 1:
                             cache[int(ex.block_table[r, 0]), :, 0] += 1.0
+            if kind in FP8_PLANTS:
+                with ExitStack() as plants:
+                    FP8_PLANTS[kind](plants, corrupt, ex)
+                    standin(*args)
+                return
             standin(*args)
             if kind == "buffer" and corrupt:
                 ex.ws[corrupt["name"]][corrupt["layer"]] += 1.0
@@ -240,6 +263,44 @@ def harness(request, tmp_path, monkeypatch):
     return d, tmp_path, corrupt
 
 
+# compressed-tensors' per-channel FP8 (W8A8, dynamic per-token activations).
+FP8 = QuantFormat(FP8_W8A8, "compressed-tensors float-quantized", 8, -1, PER_TOKEN)
+
+
+def _neighbours_scales(plants: ExitStack, corrupt: dict, ex) -> None:
+    """The stand-in reads layer ``corrupt["layer"]``'s DOWN row scales one
+    row off (each row takes its neighbour's scale: a wrong index)."""
+    read = KernelStandIn._quant_layer
+
+    def layer(self, i, row):
+        lw = read(self, i, row)
+        if i != corrupt["layer"]:
+            return lw
+        f = lw.quant.down
+        return dataclasses.replace(lw, down=f.codes.float() * f.scale.roll(1)[:, None])
+
+    plants.enter_context(mock.patch.object(KernelStandIn, "_quant_layer", layer))
+
+
+def _unquantized_down(plants: ExitStack, corrupt: dict, ex) -> None:
+    """The stand-in's DOWN multiplies its bf16 input by the dequantized
+    weights without quantizing it per token first."""
+    plants.enter_context(
+        mock.patch.object(down_op, "quantize_input", lambda x, quant: x)
+    )
+
+
+def _scale_write(plants: ExitStack, corrupt: dict, ex) -> None:
+    """A stray write over one of layer ``corrupt["layer"]``'s DOWN row
+    scales, where a bf16 kernel's weights would hold nothing to write."""
+    ex.weights.layers[corrupt["layer"]].quant.down.scale[3] *= 2
+
+
+# Planted FP8 faults (corrupt's "kind"): each patches the stand-in for one
+# launch.
+FP8_PLANTS = {"fp8_scale_row": _neighbours_scales,
+              "fp8_unquantized": _unquantized_down,
+              "fp8_scale_write": _scale_write}  # fmt: skip
 # Llama: QKV in head parts without QK-norm (QKV finishes q and k).
 SPLIT = {"arch": "llama"}
 # Whole heads (the GPU check's comparison case): QKV finishes Qwen3's q and
@@ -247,11 +308,19 @@ SPLIT = {"arch": "llama"}
 HEADS = {"qkv_parts": 1}
 MOE = {"arch": "deepseek_routing"}
 MIXTURE_CHECKS = {"ROUTE", "TOPK", "TOPK_WEIGHTS", "EXPERT_UP", "EXPERT_DOWN"}
+# Llama-shaped FP8 W8A8 (as the GPU check's Llama-3.1-8B FP8 case), FP8
+# blocks (Qwen3-8B FP8's) and INT4 W4A16 (the W4A16 configs').
+FP8_LLAMA = {"arch": "llama", "quant": FP8}
+BLOCKS_LLAMA = {"arch": "llama", "quant": QuantFormat(FP8_BLOCK, "fp8", 8, 128,
+                                                      PER_TOKEN_GROUP)}  # fmt: skip
+INT4_LLAMA = {"arch": "llama", "quant": QuantFormat(INT4_W4A16, "gptq", 4, 64)}
 
 
-@pytest.mark.parametrize("harness", [{}, SPLIT, HEADS, MOE],
-                         ids=["plain", "split", "heads", "moe"],
-                         indirect=True)  # fmt: skip
+@pytest.mark.parametrize(
+    "harness", [{}, SPLIT, HEADS, MOE, FP8_LLAMA, BLOCKS_LLAMA, INT4_LLAMA],
+    ids=["plain", "split", "heads", "moe", "fp8", "fp8-block", "int4"],
+    indirect=True,
+)  # fmt: skip
 def test_harness_passes_a_correct_kernel(harness):
     d, case, _ = harness
     result = d.correctness(case)
@@ -284,6 +353,71 @@ def test_harness_judges_a_verify_step(harness, monkeypatch):
     errors = d.correctness(case)["steps"][0]["errors"]
     assert not d.passes(errors["ATTN"])
     assert d.passes(errors["KV_APPEND"]) and d.passes(errors["INPUTS"])
+
+
+@pytest.mark.parametrize("harness", [FP8_LLAMA], ids=["fp8"], indirect=True)
+def test_an_fp8_case_is_an_fp8_model_throughout(harness):
+    """The bundle's FP8 case as the GPU side loads it: its saved spec keeps
+    the checkpoint's format (so its program, its references and its floor
+    are FP8's: each linear's e4m3 bytes and fp32 row scales where a bf16
+    model has two bytes a weight, the LM head bf16), and the weight guard
+    covers the codes and scales the kernel reads, not the references'
+    dequantization."""
+    d, case, _ = harness
+    spec, program = d.load_case(case)
+    assert spec.quant == FP8
+    bf16 = plan(dataclasses.replace(spec, quant=None), 2, DEVICES["h200"],
+                with_lm_head=True)  # fmt: skip
+    rows = {"qkv": spec.q_size + 2 * spec.kv_size, "o_proj": spec.hidden_size,
+            "gate_up": 2 * spec.intermediate_size,
+            "down": spec.hidden_size}  # fmt: skip
+    cols = {"qkv": spec.hidden_size, "o_proj": spec.q_size,
+            "gate_up": spec.hidden_size, "down": spec.intermediate_size}  # fmt: skip
+    saved = sum(rows[n] * cols[n] - 4 * rows[n] for n in rows) * spec.num_layers
+    assert bf16.weight_bytes() - program.weight_bytes() == saved
+    predicted = d.predictions(case)["floor_ms"]
+    assert predicted == program.weight_bytes() / DEVICES["h200"].hbm_bytes_per_s * 1e3
+    guarded = dict(d._weights(random_weights(spec, seed=1)))
+    assert guarded["layer 1 down codes"].dtype == torch.float8_e4m3fn
+    assert guarded["layer 1 down scales"].dtype == torch.float32
+    assert not {f"layer {i} {n}" for i in range(2) for n in rows} & set(guarded)
+    assert d.per_op_baseline(spec) == "per-op-fp8-scaled-mm"
+
+
+@pytest.mark.parametrize("harness", [FP8_LLAMA], ids=["fp8"], indirect=True)
+@pytest.mark.parametrize("kind", ["fp8_scale_row", "fp8_unquantized"])
+def test_a_wrong_fp8_linear_fails_its_instruction(harness, monkeypatch, kind):
+    """A kernel that reads layer 1's DOWN row scales one row off, or whose
+    DOWN skips the input's per-token quantization (in every layer), fails
+    DOWN, and the instructions upstream of it pass. (One step, the local
+    checks: what judges. The missing quantization moves DOWN's outputs by
+    ~2% of the largest, within the max-based bound, but 3x past the
+    element-wise one.)"""
+    d, case, corrupt = harness
+    monkeypatch.setattr(d, "STEPS", 1)
+    monkeypatch.setattr(d, "FULL_CHECK_BATCHES", ())
+    corrupt.update(kind=kind, layer=1)
+    result = d.correctness(case)
+    assert not result["ok"]
+    errors = result["steps"][0]["errors"]
+    assert not d.passes(errors["DOWN"]), errors["DOWN"]
+    if kind == "fp8_scale_row":
+        assert errors["DOWN"]["layer"] == 1
+    for op in ("QKV", "O_PROJ", "GATE_UP", "WEIGHTS"):
+        assert d.passes(errors[op]), (op, errors[op])
+
+
+@pytest.mark.parametrize("harness", [FP8_LLAMA], ids=["fp8"], indirect=True)
+def test_a_write_over_an_fp8_scale_fails(harness, monkeypatch):
+    """The weight guard over an FP8 case's codes and scales: a step that
+    writes one of layer 1's DOWN row scales is named."""
+    d, case, corrupt = harness
+    monkeypatch.setattr(d, "STEPS", 1)
+    monkeypatch.setattr(d, "FULL_CHECK_BATCHES", ())
+    corrupt.update(kind="fp8_scale_write", layer=1)
+    errors = d.correctness(case)["steps"][0]["errors"]
+    assert errors["WEIGHTS"]["changed"] == ["layer 1 down scales"]
+    assert not d.passes(errors["WEIGHTS"])
 
 
 def test_the_abort_check_passes_a_kernel_that_aborts(harness):
@@ -600,7 +734,15 @@ def test_report_table():
         "correctness": {"ok": True},
         "timing": {"megakernel_ms": 1.1, "per_op_graph_ms": 1.21,
                    "per_op_baseline": d.VERIFY_BASELINE}}  # fmt: skip
+    # An FP8 case: its per-op step (vLLM's FP8 linears by torch._scaled_mm)
+    # in the main table, named below it.
+    report["cases"]["llama-3.1-8b-fp8-b1"] = {
+        "correctness": {"ok": True},
+        "timing": {"megakernel_ms": 0.9, "per_op_graph_ms": 1.35,
+                   "per_op_baseline": d.FP8_BASELINE}}  # fmt: skip
     table = d.markdown(report)
+    assert "| llama-3.1-8b-fp8-b1 | True | 0.900 | 1.350 | - |" in table
+    assert "per-op step of llama-3.1-8b-fp8-b1: per-op-fp8-scaled-mm" in table
     assert (
         "| llama-3.2-1b-b4-verify4 | True | 4 | 1.100 | 1.000 | 1.100 | - | 1.210 "
         "| 1.100 |" in table

@@ -26,7 +26,7 @@ from vllm_ext.quant import (
 from vllm_ext.reference import ReferenceExecutor
 from vllm_ext.runner import DecodeInputs
 from vllm_ext.testing import BLOCK_SIZE, random_decode_inputs, random_weights
-from vllm_ext.weights import FP8_LINEARS
+from vllm_ext.weights import QUANT_LINEARS
 
 DEVICE = dataclasses.replace(DEVICES["h200"], num_sms=16)
 MAX_LEN = 3 * BLOCK_SIZE + 5  # random_decode_inputs' default history
@@ -128,28 +128,34 @@ def test_refusals():
 # and FP8 with 128 x 128 blocks (activations per token in groups of 128).
 FP8 = QuantFormat(FP8_W8A8, "compressed-tensors float-quantized", 8, -1, PER_TOKEN)
 FP8_BLOCKS = QuantFormat(FP8_BLOCK, "fp8", 8, 128, PER_TOKEN_GROUP)
+# INT4 W4A16 in groups of 64 (GPTQ's).
+INT4 = QuantFormat(INT4_W4A16, "gptq", 4, 64)
 
 
-@pytest.mark.parametrize("arch, fmt", [("llama", FP8), ("qwen3", FP8),
-                                       ("llama", FP8_BLOCKS)])  # fmt: skip
-def test_fp8_layers_through_the_table(arch, fmt):
-    """An FP8 model (KernelShape.fp8, per channel or in blocks): the table
-    holds each linear layer's e4m3 codes where its bf16 weight would be
-    and its fp32 row or block scales in the FP8 columns; the stand-in reads
-    only those (no dense weight is registered), and steps at batch 1 and a
-    padded bucket equal the plain forward's with the reference's input
-    quantization over the dequantized weights."""
+QUANTIZED = [("llama", FP8), ("qwen3", FP8), ("llama", FP8_BLOCKS), ("qwen2", INT4)]
+
+
+@pytest.mark.parametrize("arch, fmt", QUANTIZED)
+def test_quantized_layers_through_the_table(arch, fmt):
+    """A quantized model (KernelShape.quantized: FP8 per channel or in
+    blocks, INT4): the table holds each linear layer's codes where its bf16
+    weight would be and its scales in the last four columns; the stand-in
+    reads only those (no dense weight is registered), and steps at batch 1
+    and a padded bucket equal the plain forward's with the reference's
+    input quantization over the dequantized weights."""
     spec = dataclasses.replace(make_spec(arch, torch.bfloat16), quant=fmt)
     weights = random_weights(spec, seed=1)
-    f = weights.layers[0].fp8
-    assert f.gate_up.codes.dtype == torch.float8_e4m3fn
+    f = weights.layers[0].quant
+    codes = torch.uint8 if fmt is INT4 else torch.float8_e4m3fn
+    assert f.gate_up.codes.dtype == codes
     assert torch.equal(weights.layers[0].gate_up, f.gate_up.dequantize())
     for bucket, n in ((1, 1), (4, 3)):
         program = plan(spec, bucket, DEVICE, with_lm_head=True)
         standin = KernelStandIn(program, weights)
         ex = KernelExecutor(program, weights, standin, block_size=BLOCK_SIZE,
                             max_blocks=-(-MAX_LEN // BLOCK_SIZE))  # fmt: skip
-        assert ex.shape.fp8 and ex.shape.fp8_block == (fmt is FP8_BLOCKS)
+        assert ex.shape.quantized and ex.shape.fp8_block == (fmt is FP8_BLOCKS)
+        assert ex.shape.int4_group == (64 if fmt is INT4 else 0)
         for i, lw in enumerate(weights.layers):
             for name, codes, scale in (
                 ("qkv", LayerSlot.QKV, LayerSlot.QKV_SCALE),
@@ -157,12 +163,12 @@ def test_fp8_layers_through_the_table(arch, fmt):
                 ("gate_up", LayerSlot.GATE_UP, LayerSlot.GATE_UP_SCALE),
                 ("down", LayerSlot.DOWN, LayerSlot.DOWN_SCALE),
             ):
-                w = getattr(lw.fp8, name)
+                w = getattr(lw.quant, name)
                 assert ex.ptrs_host[i, codes] == w.codes.data_ptr()
                 assert ex.ptrs_host[i, scale] == w.scale.data_ptr()
         inputs = random_decode_inputs(spec, n, seed=40)
         # The dense fields unregistered: a table entry pointing at one fails.
-        dense = [getattr(lw, m) for lw in weights.layers for m in FP8_LINEARS]
+        dense = [getattr(lw, m) for lw in weights.layers for m in QUANT_LINEARS]
         register_executor(standin, ex, inputs.kv_caches)
         for t in dense:
             standin.tensors.pop(t.data_ptr(), None)
@@ -182,17 +188,19 @@ def test_fp8_refusals():
     program = plan(spec, 1, DEVICE)
     bare = dataclasses.replace(
         weights,
-        layers=tuple(dataclasses.replace(lw, fp8=None) for lw in weights.layers),
+        layers=tuple(dataclasses.replace(lw, quant=None) for lw in weights.layers),
     )
     with pytest.raises(MegakernelError, match="codes and scales"):
         KernelExecutor(program, bare, None, block_size=BLOCK_SIZE, max_blocks=4)
     lw = weights.layers[0]
     view = dataclasses.replace(
-        lw.fp8.down, codes=lw.fp8.down.codes.t().contiguous().t()
+        lw.quant.down, codes=lw.quant.down.codes.t().contiguous().t()
     )
-    bad = dataclasses.replace(lw, fp8=dataclasses.replace(lw.fp8, down=view))
+    bad = dataclasses.replace(lw, quant=dataclasses.replace(lw.quant, down=view))
     swapped = dataclasses.replace(weights, layers=(bad, *weights.layers[1:]))
-    with pytest.raises(MegakernelError, match="layer 0 down: the kernel reads e4m3"):
+    with pytest.raises(
+        MegakernelError, match="layer 0 down: the kernel reads torch.fl"
+    ):
         KernelExecutor(program, swapped, None, block_size=BLOCK_SIZE, max_blocks=4)
     # (INT4 with a scale a whole row: no device function takes it yet.)
     int4 = dataclasses.replace(spec, quant=QuantFormat(INT4_W4A16, "gptq", 4, -1))

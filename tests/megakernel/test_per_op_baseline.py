@@ -12,8 +12,16 @@ from test_interpret import SPECS, make_spec
 from tests.utils import load_script
 from vllm_ext.demo_models import hf_config
 from vllm_ext.model_spec import ModelSpec
-from vllm_ext.reference import ReferenceExecutor
+from vllm_ext.quant import (
+    FP8_W8A8,
+    PER_TOKEN,
+    QuantFormat,
+    quantize_input,
+    quantize_rows,
+)
+from vllm_ext.reference import ReferenceExecutor, linear
 from vllm_ext.testing import random_decode_inputs, random_weights
+from vllm_ext.weights import QUANT_LINEARS
 
 # Logits against the reference's, max |a - b| / max |b|: the baseline's LM
 # head rounds to bf16 before widening (as vLLM's does), and its GEMMs sum in
@@ -135,3 +143,96 @@ def test_a_mixture_runs_between_the_compiled_pieces(compiled):
         # first, middle (dense layer 0 into 1), moe_in, final: no break.
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 4
         assert not torch._dynamo.utils.counters["graph_break"]
+
+
+# compressed-tensors' per-channel FP8 (W8A8, dynamic per-token activations).
+FP8 = QuantFormat(FP8_W8A8, "compressed-tensors float-quantized", 8, -1, PER_TOKEN)
+# An FP8 step's logits against the reference's. Each linear agrees to one
+# bf16 rounding on the same input (above), but where the two steps' bf16
+# inputs to a linear differ by a rounding (another summation order
+# upstream), the e4m3 code of that element may round the other way: a
+# step of 2^-4 to 2^-3 of it, not 2^-8. At this model's K of 256 one such
+# element moves its outputs by up to ~1%, and two layers carry it on:
+# 0.2% in most draws, 2% and 5% in two of 24 (llama, qwen2, qwen3,
+# mistral, 6 seeds each). Still far from a wrong scale or missing codes.
+FP8_TOL = 0.06
+
+
+def test_per_token_quantization_is_the_references():
+    """The FP8 baseline's input quantization (vLLM's QuantFP8 in torch) is
+    the one the references and the kernel apply, bit for bit: rows of very
+    different magnitudes, and a zero row (its scale clamped, not 0)."""
+    per_op = _per_op()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 256, generator=g) * torch.logspace(-4, 3, 5)[:, None]
+    x = x.to(torch.bfloat16)
+    x[2] = 0
+    codes, scale = per_op.quantize_per_token(x)
+    assert codes.dtype == torch.float8_e4m3fn and codes.shape == x.shape
+    assert scale.dtype == torch.float32 and scale.shape == (5, 1)
+    assert torch.equal(codes.float() * scale, quantize_input(x, FP8))
+    assert scale[2].item() == torch.tensor(1 / (448 * 512)).item()
+
+
+def test_an_fp8_linear_is_the_references():
+    """One FP8 linear on the same input: torch._scaled_mm's fp32 sums of
+    e4m3 products, scaled after the sum and rounded to bf16 once, against
+    the reference's quantized input times the dequantized weight in fp32
+    (the same products, scaled before the sum): fp32 rounding apart, so
+    within one bf16 rounding of each output (2^-8 of it, with a floor for
+    outputs near 0); the bias (qwen2's) added to the fp32 sums."""
+    per_op = _per_op()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 512, generator=g).to(torch.bfloat16)
+    w = quantize_rows(torch.randn(384, 512, generator=g) * 0.05)
+    bias = torch.randn(384, generator=g).to(torch.bfloat16)
+    for b in (None, bias):
+        got = per_op.fp8_linear(x, w.codes, w.scale, b)
+        want = linear(quantize_input(x, FP8), w.dequantize(), b)
+        assert got.dtype == torch.bfloat16
+        err = (got.float() - want).abs() / (want.abs() + want.abs().max() / 64)
+        assert err.max() <= 2**-8 * 1.01  # (fp32 sums in another order: slack)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fp8_per_op_step_is_the_reference_step(compiled):
+    """An FP8 W8A8 model's per-op step (its linears by torch._scaled_mm on
+    the layers' e4m3 codes and row scales, inputs quantized per token; the
+    CPU's _scaled_mm here, the GPU's on the H200) computes the reference
+    forward's step (inputs quantized by quantize_input, dequantized
+    weights). It reads the codes and scales: the dense fields are NaN.
+    (A QKV bias through the FP8 GEMM: test_an_fp8_linear_is_the_references.)"""
+    per_op = _per_op()
+    spec = dataclasses.replace(make_spec("llama", torch.bfloat16), quant=FP8)
+    weights = random_weights(spec, seed=3)
+    inputs = random_decode_inputs(spec, 3, seed=5)
+    mine = _clone(inputs)
+    ref = _reference_logits(spec, weights, inputs)
+    nan = dataclasses.replace(weights, layers=tuple(
+        dataclasses.replace(lw, **{n: torch.full_like(getattr(lw, n), float("nan"))
+                                   for n in QUANT_LINEARS})
+        for lw in weights.layers))  # fmt: skip
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    options = {"backend": "aot_eager"} if compiled else None
+    step = per_op.per_op_step(spec, nan, mine, per_op.paged_attend(nan, mine),
+                              compile_options=options)  # fmt: skip
+    assert _rel(step(), ref) < FP8_TOL
+    for got, want in zip(mine.kv_caches, inputs.kv_caches, strict=True):
+        assert _rel(got.float(), want.float()) < 2**-7
+    if compiled:  # (an FP8 weight is a pair of tensor arguments: still one graph)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3
+        assert not torch._dynamo.utils.counters["graph_break"]
+
+
+def test_an_fp8_step_needs_the_codes():
+    """FP8 weights without their codes (the dense dequantization alone) are
+    refused, not run as bf16 GEMMs: that would time another model."""
+    per_op = _per_op()
+    spec = dataclasses.replace(make_spec("llama", torch.bfloat16), quant=FP8)
+    weights = random_weights(spec, seed=3)
+    bare = dataclasses.replace(weights, layers=tuple(
+        dataclasses.replace(lw, quant=None) for lw in weights.layers))  # fmt: skip
+    inputs = random_decode_inputs(spec, 1, seed=5)
+    with pytest.raises(ValueError, match="codes and scales"):
+        per_op.per_op_step(spec, bare, inputs, per_op.paged_attend(bare, inputs))

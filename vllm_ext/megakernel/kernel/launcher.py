@@ -30,7 +30,7 @@ from vllm_ext.megakernel.kernel.shape import (
 )
 from vllm_ext.megakernel.planner import Program
 from vllm_ext.runner import DecodeInputs
-from vllm_ext.weights import FP8_LINEARS, DecodeWeights, LayerWeights
+from vllm_ext.weights import QUANT_LINEARS, DecodeWeights, LayerWeights
 
 # Kernel architecture of each compute capability the kernel is built for.
 ARCH_OF_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
@@ -184,10 +184,6 @@ class KernelExecutor:
             )
         if shape.mla:
             _check_mla(shape, weights)
-        if shape.int4_group:
-            raise MegakernelError(
-                "megakernel: the launcher does not pass INT4 operands yet"
-            )
         # (A later pipeline stage has no embedding.)
         dev = weights.layers[0].input_norm.device
         self.device = dev
@@ -281,8 +277,8 @@ class KernelExecutor:
                 }
             if lw.mla is not None:
                 row |= self._mla_row(i, lw.mla)
-            if self.shape.fp8:  # codes where the dense weights were, and scales
-                f = lw.fp8
+            if self.shape.quantized:  # codes where the dense weights were, scales
+                f = lw.quant
                 row |= {
                     LayerSlot.QKV: f.qkv.codes,
                     LayerSlot.O_PROJ: f.o_proj.codes,
@@ -490,12 +486,12 @@ class KernelExecutor:
 
 def _check_weights(w: DecodeWeights, shape: KernelShape) -> None:
     """bf16 weights, or (``shape.fp8``) FP8 W8A8 layers' codes and scales in
-    the kernel's layout (``Fp8Linears``) in place of the linear weights."""
+    the kernel's layout (``QuantLinears``) in place of the linear weights."""
     tensors = {"embed": w.embed, "final_norm": w.final_norm, "lm_head": w.lm_head}
-    linears = FP8_LINEARS if shape.fp8 else ()
+    linears = QUANT_LINEARS if shape.quantized else ()
     for i, lw in enumerate(w.layers):
-        if shape.fp8:
-            _check_fp8(i, lw, shape)
+        if shape.quantized:
+            _check_quant(i, lw, shape)
         for name in ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj",
                      "post_norm", "gate_up", "down"):  # fmt: skip
             if name not in linears:
@@ -514,29 +510,38 @@ def _check_weights(w: DecodeWeights, shape: KernelShape) -> None:
         )
 
 
-def _check_fp8(i: int, lw: LayerWeights, shape: KernelShape) -> None:
-    if lw.fp8 is None:
+def _check_quant(i: int, lw: LayerWeights, shape: KernelShape) -> None:
+    """A quantized kernel's operands: FP8's e4m3 codes ``[N, K]`` with fp32
+    row (or block) scales; INT4's packed codes ``[N, K / 2]`` uint8 with
+    bf16 group scales."""
+    if lw.quant is None:
         raise MegakernelError(
-            f"megakernel: layer {i}: an FP8 kernel reads the layer's codes and "
-            "scales (LayerWeights.fp8), and it has none"
+            f"megakernel: layer {i}: a quantized kernel reads the layer's codes "
+            "and scales (LayerWeights.quant), and it has none"
         )
     h, q, inter = shape.hidden, shape.q_size, shape.intermediate
     dims = {"qkv": (q + 2 * shape.kv_heads * shape.head_dim, h), "o_proj": (h, q),
             "gate_up": (2 * inter, h), "down": (h, inter)}  # fmt: skip
-    for name in FP8_LINEARS:
-        f, (rows, k) = getattr(lw.fp8, name), dims[name]
-        scales = (-(-rows // 128), -(-k // 128)) if shape.fp8_block else (rows,)
+    for name in QUANT_LINEARS:
+        f, (rows, k) = getattr(lw.quant, name), dims[name]
+        codes, code_dtype = (rows, k), torch.float8_e4m3fn
+        scales, scale_dtype = (rows,), torch.float32
+        if shape.fp8_block:
+            scales = (-(-rows // 128), -(-k // 128))
+        if shape.int4_group:
+            codes, code_dtype = (rows, k // 2), torch.uint8
+            scales, scale_dtype = (rows, k // shape.int4_group), torch.bfloat16
         if (
-            f.codes.dtype != torch.float8_e4m3fn
-            or tuple(f.codes.shape) != (rows, k)
+            f.codes.dtype != code_dtype
+            or tuple(f.codes.shape) != codes
             or not f.codes.is_contiguous()
-            or f.scale.dtype != torch.float32
+            or f.scale.dtype != scale_dtype
             or tuple(f.scale.shape) != scales
             or not f.scale.is_contiguous()
         ):
             raise MegakernelError(
-                f"megakernel: layer {i} {name}: the kernel reads e4m3 codes "
-                f"{(rows, k)} row-major and fp32 scales {scales}; got "
+                f"megakernel: layer {i} {name}: the kernel reads {code_dtype} "
+                f"codes {codes} row-major and {scale_dtype} scales {scales}; got "
                 f"{f.codes.dtype} {tuple(f.codes.shape)}, {f.scale.dtype} "
                 f"{tuple(f.scale.shape)}"
             )
