@@ -25,7 +25,7 @@ product is exact in float64; only the order of the sums differs
 import numpy as np
 import pytest
 import torch
-from test_gemv_mma_mapping import G, Q, mma_lanes
+from test_gemv_mma_mapping import G, Q, mma_lanes, slice_sums
 
 from vllm_ext.megakernel.kernel.ops.common import NUM_WARPS, VEC
 from vllm_ext.megakernel.kernel.ops.gemv_int4 import BF16X2_128, BF16X2_136, permuted
@@ -42,7 +42,6 @@ from vllm_ext.megakernel.kernel.ops.gemv_mma import (
     lane_vector,
     n_pad,
     page_index,
-    row_blocks,
     stage_elems,
     stage_index,
     warp_task,
@@ -160,21 +159,7 @@ def emulate_group(codes: list[torch.Tensor], scales: list[torch.Tensor],
                     swap = mutation == "swap_b"
                     for m in range(mats):
                         acc[warp, m, nb] = _eight_mmas(a[m], b, acc[warp, m, nb], swap)
-    blocks = row_blocks(n_valid)
-    sums = np.zeros((NUM_WARPS, mats, ROWS, n_pad(batch)))
-    for warp in range(NUM_WARPS):
-        for nb in range(n_blocks):
-            col = nb * N_BLOCK + 2 * Q
-            c = acc[warp, :, nb]
-            sums[warp, :, G, col], sums[warp, :, G, col + 1] = c[..., 0].T, c[..., 1].T
-            sums[warp, :, G + 8, col] = c[..., 2].T
-            sums[warp, :, G + 8, col + 1] = c[..., 3].T
-    _, _, ks = warp_task(0, n_valid)
-    out = np.full((mats, n_valid, batch), np.nan)
-    for i in range(n_valid):
-        rb, r = i // ROWS, i % ROWS
-        out[:, i] = sum(sums[rb + blocks * sl, :, r, :batch] for sl in range(ks))
-    return out
+    return slice_sums(acc, n_valid, batch)
 
 
 def _lane_weights(page, scales, m, rb, row0, j, grp, per_page, chunk) -> np.ndarray:

@@ -38,7 +38,7 @@ the sum of the products' magnitudes. The kernel itself runs on the GPU
 import numpy as np
 import pytest
 import torch
-from test_gemv_mma_mapping import LANES, G, Q
+from test_gemv_mma_mapping import LANES, G, Q, mma_lanes, slice_sums
 
 from vllm_ext.megakernel.kernel.ops.common import NUM_WARPS
 from vllm_ext.megakernel.kernel.ops.gemv_mma import (
@@ -57,7 +57,6 @@ from vllm_ext.megakernel.kernel.ops.gemv_mma import (
     lane_vector,
     n_pad,
     page_index,
-    row_blocks,
     stage_elems,
     stage_index,
     warp_task,
@@ -82,29 +81,11 @@ STAGE_ROW_BYTES = 2 * STAGE_STRIDE
 
 def mma_m16n8k32(a_regs: np.ndarray, b_regs: np.ndarray, c: np.ndarray) -> np.ndarray:
     """D = A B + C from per-lane fragments as the PTX ISA lays out
-    ``mma.m16n8k32`` with e4m3 operands: lane t (g = t // 4, q = t % 4)
-    holds A quads (g, 4q..4q+3), (g+8, 4q..), (g, 4q+16..), (g+8, 4q+16..);
-    B quads (4q.., g), (4q+16.., g); C as the bf16 MMA's. ``a_regs`` [32, 4,
-    4], ``b_regs`` [32, 2, 4] (a register's four codes, low byte first),
-    ``c`` [32, 4]."""
-    a, b = np.empty((ROWS, 32)), np.empty((32, N_BLOCK))
-    placed_a, placed_b = np.zeros(a.shape, bool), np.zeros(b.shape, bool)
-    for reg, (dr, dk) in enumerate([(0, 0), (8, 0), (0, 16), (8, 16)]):
-        for h in range(4):
-            a[G + dr, 4 * Q + dk + h] = a_regs[:, reg, h]
-            placed_a[G + dr, 4 * Q + dk + h] = True
-    for reg, dk in enumerate([0, 16]):
-        for h in range(4):
-            b[4 * Q + dk + h, G] = b_regs[:, reg, h]
-            placed_b[4 * Q + dk + h, G] = True
-    assert placed_a.all() and placed_b.all()
-    d = a @ b
-    out = c.copy()
-    out[:, 0] += d[G, 2 * Q]
-    out[:, 1] += d[G, 2 * Q + 1]
-    out[:, 2] += d[G + 8, 2 * Q]
-    out[:, 3] += d[G + 8, 2 * Q + 1]
-    return out
+    ``mma.m16n8k32`` with e4m3 operands (``mma_lanes`` with four codes a
+    register): ``a_regs`` [32, 4, 4], ``b_regs`` [32, 2, 4] (a register's
+    four codes, low byte first), ``c`` [32, 4]."""
+    assert a_regs.shape[1:] == (4, 4) and b_regs.shape[1:] == (2, 4)
+    return mma_lanes(a_regs, b_regs, c)
 
 
 def _mma_pair(lo, hi, b, acc, swap_b: bool = False):
@@ -265,24 +246,13 @@ def emulate_group(codes: list[np.ndarray], scales: list[np.ndarray], x: torch.Te
                                   for dr in (0, 8))  # fmt: skip
                         acc[warp, m, nb] = _mma_pair(lo, hi, b, acc[warp, m, nb])
     # mma_finish: the slices of each block summed in order; the epilogue.
-    blocks = row_blocks(n_valid)
-    out = np.full((mats, n_valid, batch), np.nan)
-    sums = np.zeros((NUM_WARPS, mats, ROWS, n_pad(batch)))
-    for warp in range(NUM_WARPS):
-        for nb in range(n_blocks):
-            col = nb * N_BLOCK + 2 * Q
-            c = acc[warp, :, nb]
-            sums[warp, :, G, col], sums[warp, :, G, col + 1] = c[..., 0].T, c[..., 1].T
-            sums[warp, :, G + 8, col] = c[..., 2].T
-            sums[warp, :, G + 8, col + 1] = c[..., 3].T
-    _, _, ks = warp_task(0, n_valid)
+    sums = slice_sums(acc, n_valid, batch)
     a = a_scale.double().numpy()
+    out = np.empty((mats, n_valid, batch))
     for i in range(n_valid):
-        rb, r = i // ROWS, i % ROWS
-        s = sum(sums[rb + blocks * sl, :, r, :batch] for sl in range(ks))
         row = i + 1 if mutation == "row_scale" else i
         for m in range(mats):
-            out[m, i] = a * (scales[m][row % len(scales[m])] * s[m])
+            out[m, i] = a * (scales[m][row % len(scales[m])] * sums[m, i])
     return out
 
 
@@ -389,21 +359,7 @@ def emulate_block_group(codes: list[np.ndarray], wsc: list[np.ndarray],
                         pairs = ((a0, w_lo), (a1, w_lo), (a0, w_hi), (a1, w_hi))
                         for c, (a, w) in enumerate(pairs):
                             acc[warp, m, nb, :, c] += d[:, c] * a * w
-    blocks = row_blocks(n_valid)
-    sums = np.zeros((NUM_WARPS, mats, ROWS, n_pad(batch)))
-    for warp in range(NUM_WARPS):
-        for nb in range(n_blocks):
-            col = nb * N_BLOCK + 2 * Q
-            c = acc[warp, :, nb]
-            sums[warp, :, G, col], sums[warp, :, G, col + 1] = c[..., 0].T, c[..., 1].T
-            sums[warp, :, G + 8, col] = c[..., 2].T
-            sums[warp, :, G + 8, col + 1] = c[..., 3].T
-    _, _, ks = warp_task(0, n_valid)
-    out = np.full((mats, n_valid, batch), np.nan)
-    for i in range(n_valid):
-        rb, r = i // ROWS, i % ROWS
-        out[:, i] = sum(sums[rb + blocks * sl, :, r, :batch] for sl in range(ks))
-    return out
+    return slice_sums(acc, n_valid, batch)
 
 
 # Row groups straddling a 128-row block (row0 96), ending past the matrix

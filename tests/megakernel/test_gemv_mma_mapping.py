@@ -84,17 +84,22 @@ def mma_m16n8k16(a_regs, b_regs, c):
 def mma_lanes(a_regs: np.ndarray, b_regs: np.ndarray, c: np.ndarray) -> np.ndarray:
     """``mma_m16n8k16`` for all lanes at once: ``a_regs`` [32, 4, 2],
     ``b_regs`` [32, 2, 2] (a register's two packed values, low half
-    first), ``c`` [32, 4]."""
-    a, b = np.empty((ROWS, 16)), np.empty((16, N))
+    first), ``c`` [32, 4]. With four values a register ([32, 4, 4], [32, 2,
+    4]) it is ``mma.m16n8k32``'s e4m3 layout, the same with each pair a
+    quad: lane t holds A (g, wq..), (g+8, wq..), (g, wq+4w..), (g+8,
+    wq+4w..) and B (wq.., g), (wq+4w.., g), w values a register."""
+    w = a_regs.shape[-1]
+    k = 8 * w
+    a, b = np.empty((ROWS, k)), np.empty((k, N))
     placed_a, placed_b = np.zeros(a.shape, bool), np.zeros(b.shape, bool)
-    for reg, (dr, dk) in enumerate([(0, 0), (8, 0), (0, 8), (8, 8)]):
-        for h in range(2):
-            a[G + dr, 2 * Q + dk + h] = a_regs[:, reg, h]
-            placed_a[G + dr, 2 * Q + dk + h] = True
-    for reg, dk in enumerate([0, 8]):
-        for h in range(2):
-            b[2 * Q + dk + h, G] = b_regs[:, reg, h]
-            placed_b[2 * Q + dk + h, G] = True
+    for reg, (dr, dk) in enumerate([(0, 0), (8, 0), (0, 4 * w), (8, 4 * w)]):
+        for h in range(w):
+            a[G + dr, w * Q + dk + h] = a_regs[:, reg, h]
+            placed_a[G + dr, w * Q + dk + h] = True
+    for reg, dk in enumerate([0, 4 * w]):
+        for h in range(w):
+            b[w * Q + dk + h, G] = b_regs[:, reg, h]
+            placed_b[w * Q + dk + h, G] = True
     assert placed_a.all() and placed_b.all()
     d = a @ b
     out = c.copy()
@@ -264,6 +269,28 @@ def emulate_group(w: list[np.ndarray], x: np.ndarray, per_page: int, n_valid: in
         s = sum(part[rb + blocks * sl, :, r, n] for sl in range(ks))
         if i < n_valid:
             out[:, i, n] = s
+    return out
+
+
+def slice_sums(acc: np.ndarray, n_valid: int, batch: int) -> np.ndarray:
+    """``mma_finish`` on every warp's accumulators ``acc`` [warp, matrix,
+    request block, lane, 4]: the C fragments into [warp, matrix, row,
+    request] tiles, then each valid row's slices summed in slice order:
+    [matrices, n_valid, batch]."""
+    mats, n_blocks = acc.shape[1], acc.shape[2]
+    tiles = np.zeros((NUM_WARPS, mats, ROWS, n_pad(batch)))
+    for nb in range(n_blocks):
+        col = nb * N_BLOCK + 2 * Q
+        c = acc[:, :, nb]  # [warp, matrix, lane, 4]
+        tiles[:, :, G, col] = c[..., 0]
+        tiles[:, :, G, col + 1] = c[..., 1]
+        tiles[:, :, G + 8, col] = c[..., 2]
+        tiles[:, :, G + 8, col + 1] = c[..., 3]
+    blocks, (_, _, ks) = row_blocks(n_valid), warp_task(0, n_valid)
+    out = np.empty((mats, n_valid, batch))
+    for i in range(n_valid):
+        rb, r = i // ROWS, i % ROWS
+        out[:, i] = sum(tiles[rb + blocks * sl, :, r, :batch] for sl in range(ks))
     return out
 
 

@@ -199,15 +199,14 @@ def page_index(m, row, k, per_page: int, k_chunk: int):
     return (m * per_page + row) * k_chunk + k
 
 
-@dsl_user_op
-def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, *, loc=None, ip=None):
-    """``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32``: A as four
-    packed bf16 pairs, B as two, C and D as four fp32 per lane."""
-    args = [Int32(v).ir_value(loc=loc, ip=ip) for v in (a0, a1, a2, a3, b0, b1)]
-    args += [Float32(v).ir_value(loc=loc, ip=ip) for v in (c0, c1, c2, c3)]
+def _mma(shape_types: str, regs, acc, loc=None, ip=None) -> tuple:
+    """``mma.sync.aligned.<shape_types>``: six 32-bit A and B registers,
+    four fp32 accumulators in and out (a lane's fragments)."""
+    args = [Int32(v).ir_value(loc=loc, ip=ip) for v in regs]
+    args += [Float32(v).ir_value(loc=loc, ip=ip) for v in acc]
     out = llvm.inline_asm(
         llvm.StructType.get_literal([T.f32()] * 4), args,
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        f"mma.sync.aligned.{shape_types} "
         "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
         "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
         has_side_effects=False, is_align_stack=False,
@@ -216,6 +215,14 @@ def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, *, loc=None, ip=None):
     return tuple(
         Float32(llvm.extractvalue(T.f32(), out, [i], loc=loc, ip=ip)) for i in range(4)
     )
+
+
+@dsl_user_op
+def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, *, loc=None, ip=None):
+    """``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32``: A as four
+    packed bf16 pairs, B as two, C and D as four fp32 per lane."""
+    return _mma("m16n8k16.row.col.f32.bf16.bf16.f32", (a0, a1, a2, a3, b0, b1),
+                (c0, c1, c2, c3), loc, ip)  # fmt: skip
 
 
 def staged(scratch: cute.Tensor, batch: int, buf, fp8: bool = False,
@@ -305,19 +312,8 @@ def mma_e4m3(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, *, loc=None, ip=None):
     """``mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32``: A as four
     registers of four e4m3 codes, B as two, C and D as four fp32 per lane:
     the bf16 MMA's register layout, each 2-byte pair now a 4-byte quad."""
-    args = [Int32(v).ir_value(loc=loc, ip=ip) for v in (a0, a1, a2, a3, b0, b1)]
-    args += [Float32(v).ir_value(loc=loc, ip=ip) for v in (c0, c1, c2, c3)]
-    out = llvm.inline_asm(
-        llvm.StructType.get_literal([T.f32()] * 4), args,
-        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
-        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
-        has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
-    )  # fmt: skip
-    return tuple(
-        Float32(llvm.extractvalue(T.f32(), out, [i], loc=loc, ip=ip)) for i in range(4)
-    )
+    return _mma("m16n8k32.row.col.f32.e4m3.e4m3.f32", (a0, a1, a2, a3, b0, b1),
+                (c0, c1, c2, c3), loc, ip)  # fmt: skip
 
 
 @dsl_user_op
