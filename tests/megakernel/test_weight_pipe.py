@@ -35,17 +35,16 @@ from vllm_ext.megakernel.isa import Op
 from vllm_ext.megakernel.kernel.control import QUEUE_SLOTS
 from vllm_ext.megakernel.kernel.ops.common import NUM_WARPS, VEC, stages_input
 from vllm_ext.megakernel.kernel.ops.gemv_mma import (
-    GROUP_ROWS,
-    K_CHUNK,
     ROWS,
     group_rows,
+    k_chunk,
     page_index,
 )
 from vllm_ext.megakernel.kernel.ops.weight_pipe import (
     EMPTY_ARRIVALS,
+    FP8_OPS,
     L2_AHEAD_PAGES,
     MIN_SLOTS,
-    PAGE_ELEMS,
     geometry,
     head_pages,
     tile_pages,
@@ -53,7 +52,7 @@ from vllm_ext.megakernel.kernel.ops.weight_pipe import (
     warps_per_row,
 )
 from vllm_ext.megakernel.kernel.persistent import SMEM_LIMIT, ring_slots, shared_bytes
-from vllm_ext.megakernel.kernel.shape import KernelShape
+from vllm_ext.megakernel.kernel.shape import PAGE_BYTES, KernelShape
 from vllm_ext.megakernel.planner import plan, qkv_parts_to_fill
 
 
@@ -104,7 +103,7 @@ def consumer_pages(s: KernelShape, op: Op, lo: int, hi: int) -> list[tuple]:
                                + (u % parts) * n]]  # fmt: skip
     out = []
     for page0, row0, row_end in calls:
-        if s.mma_gemv:  # _paged_mma: row groups, each group's k pages in order
+        if t.mma:  # _paged_mma: row groups, each group's k pages in order
             for grp in range(tile_pages(row_end - row0, t.per_page)):
                 first = row0 + grp * t.per_page
                 for kc in range(t.k_pages):
@@ -139,21 +138,26 @@ def real_shape(config: str, batch: int, split: bool = False):
 # head parts: the 1B shape; QK-norm changes no page. Qwen3-8B's pages
 # are Llama-3.1-8B's: the same widths; CI time.)
 CASES = [(c, b, False) for c in ("llama-3.2-1b", "llama-3.1-8b")
-         for b in (1, 16)] + [("llama-3.2-1b", b, True) for b in (1, 16)]  # fmt: skip
+         for b in (1, 16)] + [("llama-3.2-1b", b, True) for b in (1, 16)] + [
+    # Quantized (tensor-core pages at every batch: e4m3's 512-code chunks,
+    # INT4's 128-row groups; FP8 blocks page as FP8 per channel).
+    ("llama-3.1-8b-fp8", 1, False), ("llama-3.1-8b-w4a16", 1, False)]  # fmt: skip
 
 
 @pytest.mark.parametrize("config, batch, split", CASES)
 def test_pages_cover_each_instruction_once_and_fit(config, batch, split):
     program, s = real_shape(config, batch, split)
-    mma = s.mma_gemv
     geo = geometry(s)
     for op, t in geo.items():
+        mma = t.mma  # (quantized ops: at every batch)
+        assert mma == (s.mma_gemv or (s.quantized and op in FP8_OPS))
         # Pages split a CTA's 8 warps evenly (whole rows) or are row groups
         # of whole MMA row blocks (64 rows, 32 of each of gate and up) by
         # 256-column k chunks, and QKV's divide a head.
         assert t.per_page & (t.per_page - 1) == 0
         if mma:
-            assert t.per_page % ROWS == 0 and t.k_chunk == min(K_CHUNK, t.k)
+            chunk = k_chunk(t.fp8, t.int4)
+            assert t.per_page % ROWS == 0 and t.k_chunk == min(chunk, t.k)
         else:
             assert t.per_page * warps_per_row(t.per_page) in (t.per_page, 8)
             assert t.k_chunk == t.k
@@ -163,21 +167,21 @@ def test_pages_cover_each_instruction_once_and_fit(config, batch, split):
         if op == Op.QKV:
             assert block % t.per_page == 0
         if mma:
-            full = group_rows(t.dual)
+            full = group_rows(t.dual, t.int4)
             assert t.per_page == (min(full, block) if op == Op.QKV else full)
-            assert full * (2 if t.dual else 1) == GROUP_ROWS
+            assert full * (2 if t.dual else 1) == group_rows(False, t.int4)
         matrices = 2 if t.dual else 1
-        assert matrices * t.per_page * t.k_chunk <= PAGE_ELEMS
+        assert t.bytes_of(matrices * t.per_page * t.k_chunk) <= PAGE_BYTES
         # Each row's copy lands where the consumers' page view reads it
         # (both use page_index): disjoint, in the slot, 16-byte aligned.
         starts = sorted(page_index(m, r, 0, t.per_page, t.k_chunk)
                         for m in range(matrices)
                         for r in range(t.per_page))  # fmt: skip
         assert starts == list(range(0, len(starts) * t.k_chunk, t.k_chunk))
-        assert starts[-1] + t.k_chunk <= PAGE_ELEMS
-        assert all(o * 2 % 16 == 0 for o in starts)
-        assert (t.per_page * t.k_chunk * 2) % 16 == 0  # the up half's offset
-        assert (t.k_chunk * 2) % 16 == 0 and (t.k * 2) % 16 == 0  # copy rules
+        assert t.bytes_of(starts[-1] + t.k_chunk) <= PAGE_BYTES
+        assert all(t.bytes_of(o) % 16 == 0 for o in starts)
+        assert t.bytes_of(t.per_page * t.k_chunk) % 16 == 0  # the up half's offset
+        assert t.bytes_of(t.k_chunk) % 16 == 0 and t.bytes_of(t.k) % 16 == 0
     seen = set()
     for queue in program.queues:
         for ins in queue:
@@ -203,7 +207,8 @@ def test_pages_cover_each_instruction_once_and_fit(config, batch, split):
             assert all(f in wanted and f + n - 1 in wanted for f, n, _, _ in made)
             assert all(0 < n <= t.per_page and 0 < c <= t.k_chunk
                        for _, n, _, c in made)  # fmt: skip
-            assert all(k0 + c <= t.k and (c * 2) % 16 == 0 for _, _, k0, c in made)
+            assert all(k0 + c <= t.k and t.bytes_of(c) % 16 == 0
+                       for _, _, k0, c in made)  # fmt: skip
 
 
 class MBarrier:
@@ -389,9 +394,11 @@ def busiest(counts: list[list[int]], n: int) -> list[list[int]]:
 
 # The real programs: dense 1B and 8B at batch 1, the mixture (its dense
 # projections page; ROUTE, TOPK and the experts do not), the tensor-core
-# pages of the batched buckets (the smallest ring: 8B at batch 64).
+# pages of the batched buckets (the smallest ring: 8B at batch 64), INT4's
+# 128-row tensor-core pages at batch 1.
 REPLAYS = [("llama-3.2-1b", 1), ("llama-3.1-8b", 1), ("qwen3-30b-a3b", 1),
-           ("llama-3.2-1b", 16), ("llama-3.1-8b", 64)]  # fmt: skip
+           ("llama-3.2-1b", 16), ("llama-3.1-8b", 64),
+           ("llama-3.1-8b-w4a16", 1)]  # fmt: skip
 
 
 @pytest.mark.parametrize("config, batch", REPLAYS)
