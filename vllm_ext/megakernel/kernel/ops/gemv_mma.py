@@ -6,7 +6,9 @@
 in, fp32 accumulators) with the batch as the MMA's small N dimension. Its
 weights come from the weight pipeline's pages (``weight_pipe.py``; the
 loop over them is ``gemv_paged._paged_mma``); batch 1 keeps the CUDA-core
-GEMV, which streams at 3.5-4 TB/s there.
+GEMV, which streams at 3.5-4 TB/s there. Quantized weights run here at
+every batch: FP8 (e4m3 MMAs on the same registers, inputs quantized as
+staged, per channel or in 128 x 128 blocks) below, INT4 in gemv_int4.py.
 
 On the H200 (2026-11-30) the CUDA-core GEMV fell from 3.5-4.0 TB/s at batch
 1 to 0.25-0.8 TB/s at batch 16: instruction issue, not bandwidth. Here a

@@ -29,10 +29,12 @@ For the CUDA-core GEMV a page holds whole rows of one matrix (or the same
 rows of gate and up): ``page_rows`` of them, a power of two, so pages
 divide a head for QKV and split the warps evenly when a row is long; an
 opcode whose row does not fit a page reads global memory (it has no pages).
-For the tensor-core GEMV (``mma_gemv``, every batch above 1) a page is a
-row group of 64 rows (32 of each of gate and up; QKV: at most a head part's
-block) by a 256-column k chunk, the group's k chunks in order, one copy per
-row and matrix (``gemv_mma.py`` says why). Producer and consumers
+For the tensor-core GEMV (``mma_gemv``, every batch above 1; a quantized
+kernel's QKV, O_PROJ, GATE_UP and DOWN at every batch) a page is a row
+group of 64 rows (32 of each of gate and up; QKV: at most a head part's
+block) by a 512-byte k chunk (256 bf16 weights, 512 e4m3 codes; INT4: 128
+rows by 512 codes), the group's k chunks in order, one copy per row and
+matrix (``gemv_mma.py`` says why; ``Tile.bytes_of`` converts). Producer and consumers
 (``gemv_paged.py``) derive the same page sequence from the instructions and
 ``geometry``; ``tests/megakernel/test_weight_pipe.py`` replays both
 schedules in Python over the real programs.
