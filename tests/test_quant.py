@@ -3,6 +3,8 @@
 which refused by name, the INT4 dequantization against the formats' own
 libraries, and the demo checkpoints against vLLM's unpacking."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -179,6 +181,20 @@ def test_per_channel_int4_runs_in_reference_mode_only():
     rows = _llama_spec(_ct({"strategy": "channel", "group_size": None}))
     with pytest.raises(ValueError, match="reference mode only.*INTERPRET=1"):
         backend._check_gpu_kernel(None, rows)
+
+
+def test_quantized_kernels_take_at_most_16_requests(monkeypatch):
+    """VLLM_MEGAKERNEL_MAX_BATCH above the quantized kernels' largest
+    bucket is capped to it, naming why; a bf16 model takes what is asked."""
+    from vllm_ext import backend
+
+    monkeypatch.delenv("VLLM_MEGAKERNEL_INTERPRET", raising=False)
+    monkeypatch.setenv("VLLM_MEGAKERNEL_MAX_BATCH", "64")
+    fp8 = _llama_spec(_ct(FP8_CHANNEL, FP8_TOKEN, "float-quantized"))
+    taken, why = backend.decode_batches(fp8, torch.device("cpu"))
+    assert taken == 16 and "FP8 kernels' largest bucket" in why
+    plain = dataclasses.replace(fp8, quant=None)
+    assert backend.decode_batches(plain, torch.device("cpu"))[0] == 64
 
 
 def test_the_gpu_kernel_takes_fp8_on_dense_models():
