@@ -147,6 +147,11 @@ VERIFY=${DEVICE_CHECK_VERIFY-"llama-3.1-8b:4:4 llama-3.1-8b:2:2 llama-3.1-8b:8:8
 # did not end in 240 s on an H200. Empty: racecheck on the first case.
 RACECHECK=${DEVICE_CHECK_RACECHECK-"1 4"}
 RACECHECK_VOCAB=2048
+# Quantized racecheck cases: the same one-layer model at batch 1 with the
+# quantization_config of each config listed (its FP8 or INT4 kernel: the
+# staged codes and the input scales' shared memory). Each racecheck run may
+# take its 240 s: opt-in, e.g. "llama-3.1-8b-fp8 llama-3.1-8b-w4a16".
+RACECHECK_QUANT=${DEVICE_CHECK_RACECHECK_QUANT-""}
 rm -rf "$BUNDLE"
 mkdir -p "$BUNDLE"
 cd "$ROOT"
@@ -277,6 +282,20 @@ PY
         racecheck="$racecheck $name"
     done
 fi
+for quant in $RACECHECK_QUANT; do
+    config=$(mktemp --suffix=.json)
+    "$VENV/bin/python" - "$ROOT/vllm_ext/configs/$PLANTED_MODEL.json" "$config" \
+        "$RACECHECK_VOCAB" "$ROOT/vllm_ext/configs/$quant.json" <<'PY'
+import json, sys
+config = json.load(open(sys.argv[1]))
+config["vocab_size"] = int(sys.argv[3])
+config["quantization_config"] = json.load(open(sys.argv[4]))["quantization_config"]
+json.dump(config, open(sys.argv[2], "w"))
+PY
+    name=$PLANTED_MODEL-v$RACECHECK_VOCAB-b1-$quant-racecheck
+    build_case "$config" 1 "$BUNDLE/$name"
+    racecheck="$racecheck $name"
+done
 # FlashInfer's paged decode attention: the attention reference and the
 # per-op baseline's attention on the GPU (DEVICE_CHECK_FLASHINFER=0 skips).
 if [[ ${DEVICE_CHECK_FLASHINFER:-1} == 1 ]]; then
