@@ -28,12 +28,11 @@ from vllm.v1.worker.decode_backend import (
 from vllm_ext import envs
 from vllm_ext.attention import KV_CACHE_LAYOUT
 from vllm_ext.megakernel.kernel.launcher import ARCH_OF_CAPABILITY
-from vllm_ext.megakernel.kernel.shape import FP8_MAX_BATCH
+from vllm_ext.megakernel.kernel.shape import QUANT_MAX_BATCH, quant_refusal
 from vllm_ext.megakernel.planner import batch_buckets
 from vllm_ext.model_spec import ModelSpec, sliding_window_refusal
 from vllm_ext.parallel import shard_spec, stage_spec
 from vllm_ext.plugin import ATTENTION_BACKEND
-from vllm_ext.quant import FP8_BLOCK, FP8_W8A8, INT4_W4A16
 from vllm_ext.runner import MAX_QUERY_LEN, DecodeExecutor, decode_inputs
 from vllm_ext.weights import DecodeWeights, stage_layers
 
@@ -195,7 +194,8 @@ class MegakernelDecodeBackend(DecodeBackend):
         self._ran_a_step = False
 
     def _make_executor(self, model: torch.nn.Module) -> DecodeExecutor:
-        # (The kernel reads an FP8 layer's codes in place, no dense copy.)
+        # (The GPU route keeps no dense copy of a quantized layer's weights:
+        # the kernel reads its codes.)
         weights = DecodeWeights.from_vllm_model(
             model, self.spec, dense=bool(envs.VLLM_MEGAKERNEL_INTERPRET)
         )
@@ -327,9 +327,9 @@ def decode_batches(spec: ModelSpec, device: torch.device) -> tuple[int, str]:
         return envs.VLLM_MEGAKERNEL_MAX_BATCH, "reference mode, not gated"
     if os.environ.get("VLLM_MEGAKERNEL_MAX_BATCH"):
         asked = envs.VLLM_MEGAKERNEL_MAX_BATCH
-        if spec.quant is not None and asked > FP8_MAX_BATCH:
-            return FP8_MAX_BATCH, (
-                "VLLM_MEGAKERNEL_MAX_BATCH, and FP8 kernels' largest bucket"
+        if spec.quant is not None and asked > QUANT_MAX_BATCH:
+            return QUANT_MAX_BATCH, (
+                "VLLM_MEGAKERNEL_MAX_BATCH, and quantized kernels' largest bucket"
             )
         return asked, "VLLM_MEGAKERNEL_MAX_BATCH"
     from vllm_ext.megakernel import build, measured
@@ -579,19 +579,18 @@ def _tp_group():
 def _check_gpu_kernel(vllm_config: VllmConfig, spec: ModelSpec) -> None:
     """What the compiled kernel (not the reference) needs."""
     moe = spec.moe is not None and any(spec.moe.sparse_layers)
-    int4_groups = spec.quant is not None and spec.quant.group_size in (32, 64, 128)
-    taken = (
-        spec.quant is None
-        or spec.quant.name in (FP8_W8A8, FP8_BLOCK)
-        or (spec.quant.name == INT4_W4A16 and int4_groups)
-    )
-    if spec.quant is not None and (not taken or moe or spec.mla is not None):
+    refused = quant_refusal(spec.quant)
+    if spec.quant is not None and (refused or moe or spec.mla is not None):
         raise ValueError(
             f"--decode-backend megakernel runs {spec.quant.name} checkpoints of "
-            "this model in reference mode only: the kernel's quantized device "
-            f"functions are {FP8_W8A8}'s, {FP8_BLOCK}'s and {INT4_W4A16}'s in "
-            "groups of 32, 64 or 128, in dense layers with grouped-query "
-            "attention. " + INTERPRET_HINT
+            "this model in reference mode only: "
+            + (
+                refused
+                or "the kernel's quantized device functions run in dense "
+                "layers with grouped-query attention"
+            )
+            + ". "
+            + INTERPRET_HINT
         )
     capability = tuple(current_platform.get_device_capability() or ())
     if capability not in ARCH_OF_CAPABILITY:

@@ -219,6 +219,11 @@ class Fp8Weight:
     codes: torch.Tensor
     scale: torch.Tensor
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The dense weight's ``[N, K]``."""
+        return tuple(self.codes.shape)
+
     def dequantize(self) -> torch.Tensor:
         """``[N, K]`` fp32: each code times its row's or block's scale
         (exact; vLLM's ``block_dequant`` for blocks)."""
@@ -352,6 +357,11 @@ class PackedInt4:
 
     codes: torch.Tensor
     scale: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The dense weight's ``[N, K]`` (two codes a byte)."""
+        return (self.codes.shape[0], 2 * self.codes.shape[1])
 
     def unpacked(self) -> Int4Weight:
         c = self.codes

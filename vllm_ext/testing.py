@@ -96,7 +96,7 @@ def random_weights(
         for is_sparse in sparse
     )
     if spec.quant is not None:
-        layers = tuple(fp8_layer(lw, spec) for lw in layers)
+        layers = tuple(quantized_layer(lw, spec) for lw in layers)
     if mla is not None:  # rotary on the rope dims only
         d = mla.qk_rope_head_dim
     inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
@@ -112,7 +112,7 @@ def random_weights(
     )
 
 
-def fp8_layer(lw: LayerWeights, spec: ModelSpec) -> LayerWeights:
+def quantized_layer(lw: LayerWeights, spec: ModelSpec) -> LayerWeights:
     """A dense layer of ``random_weights`` as a quantized checkpoint holds
     it: each linear weight's rows (FP8 W8A8, ``quant.quantize_rows``), 128 x
     128 blocks (``quant.quantize_blocks``) or groups (INT4 W4A16,
@@ -124,9 +124,9 @@ def fp8_layer(lw: LayerWeights, spec: ModelSpec) -> LayerWeights:
     if spec.quant.name not in formats or lw.moe is not None or lw.mla is not None:
         raise ValueError(f"random {spec.quant.name} weights: dense layers only")
     quantize = formats[spec.quant.name]
-    fp8 = QuantLinears(*(quantize(getattr(lw, n)) for n in QUANT_LINEARS))
-    dense = {n: getattr(fp8, n).dequantize() for n in QUANT_LINEARS}
-    return dataclasses.replace(lw, quant=fp8, **dense)
+    codes = QuantLinears(*(quantize(getattr(lw, n)) for n in QUANT_LINEARS))
+    dense = {n: getattr(codes, n).dequantize() for n in QUANT_LINEARS}
+    return dataclasses.replace(lw, quant=codes, **dense)
 
 
 def random_decode_inputs(

@@ -141,6 +141,7 @@ class DecodeWeights:
             return _from_vllm_mla_model(cls, model, spec)
         fp8 = spec.quant is not None and spec.quant.name in (FP8_W8A8, FP8_BLOCK)
         int4 = spec.quant is not None and spec.quant.name == INT4_W4A16
+        read = fp8_codes if fp8 else lambda m, dims: pack_int4(int4_linear(m, dims))
         layers = []
         for i, layer in enumerate(stage_layers(model)):
             attn = layer.self_attn
@@ -154,21 +155,18 @@ class DecodeWeights:
             if not sparse:
                 modules |= {"gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
             codes = None
-            if fp8 and not sparse:
+            if (fp8 or int4) and not sparse:
+                # Read once: the kernel's operands, and reference mode's dense
+                # weights their dequantization (what linear_weight reads).
                 codes = QuantLinears(
-                    *(fp8_codes(modules[n], shapes[n]) for n in QUANT_LINEARS)
+                    *(read(modules[n], shapes[n]) for n in QUANT_LINEARS)
                 )
-            if int4 and not sparse:
-                read = {n: int4_linear(modules[n], shapes[n]) for n in QUANT_LINEARS}
-                codes = QuantLinears(*(pack_int4(read[n]) for n in QUANT_LINEARS))
                 linear = {
-                    n: read[n].dequantize() if dense else None for n in QUANT_LINEARS
+                    n: getattr(codes, n).dequantize() if dense else None
+                    for n in QUANT_LINEARS
                 }
             else:
-                linear = {
-                    n: linear_weight(m, shapes[n]) if dense or codes is None else None
-                    for n, m in modules.items()
-                }
+                linear = {n: linear_weight(m, shapes[n]) for n, m in modules.items()}
             weights = LayerWeights(
                 input_norm=layer.input_layernorm.weight,
                 qkv=linear["qkv"],
@@ -499,12 +497,8 @@ def _check_layer(index: int, w: LayerWeights, spec: ModelSpec) -> None:
         expected["w13"] = (w.moe.w13, (e, 2 * inter, h))
         expected["w2"] = (w.moe.w2, (e, h, inter))
     for name, (tensor, shape) in expected.items():
-        got = None if tensor is None else tuple(tensor.shape)
-        if tensor is None:  # the GPU route's quantized layer: its codes
-            codes = getattr(w.quant, name).codes
-            got = tuple(codes.shape)
-            if isinstance(getattr(w.quant, name), PackedInt4):
-                got = (got[0], 2 * got[1])  # two codes a byte
+        # (The GPU route's quantized layer has no dense weight: its codes'.)
+        got = getattr(w.quant, name).shape if tensor is None else tuple(tensor.shape)
         if got != shape:
             raise ValueError(
                 f"megakernel: layer {index} {name} weight has shape {got}, "

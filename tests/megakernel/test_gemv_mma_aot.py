@@ -14,7 +14,7 @@ from test_kernel_aot import ROLES_BUDGET, check_sass, demo_shape, real_shape
 from vllm_ext.megakernel.isa import Op
 from vllm_ext.megakernel.kernel.aot import build
 from vllm_ext.megakernel.kernel.ops.gemv_mma import N_BLOCK, n_pad
-from vllm_ext.megakernel.kernel.ops.weight_pipe import FP8_OPS, MIN_SLOTS, geometry
+from vllm_ext.megakernel.kernel.ops.weight_pipe import MIN_SLOTS, QUANT_OPS, geometry
 from vllm_ext.megakernel.kernel.persistent import (
     CONSUMER_REGS,
     SMEM_LIMIT,
@@ -57,7 +57,7 @@ def test_fp8_gemv_compiles_clean(batch, block, tmp_path):
     shape = dataclasses.replace(demo_shape("llama", batch), fp8=True,
                                 fp8_block=block)  # fmt: skip
     geo = geometry(shape)
-    assert all(geo[op].mma and geo[op].fp8 for op in FP8_OPS)
+    assert all(geo[op].mma and geo[op].fp8 for op in QUANT_OPS)
     assert not geo[Op.LM_HEAD].fp8 and geo[Op.LM_HEAD].mma == (batch > 1)
     assert shared_bytes(shape) <= SMEM_LIMIT and ring_slots(shape) >= MIN_SLOTS
     built = build("sm_90a", tmp_path, shape)
@@ -80,7 +80,7 @@ def test_int4_gemv_compiles_clean(batch, group, tmp_path):
     archs: scripts/compile_grid.py.)"""
     shape = dataclasses.replace(demo_shape("llama", batch), int4_group=group)
     geo = geometry(shape)
-    assert all(geo[op].mma and geo[op].int4 for op in FP8_OPS)
+    assert all(geo[op].mma and geo[op].int4 for op in QUANT_OPS)
     assert shared_bytes(shape) <= SMEM_LIMIT and ring_slots(shape) >= MIN_SLOTS
     built = build("sm_90a", tmp_path, shape)
     check_sass(built)

@@ -38,7 +38,7 @@ the sum of the products' magnitudes. The kernel itself runs on the GPU
 import numpy as np
 import pytest
 import torch
-from test_gemv_mma_mapping import LANES, G, Q, mma_lanes, slice_sums
+from test_gemv_mma_mapping import G, Q, mma_lanes, slice_sums
 
 from vllm_ext.megakernel.kernel.ops.common import NUM_WARPS
 from vllm_ext.megakernel.kernel.ops.gemv_mma import (
@@ -189,7 +189,6 @@ def test_staged_codes_are_the_references_quantization(normed):
 
 def test_constants_are_vllms():
     assert torch.finfo(E4M3).max == E4M3_MAX
-    assert MIN_SCALE == 1.0 / (E4M3_MAX * 512.0)
     assert K_BLOCK8 == FP8_K_BLOCK == k_block(True) == 4 * VEC8
     # A page's 512-byte k chunk and a staged row: the bf16 path's bytes.
     for dual in (False, True):
@@ -302,7 +301,6 @@ def test_lanes_cover_the_k_block_once():
     for kb in range(3):
         kk = VEC8 * lane_vector(kb, Q[:4])[:, None] + np.arange(VEC8)
         assert sorted(kk.ravel()) == list(range(kb * K_BLOCK8, (kb + 1) * K_BLOCK8))
-    assert len(LANES) == 32
 
 
 def emulate_block_group(codes: list[np.ndarray], wsc: list[np.ndarray],

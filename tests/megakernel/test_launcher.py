@@ -204,7 +204,7 @@ def test_fp8_refusals():
         KernelExecutor(program, swapped, None, block_size=BLOCK_SIZE, max_blocks=4)
     # (INT4 with a scale a whole row: no device function takes it yet.)
     int4 = dataclasses.replace(spec, quant=QuantFormat(INT4_W4A16, "gptq", 4, -1))
-    with pytest.raises(ValueError, match="INT4 group size -1"):
+    with pytest.raises(ValueError, match="group size of -1: the kernel"):
         KernelShape.from_program(plan(int4, 1, DEVICE), BLOCK_SIZE)
 
 

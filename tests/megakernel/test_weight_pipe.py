@@ -42,9 +42,9 @@ from vllm_ext.megakernel.kernel.ops.gemv_mma import (
 )
 from vllm_ext.megakernel.kernel.ops.weight_pipe import (
     EMPTY_ARRIVALS,
-    FP8_OPS,
     L2_AHEAD_PAGES,
     MIN_SLOTS,
+    QUANT_OPS,
     geometry,
     head_pages,
     tile_pages,
@@ -150,7 +150,7 @@ def test_pages_cover_each_instruction_once_and_fit(config, batch, split):
     geo = geometry(s)
     for op, t in geo.items():
         mma = t.mma  # (quantized ops: at every batch)
-        assert mma == (s.mma_gemv or (s.quantized and op in FP8_OPS))
+        assert mma == (s.mma_gemv or (s.quantized and op in QUANT_OPS))
         # Pages split a CTA's 8 warps evenly (whole rows) or are row groups
         # of whole MMA row blocks (64 rows, 32 of each of gate and up) by
         # 256-column k chunks, and QKV's divide a head.

@@ -32,18 +32,15 @@ import torch
 
 from vllm_ext.megakernel.cost import DEFAULT_DEVICE, DEVICES
 from vllm_ext.megakernel.kernel import aot
-from vllm_ext.megakernel.kernel.shape import PLANTED_BUGS, KernelShape
+from vllm_ext.megakernel.kernel.shape import PLANTED_BUGS, KernelShape, quant_refusal
 from vllm_ext.megakernel.plan import print_summary, spec_or_exit
 from vllm_ext.megakernel.planner import plan, qkv_parts_to_fill
 from vllm_ext.megakernel.variants import Variants
 from vllm_ext.megakernel.verify import verify
 from vllm_ext.model_spec import UnsupportedModelError
 from vllm_ext.parallel import shard_spec
-from vllm_ext.quant import FP8_BLOCK, FP8_W8A8, INT4_W4A16
 
 KERNEL_DIR = Path(aot.__file__).resolve().parent
-# The quantized formats the kernel has device functions for.
-QUANT_KERNELS = (FP8_W8A8, FP8_BLOCK, INT4_W4A16)
 # Under "vllm." as vLLM's init_logger names the backend's: vLLM's handlers
 # show it, without importing vLLM on a build machine.
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -385,12 +382,12 @@ def main(argv: list[str] | None = None) -> int:
     except UnsupportedModelError as e:
         print(f"build: {e}", file=sys.stderr)
         return 2
-    if spec.quant is not None and spec.quant.name not in QUANT_KERNELS:
+    refused = quant_refusal(spec.quant)
+    if refused:
         # The plan CLI counts its bytes; the kernel has no device functions
-        # for it yet and would read the weights as the model dtype. (FP8's
-        # and INT4's: KernelShape.fp8 / int4_group, which refuse a variant,
-        # a mixture, a latent attention or tensor parallel.)
-        print(f"build: no {spec.quant.name} device functions yet", file=sys.stderr)
+        # for it yet. (Those it has: KernelShape.fp8 / int4_group, which
+        # refuse a variant, a mixture, a latent attention or tensor parallel.)
+        print(f"build: {refused}", file=sys.stderr)
         return 2
     if args.block_size < 16 or args.block_size % 16:
         print("build: --block-size must be a multiple of 16", file=sys.stderr)

@@ -74,7 +74,7 @@ class LayerSlot(IntEnum):
     QKV_A = 34  # [B, q_lora_rank + latent_width] bf16: the down projection
     Q_LAT = 35  # [B, heads, kv_lora_rank] bf16: q_nope @ W_UK
     Q_PE = 36  # [B, heads, qk_rope_head_dim] bf16, rotated
-    # A quantized kernel's rows are FP8_SLOTS wide (KernelShape.quantized):
+    # A quantized kernel's rows are QUANT_SLOTS wide (KernelShape.quantized):
     # QKV, O_PROJ, GATE_UP and DOWN then hold e4m3 codes (the same [N, K]
     # row-major shapes, a byte each; INT4: [N, K / 2] bytes, two codes
     # each, low nibble first) and these their scales: FP8's fp32, one an
@@ -148,7 +148,7 @@ ABORT_WORDS = len(AbortWord)
 NUM_SLOTS = 18
 MOE_SLOTS = 27
 MLA_SLOTS = 37
-FP8_SLOTS = 41
+QUANT_SLOTS = 41
 
 
 def partial_rows(num_layers: int) -> int:
@@ -165,7 +165,7 @@ def partial_row(point: int, layer: int) -> int:
 def table_width(shape: KernelShape) -> int:
     """Columns of the address table the kernel for ``shape`` reads."""
     if shape.quantized:
-        return FP8_SLOTS
+        return QUANT_SLOTS
     if shape.mla:
         return MLA_SLOTS
     return MOE_SLOTS if shape.moe else NUM_SLOTS
@@ -196,9 +196,28 @@ WUK_GROUP = 4
 FP8_K_BLOCK = 64
 # The largest batch bucket of an FP8 or INT4 kernel (compile_grid: clean up
 # to 16).
-FP8_MAX_BATCH = 16
+QUANT_MAX_BATCH = 16
 # The INT4 tensor-core GEMV's k per lane quad and step: 4 lanes x 32 codes.
 INT4_K_BLOCK = 128
+# INT4 group sizes the kernel takes (a lane's 32 codes lie in one group).
+INT4_GROUPS = (32, 64, 128)
+
+
+def quant_refusal(quant) -> str | None:
+    """Why the kernel cannot run a checkpoint's format (``quant.QuantFormat``
+    or None), or None: its device functions are FP8 W8A8's, FP8 blocks' and
+    INT4 W4A16's in groups of ``INT4_GROUPS`` (the one list the build CLI
+    and the backend ask)."""
+    if quant is None or quant.name in (FP8_W8A8, FP8_BLOCK):
+        return None
+    if quant.name == INT4_W4A16 and quant.group_size in INT4_GROUPS:
+        return None
+    if quant.name == INT4_W4A16:
+        return (
+            f"{quant.name} weights with a group size of {quant.group_size}: the "
+            f"kernel's INT4 GEMV takes groups of {', '.join(map(str, INT4_GROUPS))}"
+        )
+    return f"{quant.name} weights: the kernel has no device functions for them"
 
 
 def page_rows(k: int, dual: bool = False) -> int:
@@ -216,8 +235,8 @@ def page_rows(k: int, dual: bool = False) -> int:
 
 @dataclass(frozen=True)
 class KernelShape:
-    """Compile-time constants of one kernel build (bf16 weights, or FP8's
-    where ``fp8``)."""
+    """Compile-time constants of one kernel build (bf16 weights; FP8's where
+    ``fp8``, INT4's where ``int4_group``)."""
 
     hidden: int
     intermediate: int
@@ -329,12 +348,10 @@ class KernelShape:
         if self.ranks_in_launch not in (1, self.tp_size):
             raise ValueError(f"{self.ranks_in_launch} ranks in a launch: 1 or "
                              f"tp_size ({self.tp_size})")  # fmt: skip
-        if self.fp8:
-            self._check_fp8()
-        elif self.fp8_block:
+        if self.fp8_block and not self.fp8:
             raise ValueError("fp8_block is a kind of fp8 kernel (fp8 too)")
-        if self.int4_group:
-            self._check_int4()
+        if self.fp8 or self.int4_group:
+            self._check_quantized()
         if self.tp_size > 1 and self._variants():
             raise ValueError("tensor parallel runs in the default kernel only, "
                              f"not with {', '.join(self._variants())}")  # fmt: skip
@@ -389,52 +406,38 @@ class KernelShape:
         if not self.mla_scale > 0:
             raise ValueError("the MLA softmax scale must be positive")
 
-    def _check_fp8(self) -> None:
-        if self._variants() or self.moe or self.mla or self.tp_size > 1:
-            raise ValueError(
-                "FP8 weights run in the default kernel of a dense model on one "
-                "GPU only (no FP8 mixture, latent attention or tensor parallel "
-                "device functions yet)"
-            )
-        if self.batch > FP8_MAX_BATCH:
-            # (8B's batch-64 build kept two words in local memory: 222
-            # registers, the consumers' budget.)
-            raise ValueError(
-                f"batch {self.batch}: FP8 kernels take at most {FP8_MAX_BATCH} "
-                "requests (register budget)"
-            )
-        widths = (self.hidden, self.q_heads * self.head_dim, self.intermediate)
-        multiple = FP8_GROUP if self.fp8_block else FP8_K_BLOCK
-        if any(k % multiple for k in widths):
-            raise ValueError(
-                f"FP8 GEMV widths {widths}: multiples of {multiple} (the e4m3 "
-                "MMA's k per lane quad; with blocks, their k groups)"
-            )
-
-    def _check_int4(self) -> None:
-        if self.fp8:
+    def _check_quantized(self) -> None:
+        kind = "FP8" if self.fp8 else "INT4"
+        if self.fp8 and self.int4_group:
             raise ValueError("a kernel's weights are FP8 or INT4, not both")
         if self._variants() or self.moe or self.mla or self.tp_size > 1:
             raise ValueError(
-                "INT4 weights run in the default kernel of a dense model on one "
-                "GPU only (no INT4 mixture, latent attention or tensor parallel "
-                "device functions yet)"
+                f"{kind} weights run in the default kernel of a dense model on "
+                f"one GPU only (no {kind} mixture, latent attention or tensor "
+                "parallel device functions yet)"
             )
-        if self.batch > FP8_MAX_BATCH:
+        if self.batch > QUANT_MAX_BATCH:
+            # (8B FP8's batch-64 build kept two words in local memory at
+            # 222 registers, the consumers' budget.)
             raise ValueError(
-                f"batch {self.batch}: INT4 kernels take at most {FP8_MAX_BATCH} "
-                "requests (the largest bucket compiled clean)"
+                f"batch {self.batch}: {kind} kernels take at most "
+                f"{QUANT_MAX_BATCH} requests (register budget)"
             )
-        if self.int4_group not in (32, 64, 128):
+        if self.int4_group and self.int4_group not in INT4_GROUPS:
             raise ValueError(
-                f"INT4 group size {self.int4_group}: 32, 64 or 128 (a lane's 32 "
-                "codes in one group; per-channel scales not yet)"
+                f"INT4 group size {self.int4_group}: one of {INT4_GROUPS} (a "
+                "lane's 32 codes in one group; per-channel scales not yet)"
             )
         widths = (self.hidden, self.q_heads * self.head_dim, self.intermediate)
-        if any(k % INT4_K_BLOCK for k in widths):
+        multiple = FP8_K_BLOCK
+        if self.fp8_block:
+            multiple = FP8_GROUP
+        elif self.int4_group:
+            multiple = INT4_K_BLOCK
+        if any(k % multiple for k in widths):
             raise ValueError(
-                f"INT4 GEMV widths {widths}: multiples of {INT4_K_BLOCK} (the "
-                "k per lane quad)"
+                f"{kind} GEMV widths {widths}: multiples of {multiple} (the k per "
+                "lane quad; with FP8 blocks, their k groups)"
             )
 
     @property
@@ -567,12 +570,11 @@ class KernelShape:
         ranks_in_launch: int = 1,
     ) -> KernelShape:
         s = program.spec
+        refused = quant_refusal(s.quant)
+        if refused:
+            raise ValueError(refused)
         fp8 = s.quant is not None and s.quant.name in (FP8_W8A8, FP8_BLOCK)
         int4 = s.quant is not None and s.quant.name == INT4_W4A16
-        if s.quant is not None and not (fp8 or int4):
-            raise ValueError(
-                f"{s.quant.name} weights: the kernel has no device functions for them"
-            )
         gqa = dict(q_heads=s.num_q_heads, kv_heads=s.num_kv_heads,
                    head_dim=s.head_dim)  # fmt: skip
         mla = {}

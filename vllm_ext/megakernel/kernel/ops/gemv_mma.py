@@ -81,6 +81,7 @@ from vllm_ext.megakernel.kernel.ops.common import (
     thread_ids,
     vectors,
 )
+from vllm_ext.megakernel.kernel.shape import FP8_GROUP, FP8_K_BLOCK, INT4_K_BLOCK
 
 ROWS = 16  # an MMA's M: a row block
 K_BLOCK = 32  # k per lane quad and step: 4 lanes x 8 weights
@@ -94,7 +95,7 @@ STAGE_VECS = K_CHUNK // VEC
 # 128-bit vector holds 16 e4m3 codes, a k block is 64 codes (two
 # m16n8k32 MMAs), a page's k chunk 512 codes, a staged row 576 bytes.
 VEC8 = 16
-K_BLOCK8 = 2 * K_BLOCK
+K_BLOCK8 = FP8_K_BLOCK  # 4 lanes x VEC8
 E4M3_MAX = 448.0
 # vLLM's QuantFP8 floor under a per-token scale: amax / 448, at least this.
 MIN_SCALE = 1.0 / (E4M3_MAX * 512.0)
@@ -105,7 +106,7 @@ MIN_SCALE = 1.0 / (E4M3_MAX * 512.0)
 # 128 rows (64 of each of gate and up) by a 512-code chunk (256 bytes a
 # row), a staged row 512 bf16 plus the pad (1088 bytes, 64 mod 128).
 VEC4 = 32
-K_BLOCK4 = 4 * VEC4
+K_BLOCK4 = INT4_K_BLOCK  # 4 lanes x VEC4
 K_CHUNK4 = 512
 GROUP_ROWS4 = 128
 STAGE_STRIDE4 = K_CHUNK4 + STAGE_PAD
@@ -127,8 +128,7 @@ def k_block(fp8: bool, int4: bool = False) -> int:
 
 
 # Block FP8 (KernelShape.fp8_block): inputs quantized per token in groups
-# of FP8_GROUP, weights' scales per FP8_GROUP x FP8_GROUP block.
-FP8_GROUP = 128
+# of FP8_GROUP, weights' scales per FP8_GROUP x FP8_GROUP block (shape.py).
 
 
 def fp8_scale_floats(batch: int, groups: int = 0) -> int:

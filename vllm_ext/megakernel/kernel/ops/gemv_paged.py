@@ -7,7 +7,8 @@ references. Each warp releases a page once it has read it
 (``release_page``); only split rows meet at a consumer barrier, for their
 partial sums. Batch 1 runs the CUDA-core GEMV over pages of whole rows;
 every larger batch the tensor-core one (``KernelShape.mma_gemv``), and
-FP8 weights the tensor-core one at every batch (``Tile.mma``)."""
+quantized weights (FP8, INT4) the tensor-core one at every batch
+(``Tile.mma``)."""
 
 import cutlass
 import cutlass.cute as cute
@@ -65,13 +66,14 @@ def paged_gemv(
     wscale2: cute.Tensor = None,
 ):
     """Rows [row0, row_end) of ``W @ x[b]`` from the pages that hold them
-    (the same contract as ``gemv.gemv``). Above batch 1, and FP8 at every
-    batch, on tensor cores (``_paged_mma``). At batch 1, short rows: a warp
-    per row; long rows (fewer than ``NUM_WARPS`` per page): warps split
-    each row's k, and their sums meet in ``p.red``. FP8: the caller took
-    the instruction's input scales first (``fp8_input_scales``); ``wscale``
-    (and ``wscale2`` when dual) the weights' fp32 row scales, row-indexed
-    as the epilogue's rows."""
+    (the same contract as ``gemv.gemv``). Above batch 1, and quantized
+    weights at every batch, on tensor cores (``_paged_mma``). At batch 1,
+    short rows: a warp per row; long rows (fewer than ``NUM_WARPS`` per
+    page): warps split each row's k, and their sums meet in ``p.red``.
+    Quantized: ``wscale`` (and ``wscale2`` when dual) the weights' scales
+    (``weight_scales``), row-indexed as the epilogue's rows; FP8: the
+    caller took the instruction's input scales first
+    (``fp8_input_scales``)."""
     tile = geometry(p.shape)[op]
     if cutlass.const_expr(tile.mma):
         _paged_mma(p, tile, page0, row0, row_end, x, norm, rstd, epilogue, normed,
@@ -131,7 +133,7 @@ def _paged_rows(p: cutlass.Constexpr, tile: cutlass.Constexpr, page0, row0, row_
                 epilogue(first + rr, i, s1, s2)
 
 
-def fp8_weight_scales(s: KernelShape, addr, rows: int, k: int) -> cute.Tensor:
+def weight_scales(s: KernelShape, addr, rows: int, k: int) -> cute.Tensor:
     """A quantized matrix's scales at ``addr``: FP8's one a row ``[rows]``
     fp32, or with ``fp8_block`` one a 128 x 128 block ``[ceil(rows / 128),
     k / 128]``; INT4's one a row and group ``[rows, k / group]``, bf16 read
@@ -222,13 +224,10 @@ def _paged_mma(p: cutlass.Constexpr, tile: cutlass.Constexpr, page0, row0, row_e
                     int4_chunk(w1, w2, dual, stage, rb, sl, ks,
                                k_len // k_block(False, True), batch, acc, wscale,
                                wscale2, first, k0, p.shape.int4_group)  # fmt: skip
-                elif cutlass.const_expr(block):
+                else:  # (block FP8 scales each k block: mma_chunk)
                     mma_chunk(w1, w2, dual, stage, rb, sl, ks, k_len // k_block(fp8),
-                              batch, acc, fp8, wscale, wscale2, sc, first,
-                              k0)  # fmt: skip
-                else:
-                    mma_chunk(w1, w2, dual, stage, rb, sl, ks, k_len // k_block(fp8),
-                              batch, acc, fp8)  # fmt: skip
+                              batch, acc, fp8, wscale if block else None,
+                              wscale2 if block else None, sc, first, k0)  # fmt: skip
             release_page(p, pg)
         mma_finish(part, acc, first, n_valid, sl, ks, row_blocks(n_valid), batch,
                    finish, dual)  # fmt: skip

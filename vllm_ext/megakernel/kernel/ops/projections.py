@@ -20,8 +20,8 @@ from vllm_ext.megakernel.kernel.ops.common import (
 from vllm_ext.megakernel.kernel.ops.gemv import gemv
 from vllm_ext.megakernel.kernel.ops.gemv_paged import (
     fp8_input_scales,
-    fp8_weight_scales,
     paged_gemv,
+    weight_scales,
 )
 from vllm_ext.megakernel.kernel.ops.weight_pipe import reads_pages
 from vllm_ext.megakernel.kernel.shape import GlobalSlot, KernelShape, LayerSlot
@@ -58,7 +58,7 @@ def _residual_projection(
 
     wscale = None
     if cutlass.const_expr(shape.quantized):
-        wscale = fp8_weight_scales(shape, ptrs[layer, scale], h, k)
+        wscale = weight_scales(shape, ptrs[layer, scale], h, k)
     _plain_gemv(shape, w, xs, rstd, lo, hi, epilogue, w_stage, op, wscale)
 
 
@@ -71,7 +71,7 @@ def _plain_gemv(
     weight pipeline's pages, or (legacy control, rows wider than a page)
     from global memory. ``wscale``: a quantized projection's scales."""
     if cutlass.const_expr(reads_pages(w_stage, op)):
-        if cutlass.const_expr(s.fp8):
+        if cutlass.const_expr(s.fp8 and wscale is not None):  # (not the LM head)
             fp8_input_scales(w_stage, x, x[0, None], rstd, False)
         paged_gemv(w_stage, op, 0, lo, hi, x, x[0, None], rstd, epilogue, False,
                    wscale)  # fmt: skip
@@ -124,11 +124,11 @@ def gate_up(
         ws, ws2 = None, None
         if cutlass.const_expr(shape.quantized):
             scales = ptrs[layer, LayerSlot.GATE_UP_SCALE]
-            ws = fp8_weight_scales(shape, scales, inter, h)
+            ws = weight_scales(shape, scales, inter, h)
             # The up rows' scales (bytes; with blocks, whole blocks of gate;
             # INT4's bf16).
             size = 2 if shape.int4_group else 4
-            ws2 = fp8_weight_scales(shape, scales + cute.size(ws) * size, inter, h)
+            ws2 = weight_scales(shape, scales + cute.size(ws) * size, inter, h)
         if cutlass.const_expr(stages_input(shape)):
             stage_normed(x, norm, rstd, x_stage)
             if cutlass.const_expr(shape.fp8):

@@ -29,8 +29,8 @@ from vllm_ext.megakernel.kernel.ops.common import (
 from vllm_ext.megakernel.kernel.ops.gemv import gemv
 from vllm_ext.megakernel.kernel.ops.gemv_paged import (
     fp8_input_scales,
-    fp8_weight_scales,
     paged_gemv,
+    weight_scales,
 )
 from vllm_ext.megakernel.kernel.ops.kv import kv_slot_entry
 from vllm_ext.megakernel.kernel.ops.weight_pipe import head_pages, reads_pages
@@ -124,7 +124,7 @@ def qkv(
         stage_normed(x, norm, rstd, x_stage)
     wscale = None
     if cutlass.const_expr(shape.quantized):
-        wscale = fp8_weight_scales(shape, ptrs[layer, LayerSlot.QKV_SCALE], rows, h)
+        wscale = weight_scales(shape, ptrs[layer, LayerSlot.QKV_SCALE], rows, h)
     if cutlass.const_expr(shape.fp8):
         if cutlass.const_expr(stages_input(shape)):
             fp8_input_scales(w_stage, x_stage, norm, rstd, False)

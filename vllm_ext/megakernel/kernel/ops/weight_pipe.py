@@ -84,7 +84,7 @@ L2_AHEAD_PAGES = 6
 # A slot's release: one arrival per consumer thread (``release_page``).
 EMPTY_ARRIVALS = NUM_THREADS
 # The opcodes whose weights a quantized kernel reads as codes (FP8, INT4).
-FP8_OPS = (Op.QKV, Op.O_PROJ, Op.GATE_UP, Op.DOWN)
+QUANT_OPS = (Op.QKV, Op.O_PROJ, Op.GATE_UP, Op.DOWN)
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,7 @@ def geometry(s: KernelShape) -> dict[Op, Tile]:
         # A row (pair) wider than a page: that opcode reads global memory.
         geo = {op: _row_tile(*t) for op, t in rows.items() if fits_page(t[0], t[1])}
     if s.fp8 or s.int4_group:  # tensor cores at every batch; the LM head bf16
-        for op in FP8_OPS:
+        for op in QUANT_OPS:
             geo[op] = _mma_tile(*rows[op], fp8=s.fp8, int4=bool(s.int4_group))
     return geo
 
