@@ -12,8 +12,10 @@ against vLLM on a GPU):
   scale an output row, inputs quantized per token; the LM head stays
   bf16): vLLM's ``Fp8LinearOp``, its input quantized per token by
   ``QuantFP8``'s torch code (which Inductor fuses with the norm before
-  it), then CUTLASS's ``cutlass_scaled_mm`` (sm90, FP8 fast-accumulation
-  schedules). Here: the same quantization in torch (``quantize_per_token``,
+  it), then CUTLASS's ``cutlass_scaled_mm`` (sm90: the
+  ``KernelTmaWarpSpecializedPingpongFP8FastAccum`` schedule,
+  ``csrc/quantization/w8a8/cutlass/c3x/scaled_mm_sm90_fp8_dispatch.cuh:107``
+  of the 0.32.0 sdist). Here: the same quantization in torch (``quantize_per_token``,
   compiled with its piece), then ``torch._scaled_mm`` with row-wise scales
   and fast accumulation (``fp8_linear``): PyTorch's FP8 GEMM, not vLLM's
   CUTLASS one, so the step is named apart (``FP8_BASELINE``) and opens no

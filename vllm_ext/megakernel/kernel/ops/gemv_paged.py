@@ -169,8 +169,9 @@ def _paged_mma(p: cutlass.Constexpr, tile: cutlass.Constexpr, page0, row0, row_e
     then each warp's row block and k slice; a warp's accumulators carry
     across its group's k pages; the slices meet in ``mma_finish``, FP8's
     sums times the input's and the row's scales (vLLM's scaled GEMM
-    epilogue: ``a * (w * sum)``), block FP8's scaled per k block as they
-    are added (``mma_chunk``)."""
+    epilogue: ``a * (w * sum)``, ``ScaledEpilogue`` in the sdist's
+    ``csrc/cutlass_extensions/epilogue/scaled_mm_epilogues_c3x.hpp``),
+    block FP8's scaled per k block as they are added (``mma_chunk``)."""
     _, warp, _ = thread_ids()
     batch = x.shape[0]
     rows, k_chunk, dual, fp8 = tile.per_page, tile.k_chunk, tile.dual, tile.fp8
