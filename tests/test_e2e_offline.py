@@ -931,22 +931,28 @@ def test_gpu_route_through_vllm_with_a_stand_in_kernel(
         check_bf16_close(default, mega, "default", "megakernel (stand-in kernel)")
 
 
-@pytest.mark.parametrize("fmt", ["fp8-channel", "fp8-block", "pack-quantized"])
-def test_gpu_route_runs_a_quantized_checkpoint(demo_model, stand_in_route,
-                                               monkeypatch, tmp_path, fmt):  # fmt: skip
+@pytest.mark.parametrize(
+    "arch, fmt",
+    [("llama", "fp8-channel"), ("llama", "fp8-block"), ("llama", "pack-quantized"),
+     ("qwen3_moe", "fp8-block"), ("qwen3_moe", "pack-quantized")],
+)  # fmt: skip
+def test_gpu_route_runs_a_quantized_checkpoint(
+    demo_model, stand_in_route, monkeypatch, tmp_path, arch, fmt
+):
     """A quantized checkpoint of the Llama demo (FP8 per-channel W8A8, FP8
-    128 x 128 blocks, INT4 W4A16 in groups of 32; vLLM's CPU kernels stood
-    in for where it has none) through the GPU route's host side
+    128 x 128 blocks, INT4 W4A16 in groups of 32) and of the Qwen3-MoE demo
+    (a dense layer, then a mixture; FP8 blocks, INT4), vLLM's CPU kernels
+    stood in for where it has none, through the GPU route's host side
     (``stand_in_route``): quantized kernels (``KernelShape.quantized``)
-    whose tables hold the codes and scales (FP8's vLLM's own, in place;
-    INT4's packed two a byte from what vLLM loaded), no dense copy of a
-    linear weight; tokens and logprobs bit for bit reference mode's, which
-    reads the same codes dequantized."""
+    whose tables hold the codes and scales (FP8's vLLM's own, in place, the
+    experts' too; INT4's packed two a byte from what vLLM loaded), no dense
+    copy of a linear weight or an expert; tokens and logprobs bit for bit
+    reference mode's, which reads the same codes dequantized."""
     from tests import cpu_quant_ops
     from vllm_ext.demo_quant import quantize_checkpoint
 
     cpu_quant_ops.install(monkeypatch)
-    model = str(quantize_checkpoint(demo_model("llama"), tmp_path / fmt, fmt))
+    model = str(quantize_checkpoint(demo_model(arch), tmp_path / fmt, fmt))
     executors = stand_in_route.executors
     monkeypatch.setenv("VLLM_MEGAKERNEL_INTERPRET", "1")
     interpreted, _ = _generate(model, "bfloat16", decode_backend="megakernel")
@@ -961,22 +967,32 @@ def test_gpu_route_runs_a_quantized_checkpoint(demo_model, stand_in_route,
     codes = torch.uint8 if int4 else torch.float8_e4m3fn
     for lw in executors[0].weights.layers:
         assert lw.qkv is None and lw.down is None
-        assert lw.quant.down.codes.dtype == codes
+        assert lw.quant.qkv.codes.dtype == codes
+        if lw.moe is not None:
+            assert lw.moe.w13 is None and lw.moe.quant.w2.codes.dtype == codes
+    assert any(lw.moe is not None for lw in executors[0].weights.layers) == (
+        arch != "llama"
+    )
 
 
-@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+@pytest.mark.parametrize(
+    "arch, method",
+    [("llama", "ngram"), ("llama", "eagle3"), ("deepseek_v3_moe", "ngram")],
+)
 def test_gpu_route_runs_verify_steps_as_reference_mode(
-    demo_model, stand_in_route, monkeypatch, tmp_path, method
+    demo_model, stand_in_route, monkeypatch, tmp_path, arch, method
 ):
     """Speculative verify steps (n-gram: ragged; EAGLE-3: the residual
     streams read from the kernel's workspace) through the GPU route's host
     side (``stand_in_route``): buckets count tokens, each token a row with
     its request's block table; tokens and logprobs bit for bit reference
     mode's, some verify steps of several rows per request among the
-    launches."""
+    launches. On DeepSeek-V3's latent attention the kernels of 2 and 4
+    rows are built for the drafts' rows a request (``query_rows``), so the
+    stand-in reads the step's query map (MLA_ATTN's shared pass)."""
     from vllm_ext.demo_models import eagle_drafter
 
-    model = demo_model("llama")
+    model = demo_model(arch)
     speculative = NGRAM
     if method == "eagle3":
         drafter = eagle_drafter(model, tmp_path / method, aux_layers=EAGLE[method])
@@ -1002,6 +1018,13 @@ def test_gpu_route_runs_verify_steps_as_reference_mode(
     launches = sum(e.launch.launches for e in stand_in_route.executors)
     assert ran == len(rows) == launches
     assert any(max(lens) > 1 for lens in rows)
+    drafts = 1 + speculative["num_speculative_tokens"]
+    mla = arch != "llama"
+    assert [e.shape.query_rows for e in stand_in_route.executors] == [
+        min(drafts, e.shape.batch) if mla else 1 for e in stand_in_route.executors
+    ]
+    assert all((e.query_map is not None) == (mla and e.shape.batch > 1)
+               for e in stand_in_route.executors)  # fmt: skip
 
 
 def test_a_kernel_step_that_aborts_fails_its_requests_and_vllm_serves_on(

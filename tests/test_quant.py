@@ -230,6 +230,10 @@ def test_the_gpu_kernel_takes_fp8_on_dense_models():
          "fp8-block"],
 )  # fmt: skip
 def test_quantized_mixtures_taken_and_refused_by_name(config, refused):
+    """A quantized Qwen3-MoE's spec carries its format, and the GPU kernel
+    takes it (quantized experts: ops/expert_up.py, expert_down.py; it then
+    needs a GPU, refused here for the missing one)."""
+    from vllm_ext import backend
     from vllm_ext.demo_models import hf_config
     from vllm_ext.model_spec import ModelSpec, UnsupportedModelError
 
@@ -241,6 +245,23 @@ def test_quantized_mixtures_taken_and_refused_by_name(config, refused):
         return
     spec = ModelSpec.from_hf_config(hf, torch.bfloat16, 512)
     assert spec.moe is not None and spec.quant == quant_format(config)
+    with pytest.raises(ValueError, match="needs .*GPU"):
+        backend._check_gpu_kernel(None, spec)
+
+
+def test_quantized_latent_attention_runs_in_reference_mode_only():
+    """DeepSeek-V3 in FP8 blocks (latent attention, a shared expert) has no
+    quantized device functions yet: refused at start-up by name, pointing
+    at reference mode."""
+    from vllm_ext import backend
+    from vllm_ext.demo_models import hf_config
+    from vllm_ext.model_spec import ModelSpec
+
+    hf = hf_config("deepseek_v3")
+    hf.quantization_config = DEEPSEEK_FP8
+    spec = ModelSpec.from_hf_config(hf, torch.bfloat16, 512)
+    with pytest.raises(ValueError, match="no latent attention or shared expert"):
+        backend._check_gpu_kernel(None, spec)
 
 
 def _int4_experts(e: int, n: int, k: int, group: int = 32):
@@ -361,7 +382,7 @@ def test_fp8_channel_experts_are_the_gpu_fused_moe():
         held[f"{name}_weight"] = torch.stack([t["w.weight"] for t in drawn])
         held[f"{name}_weight_scale"] = torch.stack([t["w.weight_scale"] for t in drawn])
     experts = SimpleNamespace(**held)
-    w13, w2 = fp8_experts(experts, e, h, inter)
+    w13, w2 = (w.dequantize() for w in fp8_experts(experts, e, h, inter))
     for ours, name in ((w13, "w13"), (w2, "w2")):
         codes, scale = held[f"{name}_weight"], held[f"{name}_weight_scale"]
         group = GroupShape(1, codes.shape[-1])
@@ -516,7 +537,7 @@ def test_fp8_block_experts_are_the_gpu_fused_moe():
             [t["w.weight_scale_inv"] for t in drawn]
         )
     experts = SimpleNamespace(**packed)
-    w13, w2 = fp8_experts(experts, e, h, inter)
+    w13, w2 = (w.dequantize() for w in fp8_experts(experts, e, h, inter))
     blocks = packed["w2_weight_scale_inv"].repeat_interleave(128, 1)
     assert torch.equal(w2, packed["w2_weight"].float() * blocks)
     x = torch.randn(5, h, generator=gen).to(torch.bfloat16)

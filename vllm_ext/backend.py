@@ -175,6 +175,9 @@ class MegakernelDecodeBackend(DecodeBackend):
         # after loading the model: to this value, _check_mla_attention), and
         # the first step checks a latent cache's against.
         self.block_size = vllm_config.cache_config.block_size
+        # A verify step's rows a request (1 without speculation), which a
+        # latent attention's MLA_ATTN passes over together.
+        self.query_rows = self.capabilities(vllm_config).max_query_len
         self._caches_checked = False
         max_batch, why = decode_batches(self.spec, device)
         if max_batch:
@@ -210,6 +213,7 @@ class MegakernelDecodeBackend(DecodeBackend):
                 DEVICES[envs.VLLM_MEGAKERNEL_INTERPRET_DEVICE],
                 self.buckets,
                 seed=envs.VLLM_MEGAKERNEL_INTERPRET_SEED,
+                query_rows=self.query_rows,
             )
         # verify_and_update_config refused every other case at start-up.
         from vllm_ext.megakernel.kernel.executor import GpuExecutor
@@ -227,6 +231,7 @@ class MegakernelDecodeBackend(DecodeBackend):
             logger=logger,
             variants=envs.VLLM_MEGAKERNEL_VARIANTS,
             tp_group=_tp_group() if self.spec.tp_size > 1 else None,
+            query_rows=self.query_rows,
         )
 
     def describe(self) -> str:
@@ -578,16 +583,17 @@ def _tp_group():
 
 def _check_gpu_kernel(vllm_config: VllmConfig, spec: ModelSpec) -> None:
     """What the compiled kernel (not the reference) needs."""
-    moe = spec.moe is not None and any(spec.moe.sparse_layers)
+    shared = spec.moe is not None and spec.moe.shared_intermediate > 0
     refused = quant_refusal(spec.quant)
-    if spec.quant is not None and (refused or moe or spec.mla is not None):
+    if spec.quant is not None and (refused or shared or spec.mla is not None):
         raise ValueError(
             f"--decode-backend megakernel runs {spec.quant.name} checkpoints of "
             "this model in reference mode only: "
             + (
                 refused
-                or "the kernel's quantized device functions run in dense "
-                "layers with grouped-query attention"
+                or "the kernel's quantized device functions run with "
+                "grouped-query attention, dense layers and routed experts (no "
+                "latent attention or shared expert yet)"
             )
             + ". "
             + INTERPRET_HINT

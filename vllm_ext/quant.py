@@ -220,16 +220,17 @@ class Fp8Weight:
     scale: torch.Tensor
 
     @property
-    def shape(self) -> tuple[int, int]:
-        """The dense weight's ``[N, K]``."""
+    def shape(self) -> tuple[int, ...]:
+        """The dense weight's ``[N, K]`` (``[E, N, K]``)."""
         return tuple(self.codes.shape)
 
     def dequantize(self) -> torch.Tensor:
         """``[N, K]`` fp32: each code times its row's or block's scale
-        (exact; vLLM's ``block_dequant`` for blocks)."""
-        if self.scale.dim() == 2:
+        (exact; vLLM's ``block_dequant`` for blocks). A mixture's experts
+        are ``[E, N, K]`` with scales ``[E, N]`` or ``[E, N / 128, K / 128]``."""
+        if self.scale.dim() == self.codes.dim():
             return _dequantize_blocks(self.codes, self.scale)
-        return self.codes.float() * self.scale.float()[:, None]
+        return self.codes.float() * self.scale.float()[..., None]
 
 
 def quantize_rows(w: torch.Tensor) -> Fp8Weight:
@@ -339,12 +340,12 @@ class Int4Weight:
 
     @property
     def group_size(self) -> int:
-        return self.codes.shape[1] // self.scales.shape[1]
+        return self.codes.shape[-1] // self.scales.shape[-1]
 
     def dequantize(self) -> torch.Tensor:
         """``[N, K]`` in the scales' dtype: ``(q - 8) * s`` rounded once
         (Marlin's dequantization)."""
-        s = self.scales.repeat_interleave(self.group_size, dim=1)
+        s = self.scales.repeat_interleave(self.group_size, dim=-1)
         return (self.codes.to(torch.int16) - 8).to(s.dtype) * s
 
 
@@ -353,19 +354,20 @@ class PackedInt4:
     """A W4A16 layer's weight as the kernel reads it: ``codes`` ``[N, K /
     2]`` uint8, two codes a byte, code ``2j`` in the low nibble of byte
     ``j`` (compressed-tensors' eight a 32-bit word, low bits first, read as
-    bytes); ``scale`` ``[N, K / group]`` bf16."""
+    bytes); ``scale`` ``[N, K / group]`` bf16 (a mixture's experts: ``[E,
+    N, K / 2]`` and ``[E, N, K / group]``)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
 
     @property
-    def shape(self) -> tuple[int, int]:
-        """The dense weight's ``[N, K]`` (two codes a byte)."""
-        return (self.codes.shape[0], 2 * self.codes.shape[1])
+    def shape(self) -> tuple[int, ...]:
+        """The dense weight's ``[N, K]`` (two codes a byte; ``[E, N, K]``)."""
+        return (*self.codes.shape[:-1], 2 * self.codes.shape[-1])
 
     def unpacked(self) -> Int4Weight:
         c = self.codes
-        codes = torch.stack([c & 0xF, c >> 4], dim=-1).view(c.shape[0], -1)
+        codes = torch.stack([c & 0xF, c >> 4], dim=-1).view(*c.shape[:-1], -1)
         return Int4Weight(codes.contiguous(), self.scale)
 
     def dequantize(self) -> torch.Tensor:
@@ -375,7 +377,7 @@ class PackedInt4:
 def pack_int4(w: Int4Weight) -> PackedInt4:
     """``w``'s codes two a byte, low nibble first (``PackedInt4``)."""
     c = w.codes
-    return PackedInt4((c[:, 0::2] | (c[:, 1::2] << 4)).contiguous(), w.scales)
+    return PackedInt4((c[..., 0::2] | (c[..., 1::2] << 4)).contiguous(), w.scales)
 
 
 def quantize_int4(w: torch.Tensor, group: int) -> PackedInt4:
@@ -428,9 +430,10 @@ INT4_EXPERT_NAMES = (("weight_packed", "weight_scale"), ("qweight", "scales"))
 
 def int4_experts(
     experts: torch.nn.Module, num_experts: int, hidden: int, inter: int
-) -> tuple[Int4Weight, Int4Weight]:
-    """A W4A16 mixture's experts as vLLM holds them: ``w13`` (gate rows,
-    then up rows; ``[E * 2I, H]`` codes) and ``w2`` (``[E * H, I]``), from
+) -> tuple[PackedInt4, PackedInt4]:
+    """A W4A16 mixture's experts as the kernel reads them (``PackedInt4``,
+    two codes a byte: a copy): ``w13`` (gate rows, then up rows; ``[E, 2I,
+    H / 2]`` bytes) and ``w2`` (``[E, H, I / 2]``), from
     the packed words (``[E, N, K / 8]`` int32, code ``i`` of a word in bits
     ``4i`` to ``4i + 3``, the value plus 8) and group scales
     (``[E, N, K / group]``), compressed-tensors' or GPTQ's
@@ -470,24 +473,21 @@ def int4_experts(
             )
         shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
         codes = (packed.detach().unsqueeze(-1) >> shifts) & 0xF
-        out.append(
-            Int4Weight(
-                codes.view(num_experts * n, k).to(torch.uint8),
-                scales.detach().reshape(num_experts * n, -1),
-            )
-        )
+        weight = Int4Weight(codes.view(num_experts, n, k).to(torch.uint8),
+                            scales.detach().contiguous())  # fmt: skip
+        out.append(pack_int4(weight))
     return out[0], out[1]
 
 
 def fp8_experts(
     experts: torch.nn.Module, num_experts: int, hidden: int, inter: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """An FP8 mixture's experts as vLLM holds them, dequantized in fp32:
-    ``w13`` ``[E, 2I, H]`` (gate rows, then up rows) and ``w2``
-    ``[E, H, I]``, each e4m3 code times its 128x128 block's scale
-    (``w13_weight_scale_inv`` ``[E, 2I / 128, H / 128]``) or its output
-    channel's (``w13_weight_scale`` ``[E, 2I, 1]``, compressed-tensors
-    per-channel). A layout a kernel repacked is refused by name."""
+) -> tuple[Fp8Weight, Fp8Weight]:
+    """An FP8 mixture's experts as vLLM holds them, read in place: ``w13``
+    ``[E, 2I, H]`` e4m3 (gate rows, then up rows) and ``w2`` ``[E, H, I]``,
+    with the scales of their 128x128 blocks (``w13_weight_scale_inv``
+    ``[E, 2I / 128, H / 128]``) or of their output channels
+    (``w13_weight_scale`` ``[E, 2I, 1]``, compressed-tensors per-channel,
+    read as ``[E, 2I]``). A layout a kernel repacked is refused by name."""
     out = []
     for name, n, k in (("w13", 2 * inter, hidden), ("w2", hidden, inter)):
         codes = getattr(experts, f"{name}_weight", None)
@@ -517,10 +517,7 @@ def fp8_experts(
                 f"reads [E, N, K] e4m3 with {list(scales)} scales"
             )
         codes, scale = codes.detach(), scale.detach()
-        out.append(
-            _dequantize_blocks(codes, scale) if blocks
-            else codes.float() * scale.float()
-        )  # fmt: skip
+        out.append(Fp8Weight(codes, scale if blocks else scale.view(num_experts, n)))
     return out[0], out[1]
 
 

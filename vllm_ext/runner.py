@@ -41,6 +41,10 @@ class DecodeInputs:
     # Pipeline parallel, past the first stage: [B, hidden] the previous
     # stage's residual stream (its hidden states plus residual).
     hidden_in: torch.Tensor | None = None
+    # A verify step: [B, 2] int32, each row's request's first row and row
+    # count (a latent attention reads a request's cache once for all its
+    # rows); None: a row per request.
+    query_map: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -85,6 +89,7 @@ def decode_inputs(batch: DecodeBatch, layer_names: tuple[str, ...]) -> DecodeInp
     row = torch.arange(tokens, device=starts.device)
     request = torch.searchsorted(starts[1:], row, right=True)
     positions = batch.positions[:tokens]
+    first = starts[request]
     return DecodeInputs(
         input_ids=batch.input_ids[:tokens],
         positions=positions,
@@ -93,6 +98,7 @@ def decode_inputs(batch: DecodeBatch, layer_names: tuple[str, ...]) -> DecodeInp
         slot_mapping=group.slot_mapping[:tokens],
         kv_caches=caches,
         hidden_in=_residual_stream(stage_in, tokens),
+        query_map=torch.stack([first, starts[request + 1] - first], 1).int(),
     )
 
 

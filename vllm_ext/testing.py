@@ -24,6 +24,7 @@ from vllm_ext.weights import (
     LayerWeights,
     MlaWeights,
     MoeWeights,
+    QuantExperts,
     QuantLinears,
 )
 
@@ -113,20 +114,37 @@ def random_weights(
 
 
 def quantized_layer(lw: LayerWeights, spec: ModelSpec) -> LayerWeights:
-    """A dense layer of ``random_weights`` as a quantized checkpoint holds
-    it: each linear weight's rows (FP8 W8A8, ``quant.quantize_rows``), 128 x
+    """A layer of ``random_weights`` as a quantized checkpoint holds it:
+    each linear weight's rows (FP8 W8A8, ``quant.quantize_rows``), 128 x
     128 blocks (``quant.quantize_blocks``) or groups (INT4 W4A16,
-    ``quant.quantize_int4``) quantized, the dense fields their
+    ``quant.quantize_int4``) quantized, a mixture's experts each alike
+    (the router left in the model dtype), the dense fields their
     dequantization (what reference mode reads)."""
     group = spec.quant.group_size
     formats = {FP8_W8A8: quantize_rows, FP8_BLOCK: quantize_blocks,
                INT4_W4A16: lambda w: quantize_int4(w, group)}  # fmt: skip
-    if spec.quant.name not in formats or lw.moe is not None or lw.mla is not None:
-        raise ValueError(f"random {spec.quant.name} weights: dense layers only")
+    if spec.quant.name not in formats or lw.mla is not None:
+        raise ValueError(f"random {spec.quant.name} weights: no latent attention")
     quantize = formats[spec.quant.name]
-    codes = QuantLinears(*(quantize(getattr(lw, n)) for n in QUANT_LINEARS))
-    dense = {n: getattr(codes, n).dequantize() for n in QUANT_LINEARS}
-    return dataclasses.replace(lw, quant=codes, **dense)
+    names = [n for n in QUANT_LINEARS if getattr(lw, n) is not None]
+    codes = QuantLinears(
+        *(quantize(getattr(lw, n)) if n in names else None for n in QUANT_LINEARS)
+    )
+    dense = {n: getattr(codes, n).dequantize() for n in names}
+    moe = lw.moe
+    if moe is not None:
+        if moe.shared_gate_up is not None:
+            raise ValueError(f"random {spec.quant.name} weights: no shared expert")
+
+        def stacked(w: torch.Tensor):
+            each = [quantize(e) for e in w]
+            return type(each[0])(torch.stack([q.codes for q in each]),
+                                 torch.stack([q.scale for q in each]))  # fmt: skip
+
+        e = QuantExperts(stacked(moe.w13), stacked(moe.w2))
+        moe = dataclasses.replace(moe, w13=e.w13.dequantize(),
+                                  w2=e.w2.dequantize(), quant=e)  # fmt: skip
+    return dataclasses.replace(lw, quant=codes, moe=moe, **dense)
 
 
 def random_decode_inputs(
@@ -162,6 +180,7 @@ def random_verify_inputs(
     slots = block_table[torch.arange(rows), positions // BLOCK_SIZE].long() * BLOCK_SIZE
     slots += positions % BLOCK_SIZE
     caches = _random_caches(spec, num_blocks, gen)
+    count = torch.tensor(counts)[owner]
     return DecodeInputs(
         input_ids=torch.randint(0, spec.vocab_size, (rows,), generator=gen),
         positions=positions,
@@ -169,6 +188,7 @@ def random_verify_inputs(
         seq_lens=(positions + 1).to(torch.int32),
         slot_mapping=slots,
         kv_caches=caches,
+        query_map=torch.stack([torch.arange(rows) - offset, count], 1).int(),
     )
 
 

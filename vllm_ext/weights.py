@@ -39,10 +39,26 @@ class MoeWeights:
 
     router: torch.Tensor  # [experts, hidden]
     correction_bias: torch.Tensor | None  # [experts], selection only
-    w13: torch.Tensor  # [experts, 2 * expert_intermediate, hidden]: gate, up
-    w2: torch.Tensor  # [experts, hidden, expert_intermediate]
+    # (None where ``quant`` holds the experts and DecodeWeights was read for
+    # the GPU route: from_vllm_model.)
+    w13: torch.Tensor | None  # [experts, 2 * expert_intermediate, hidden]: gate, up
+    w2: torch.Tensor | None  # [experts, hidden, expert_intermediate]
     shared_gate_up: torch.Tensor | None = None  # [2 * shared, hidden]
     shared_down: torch.Tensor | None = None  # [hidden, shared]
+    quant: QuantExperts | None = None  # the kernel's operands (quantized)
+
+
+@dataclass(frozen=True)
+class QuantExperts:
+    """A quantized mixture's experts as the kernel reads them: ``w13``
+    (gate rows, then up rows) and ``w2``, FP8 codes ``[E, N, K]`` in place
+    with their scales (``Fp8Weight``: a 128 x 128 block's or an output
+    row's) or INT4 codes packed two a byte ``[E, N, K / 2]`` with bf16
+    group scales (``PackedInt4``: a copy). ``MoeWeights.w13`` / ``w2``
+    hold their dequantization, which reference mode reads."""
+
+    w13: Fp8Weight | PackedInt4
+    w2: Fp8Weight | PackedInt4
 
 
 @dataclass(frozen=True)
@@ -87,8 +103,9 @@ class QuantLinears:
 
     qkv: Fp8Weight | PackedInt4
     o_proj: Fp8Weight | PackedInt4
-    gate_up: Fp8Weight | PackedInt4
-    down: Fp8Weight | PackedInt4
+    # (None in a sparse layer, whose MLP is its mixture's: MoeWeights.quant.)
+    gate_up: Fp8Weight | PackedInt4 | None
+    down: Fp8Weight | PackedInt4 | None
 
 
 @dataclass(frozen=True)
@@ -155,15 +172,16 @@ class DecodeWeights:
             if not sparse:
                 modules |= {"gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
             codes = None
-            if (fp8 or int4) and not sparse:
+            if fp8 or int4:
                 # Read once: the kernel's operands, and reference mode's dense
                 # weights their dequantization (what linear_weight reads).
                 codes = QuantLinears(
-                    *(read(modules[n], shapes[n]) for n in QUANT_LINEARS)
-                )
+                    *(read(modules[n], shapes[n]) if n in modules else None
+                      for n in QUANT_LINEARS)
+                )  # fmt: skip
                 linear = {
                     n: getattr(codes, n).dequantize() if dense else None
-                    for n in QUANT_LINEARS
+                    for n in modules
                 }
             else:
                 linear = {n: linear_weight(m, shapes[n]) for n, m in modules.items()}
@@ -177,7 +195,7 @@ class DecodeWeights:
                 post_norm=layer.post_attention_layernorm.weight,
                 gate_up=linear.get("gate_up"),
                 down=linear.get("down"),
-                moe=moe_weights(mlp, spec) if sparse else None,
+                moe=moe_weights(mlp, spec, dense) if sparse else None,
                 quant=codes,
             )
             _check_layer(i, weights, spec)
@@ -362,12 +380,17 @@ def _quantized(layer: torch.nn.Module) -> bool:
     return method is not None and not isinstance(method, UnquantizedLinearMethod)
 
 
-def moe_weights(block: torch.nn.Module, spec: ModelSpec) -> MoeWeights:
+def moe_weights(
+    block: torch.nn.Module, spec: ModelSpec, dense: bool = True
+) -> MoeWeights:
     """A sparse layer's mixture as vLLM holds it: its router (``GateLinear``)
     and its experts' ``w13_weight``/``w2_weight`` (``FusedMoE``), in place.
     On a CPU, vLLM pads the experts' width and permutes their elements into
     its kernel's tile order after loading; the reference reads them back
-    once, at start-up (another copy: reference mode's memory cost)."""
+    once, at start-up (another copy: reference mode's memory cost).
+    Quantized experts also give the kernel's operands (``QuantExperts``);
+    ``dense=False`` (the GPU route) leaves ``w13``/``w2`` None instead of
+    their dequantization."""
     moe = spec.moe
     assert moe is not None
     h, inter = spec.hidden_size, moe.expert_intermediate
@@ -376,17 +399,14 @@ def moe_weights(block: torch.nn.Module, spec: ModelSpec) -> MoeWeights:
     if spec.quant is not None:
         # Reference mode multiplies by the dequantized experts (quant.py).
         e = moe.num_experts
-        if spec.quant.name != INT4_W4A16:  # FP8 blocks or channels
-            w13, w2 = fp8_experts(experts, e, h, inter)
-        else:
-            up, down = int4_experts(experts, e, h, inter)
-            w13 = up.dequantize().view(e, 2 * inter, h)
-            w2 = down.dequantize().view(e, h, inter)
+        read = fp8_experts if spec.quant.name != INT4_W4A16 else int4_experts
+        codes = QuantExperts(*read(experts, e, h, inter))
         return MoeWeights(
             router=router,
             correction_bias=getattr(block.gate, "e_score_correction_bias", None),
-            w13=w13,
-            w2=w2,
+            w13=codes.w13.dequantize() if dense else None,
+            w2=codes.w2.dequantize() if dense else None,
+            quant=codes,
         )
     if (refusal := moe_layout_refusal(experts)) is not None:
         raise UnsupportedModelError(refusal)
@@ -498,7 +518,8 @@ def _check_layer(index: int, w: LayerWeights, spec: ModelSpec) -> None:
         expected["w2"] = (w.moe.w2, (e, h, inter))
     for name, (tensor, shape) in expected.items():
         # (The GPU route's quantized layer has no dense weight: its codes'.)
-        got = getattr(w.quant, name).shape if tensor is None else tuple(tensor.shape)
+        codes = w.moe.quant if name in ("w13", "w2") else w.quant
+        got = getattr(codes, name).shape if tensor is None else tuple(tensor.shape)
         if got != shape:
             raise ValueError(
                 f"megakernel: layer {index} {name} weight has shape {got}, "

@@ -22,7 +22,8 @@ Read through the table (the interpreter runs on these tensors only):
   ``[positions, rotary dim]``, cos half then sin half: the interpreter's
   rotary table);
 - the step's inputs (INPUT_IDS, POSITIONS, BLOCK_TABLE, SEQ_LENS,
-  SLOT_MAPPING), each layer's KV_CACHE (the interpreter appends to it in
+  SLOT_MAPPING; QUERY_MAP in a latent attention kernel of ``query_rows`` >
+  1, 0 elsewhere), each layer's KV_CACHE (the interpreter appends to it in
   place), the step number (the last counter) and the launch's scalars.
 
 A weight is read where the compiled kernel reads one for this model (its
@@ -52,6 +53,8 @@ every later step does the same, as the kernel's waits stop waiting."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from vllm_ext.megakernel.interpret import ProgramInterpreter, RankSetInterpreter, _run
@@ -78,6 +81,7 @@ from vllm_ext.weights import (
     LayerWeights,
     MlaWeights,
     MoeWeights,
+    QuantExperts,
     QuantLinears,
 )
 
@@ -192,6 +196,11 @@ class KernelStandIn:
         assert block_table.stride(0) == bt_stride
         kv = tuple(self._at(table[i][LayerSlot.KV_CACHE]) for i in range(layers))
         assert {c.stride(0) for c in kv} == {kv_stride}
+        # MLA_ATTN's shared pass over a request's rows reads the query map.
+        p = self.program
+        query_map = self._weight(glob[GlobalSlot.QUERY_MAP], "QUERY_MAP",
+                                 (p.batch, 2), p.query_rows > 1,
+                                 dtype=torch.int32)  # fmt: skip
         return DecodeInputs(
             input_ids=self._at(glob[GlobalSlot.INPUT_IDS]).long(),
             positions=self._at(glob[GlobalSlot.POSITIONS]).long(),
@@ -200,6 +209,7 @@ class KernelStandIn:
             slot_mapping=self._at(glob[GlobalSlot.SLOT_MAPPING]).long(),
             kv_caches=kv,
             hidden_in=hidden_in,
+            query_map=query_map,
         )
 
     # ------------------------------------------------------------ weights
@@ -285,22 +295,38 @@ class KernelStandIn:
                                 dtype)  # fmt: skip
 
         blocks = s.quant.name == FP8_BLOCK  # a scale a 128 x 128 block
+        sparse = s.moe is not None and s.moe.sparse_layers[i]
 
-        def fp8(codes, scales, n, k):
+        def fp8(codes, scales, n, k, lead=()):
             if s.quant.name == INT4_W4A16:
                 group = s.quant.group_size
-                return PackedInt4(at(codes, (n, k // 2), dtype=torch.uint8),
-                                  at(scales, (n, k // group)))  # fmt: skip
+                return PackedInt4(at(codes, (*lead, n, k // 2), dtype=torch.uint8),
+                                  at(scales, (*lead, n, k // group)))  # fmt: skip
             grid = (-(-n // 128), -(-k // 128)) if blocks else (n,)
-            return Fp8Weight(at(codes, (n, k), dtype=torch.float8_e4m3fn),
-                             at(scales, grid, dtype=FP32))  # fmt: skip
+            return Fp8Weight(at(codes, (*lead, n, k), dtype=torch.float8_e4m3fn),
+                             at(scales, (*lead, *grid), dtype=FP32))  # fmt: skip
 
         f = QuantLinears(
             qkv=fp8(LayerSlot.QKV, LayerSlot.QKV_SCALE, qkv_rows, h),
             o_proj=fp8(LayerSlot.O_PROJ, LayerSlot.O_PROJ_SCALE, h, s.q_size),
-            gate_up=fp8(LayerSlot.GATE_UP, LayerSlot.GATE_UP_SCALE, 2 * inter, h),
-            down=fp8(LayerSlot.DOWN, LayerSlot.DOWN_SCALE, h, inter),
-        )
+            gate_up=None if sparse else fp8(LayerSlot.GATE_UP,
+                                            LayerSlot.GATE_UP_SCALE, 2 * inter, h),
+            down=None if sparse else fp8(LayerSlot.DOWN, LayerSlot.DOWN_SCALE, h,
+                                         inter),
+        )  # fmt: skip
+        moe = None
+        if sparse:
+            # The experts' codes and scales where the bf16 experts would be
+            # (W13, W2) and in W13_SCALE / W2_SCALE.
+            e, ei = s.moe.num_experts, s.moe.expert_intermediate
+            experts = QuantExperts(
+                w13=fp8(LayerSlot.W13, LayerSlot.W13_SCALE, 2 * ei, h, (e,)),
+                w2=fp8(LayerSlot.W2, LayerSlot.W2_SCALE, h, ei, (e,)),
+            )
+            moe = dataclasses.replace(
+                self._moe(i, row, dense=False), w13=experts.w13.dequantize(),
+                w2=experts.w2.dequantize(), quant=experts,
+            )  # fmt: skip
         return LayerWeights(
             input_norm=at(LayerSlot.INPUT_NORM, (h,)),
             qkv=f.qkv.dequantize(),
@@ -309,14 +335,16 @@ class KernelStandIn:
             k_norm=at(LayerSlot.K_NORM, (d,), s.qk_norm),
             o_proj=f.o_proj.dequantize(),
             post_norm=at(LayerSlot.POST_NORM, (h,)),
-            gate_up=f.gate_up.dequantize(),
-            down=f.down.dequantize(),
+            gate_up=None if sparse else f.gate_up.dequantize(),
+            down=None if sparse else f.down.dequantize(),
+            moe=moe,
             quant=f,
         )
 
-    def _moe(self, i: int, row) -> MoeWeights:
+    def _moe(self, i: int, row, dense: bool = True) -> MoeWeights:
         """A sparse layer's mixture (the correction bias: the launcher's
-        fp32 copy, as TOPK reads it)."""
+        fp32 copy, as TOPK reads it); ``dense=False``: its experts are
+        codes (``_quant_layer`` reads them)."""
         moe, h = self.program.spec.moe, self.program.spec.hidden_size
         e, inter = moe.num_experts, moe.expert_intermediate
         shared = moe.shared_intermediate
@@ -330,8 +358,8 @@ class KernelStandIn:
             correction_bias=at(
                 LayerSlot.CORRECTION_BIAS, (e,), moe.correction_bias, FP32
             ),
-            w13=at(LayerSlot.W13, (e, 2 * inter, h)),
-            w2=at(LayerSlot.W2, (e, h, inter)),
+            w13=at(LayerSlot.W13, (e, 2 * inter, h)) if dense else None,
+            w2=at(LayerSlot.W2, (e, h, inter)) if dense else None,
             shared_gate_up=at(LayerSlot.SHARED_GATE_UP, (2 * shared, h), shared > 0),
             shared_down=at(LayerSlot.SHARED_DOWN, (h, shared), shared > 0),
         )
@@ -547,12 +575,14 @@ def register_executor(standin: KernelStandIn, ex, kv_caches=()) -> None:
         ex.input_ids, ex.positions, ex.seq_lens, ex.slot_mapping, ex.block_table,
         ex.abort, *kv_caches,
     )  # fmt: skip
+    if ex.query_map is not None:
+        standin.register(ex.query_map)
     for name, t in ex.ws.items():
         # Per-layer buffers by layer (layer 0 shares the whole buffer's
         # address, and must resolve to the layer's view).
         per_layer = name in ("h", "hmid", "q", "attn", "act", "part_o", "part_lse",
                              "router", "route", "xact", "qkv_a", "q_lat",
-                             "q_pe")  # fmt: skip
+                             "q_pe", "xq", "xscale", "arrive")  # fmt: skip
         standin.register(*(t.unbind(0) if per_layer else (t,)))
     w = ex.weights
     lm_head = w.lm_head if ex.program.with_lm_head else None
@@ -567,12 +597,16 @@ def register_executor(standin: KernelStandIn, ex, kv_caches=()) -> None:
         standin.register(*(t for t in dense if t is not None))
         if lw.quant is not None:
             for f in (lw.quant.qkv, lw.quant.o_proj, lw.quant.gate_up, lw.quant.down):
-                standin.register(f.codes, f.scale)
+                if f is not None:
+                    standin.register(f.codes, f.scale)
         if lw.moe is not None:
             m = lw.moe
             standin.register(*(t for t in (m.router, m.w13, m.w2, bias,
                                            m.shared_gate_up, m.shared_down)
                                if t is not None))  # fmt: skip
+            if m.quant is not None:
+                for f in (m.quant.w13, m.quant.w2):
+                    standin.register(f.codes, f.scale)
         if lw.mla is not None:
             m = lw.mla
             standin.register(*(t for t in (m.q_a, m.q_a_norm, m.q_b, m.kv_a,

@@ -50,6 +50,7 @@ from vllm_ext.megakernel.kernel.persistent import (
 )
 from vllm_ext.megakernel.kernel.shape import (
     MLA_SLOTS,
+    GlobalSlot,
     KernelShape,
     LayerSlot,
     table_width,
@@ -59,7 +60,7 @@ from vllm_ext.megakernel.plan import spec_or_exit
 from vllm_ext.megakernel.planner import plan
 from vllm_ext.megakernel.variants import KERNEL
 from vllm_ext.model_spec import ModelSpec
-from vllm_ext.testing import BLOCK_SIZE, random_decode_inputs, random_weights
+from vllm_ext.testing import BLOCK_SIZE, random_verify_inputs, random_weights
 
 H200 = DEVICES["h200"]
 SMALL = dataclasses.replace(H200, num_sms=16)
@@ -113,6 +114,24 @@ def test_latent_attention_compiles_clean(builds, case):
     assert built.exp2 and built.butterflies
     # The sparse layer's TOPK (DeepSeek's grouped routing) in the same kernel.
     assert bool(built.ballots and built.popcounts) == (case[0] == "deepseek_v3_moe")
+
+
+def test_a_verify_steps_shared_pass_compiles_clean(tmp_path):
+    """MLA_ATTN's shared pass (``query_rows`` 2): DeepSeek-V3's real group
+    of 16 heads x 2 rows, two M tiles in one pass (twice the MMAs of a
+    tile: each latent fragment feeds both), one layer at batch 8 on
+    sm_90a: no spill, within the consumers' register share. (Kimi-K2's
+    mixture kernel at 4 rows keeps a few words in local memory: not yet
+    clean, so not served; test_the_query_map_reaches_the_shared_pass runs
+    the host side.)"""
+    program = plan(real_spec("deepseek-v3", 8, layers=1), 8, H200,
+                   with_lm_head=True, query_rows=2)  # fmt: skip
+    shape = KernelShape.from_program(program, LATENT_BLOCK["sm_90a"])
+    assert shape.query_rows == 2 and shape.mla_per_group == 16
+    built = build("sm_90a", tmp_path / "verify", shape)
+    check_sass(built)
+    assert built.mma_ops == 2 * 68
+    assert shared_bytes(shape) <= SMEM_LIMIT
 
 
 @pytest.mark.parametrize("batch", [16, 64])
@@ -179,22 +198,24 @@ def test_shape_refuses_what_the_device_functions_cannot_run():
 # ------------------------------------------------------------ the table
 
 
-def mla_executor(q_lora_rank: int | None, bucket: int = 4):
+def mla_executor(q_lora_rank: int | None, bucket: int = 4, query_rows: int = 1):
     """A tiny DeepSeek-V3 (test_mla_program.py): layer 0 dense, layer 1 a
     grouped-sigmoid mixture with a shared expert, both MLA."""
     spec = mla_spec(torch.bfloat16, q_lora_rank)
     weights = random_weights(spec, seed=1)
-    program = plan(spec, bucket, SMALL, with_lm_head=True)
+    program = plan(spec, bucket, SMALL, with_lm_head=True, query_rows=query_rows)
     standin = KernelStandIn(program, weights)
     ex = KernelExecutor(program, weights, standin, block_size=BLOCK_SIZE,
                         max_blocks=4)  # fmt: skip
     return spec, weights, program, ex, standin
 
 
-def run_both(spec, weights, program, ex, standin, n: int, seed: int):
+def run_both(spec, weights, program, ex, standin, n: int, seed: int,
+             tokens: int = 1):  # fmt: skip
     """A step through the executor and the stand-in, and the same step
-    straight through the interpreter (its own copy of the caches)."""
-    inputs = random_decode_inputs(spec, n, seed=seed)
+    straight through the interpreter (its own copy of the caches);
+    ``tokens``: a verify step's rows a request."""
+    inputs = random_verify_inputs(spec, n, tokens, seed=seed)
     mine = dataclasses.replace(
         inputs, kv_caches=tuple(c.clone() for c in inputs.kv_caches)
     )
@@ -249,3 +270,36 @@ def test_a_swapped_mla_entry_fails(slot):
         assert not bits_equal(ex.ws["q_lat"][0], interp.buf["q_lat"][0])
     else:
         assert not bits_equal(got, want)
+
+
+def test_the_query_map_reaches_the_shared_pass():
+    """A verify step (requests of 3 rows, the last of 2) in a bucket of 8
+    built for 3 rows a request: the table's QUERY_MAP holds each row's
+    request, the stand-in reads it and the step (output, latent caches,
+    MLA_ATTN's partials, chunked by each request's longest row) is bit for
+    bit the interpreter's on the same map; a map that makes each row a
+    request of its own changes the partials (the chunks are then each
+    row's), and a kernel without the shared pass has no map in its table."""
+    spec, weights, program, ex, standin = mla_executor(96, bucket=8, query_rows=3)
+    assert ex.shape.query_rows == 3 and program.query_rows == 3
+    glob = ex.ptrs_host[-1]
+    assert glob[GlobalSlot.QUERY_MAP] == ex.query_map.data_ptr() != 0
+    got, want, interp, mine, theirs = run_both(spec, weights, program, ex, standin,
+                                               8, seed=5, tokens=3)  # fmt: skip
+    assert theirs.query_map[:, 1].tolist() == [3] * 6 + [2] * 2
+    # (Lengths 48, 49, 50: the request's chunks of 7 tokens, row 48's own 6.)
+    assert theirs.seq_lens[:3].tolist() == [48, 49, 50] and program.attn_chunks == 8
+    assert ex.query_map.tolist() == theirs.query_map.tolist()
+    assert not got.isnan().any() and bits_equal(got, want)
+    for a, b in zip(mine.kv_caches, theirs.kv_caches, strict=True):
+        assert bits_equal(a, b)
+    for name in ("part_o", "part_lse"):
+        torch.testing.assert_close(ex.ws[name][0], interp.buf[name][0],
+                                   rtol=0, atol=0, equal_nan=True)  # fmt: skip
+    # The same step with each row its own request: other partials.
+    solo = ProgramInterpreter(program, weights, seed=9)
+    inputs = dataclasses.replace(theirs, query_map=None)
+    solo.step(inputs)
+    assert not torch.equal(solo.buf["part_lse"][0], interp.buf["part_lse"][0])
+    plain = mla_executor(96, bucket=8)[3]
+    assert plain.query_map is None and plain.ptrs_host[-1, GlobalSlot.QUERY_MAP] == 0

@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from kernel_standin import KernelStandIn, decode_route, register_executor
+from test_interpret import TOL
 from test_kernel_aot import check_sass
 
 from vllm_ext.demo_models import hf_config
@@ -38,9 +39,11 @@ from vllm_ext.megakernel.interpret import ProgramInterpreter, pad_inputs
 from vllm_ext.megakernel.kernel.aot import BuildResult, build
 from vllm_ext.megakernel.kernel.launcher import KernelExecutor
 from vllm_ext.megakernel.kernel.ops.expert_down import PREFETCH_SLOTS
+from vllm_ext.megakernel.kernel.persistent import ring_slots
 from vllm_ext.megakernel.kernel.shape import (
     MOE_SLOTS,
     NUM_SLOTS,
+    QUANT_MOE_SLOTS,
     KernelShape,
     LayerSlot,
     workspace_sizes,
@@ -49,6 +52,16 @@ from vllm_ext.megakernel.plan import spec_or_exit
 from vllm_ext.megakernel.planner import plan
 from vllm_ext.megakernel.variants import KERNEL
 from vllm_ext.model_spec import ModelSpec
+from vllm_ext.quant import (
+    FP8_BLOCK,
+    FP8_W8A8,
+    INT4_W4A16,
+    PACK_QUANTIZED,
+    PER_TOKEN,
+    PER_TOKEN_GROUP,
+    QuantFormat,
+)
+from vllm_ext.reference import ReferenceExecutor
 from vllm_ext.testing import BLOCK_SIZE, random_decode_inputs, random_weights
 
 H200 = DEVICES["h200"]
@@ -277,6 +290,84 @@ def test_a_swapped_table_entry_fails(slot):
         assert not bits_equal(ex.ws["xact"][0], interp.buf["xact"][0])
     else:
         assert not bits_equal(got, want)
+
+
+# FP8 128 x 128 blocks (Qwen3-30B-A3B-FP8's, DeepSeek-V3's format), FP8 per
+# channel (W8A8 per token) and INT4 W4A16 in groups of 32 (Kimi-K2-Thinking's
+# experts').
+QUANT_MOE = {
+    "fp8-block": QuantFormat(FP8_BLOCK, "fp8", 8, 128, PER_TOKEN_GROUP),
+    "fp8-channel": QuantFormat(FP8_W8A8, "compressed-tensors float-quantized", 8,
+                               -1, PER_TOKEN),
+    "int4": QuantFormat(INT4_W4A16, PACK_QUANTIZED, 4, 32),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", sorted(QUANT_MOE))
+def test_quantized_mixture_through_the_table(fmt):
+    """Qwen3-MoE's demo (a dense layer, then a sparse one) quantized: the
+    table holds the experts' codes in W13 and W2 and their scales in
+    W13_SCALE and W2_SCALE (FP8 also the buffers EXPERT_UP quantizes its
+    outputs into for EXPERT_DOWN, and the slots' arrival counts, zero); the
+    stand-in reads the codes only (no dense expert is registered), and a
+    step of 3 requests in a bucket of 4 equals reference mode's (inputs
+    quantized as each GEMM takes them, weights dequantized)."""
+    spec = dataclasses.replace(demo_spec("qwen3_moe"), quant=QUANT_MOE[fmt])
+    weights = random_weights(spec, seed=1)
+    program = plan(spec, 4, SMALL, with_lm_head=True)
+    standin = KernelStandIn(program, weights)
+    ex = KernelExecutor(program, weights, standin, block_size=BLOCK_SIZE,
+                        max_blocks=4)  # fmt: skip
+    shape = ex.shape
+    assert shape.moe and shape.quantized and ex.ptrs_host.shape[1] == QUANT_MOE_SLOTS
+    sparse = spec.moe.sparse_layers.index(True)
+    lw, row = weights.layers[sparse], ex.ptrs_host[sparse]
+    assert lw.quant.gate_up is None and row[LayerSlot.GATE_UP] == 0
+    for slot, scale, w in (
+        (LayerSlot.W13, LayerSlot.W13_SCALE, lw.moe.quant.w13),
+        (LayerSlot.W2, LayerSlot.W2_SCALE, lw.moe.quant.w2),
+    ):
+        assert row[slot] == w.codes.data_ptr() and row[scale] == w.scale.data_ptr()
+    fp8 = fmt != "int4"
+    assert (row[LayerSlot.XQ] != 0) == fp8 and (row[LayerSlot.ARRIVE] != 0) == fp8
+    if fp8:
+        assert not ex.ws["arrive"].any()
+    inputs = random_decode_inputs(spec, 3, seed=5)
+    ref_inputs = dataclasses.replace(
+        inputs, kv_caches=tuple(c.clone() for c in inputs.kv_caches)
+    )
+    register_executor(standin, ex, inputs.kv_caches)
+    for t in (lw.moe.w13, lw.moe.w2):  # (a table entry pointing at one fails)
+        standin.tensors.pop(t.data_ptr(), None)
+    got = ex.step(inputs)
+    want = ReferenceExecutor(spec, weights).step(ref_inputs)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=0, atol=TOL[torch.bfloat16])
+
+
+# (format, batch, arch): FP8 blocks at 16 requests (experts' inputs staged
+# in passes: stage_rows), INT4 at 1 on Blackwell. CI time.
+QUANT_GRID = [("fp8-block", 16, "sm_90a"), ("int4", 1, "sm_100a")]
+
+
+@pytest.mark.parametrize("case", QUANT_GRID, ids=lambda c: "-".join(map(str, c)))
+def test_quantized_mixtures_compile_clean(case, tmp_path):
+    """The quantized experts (gemv_quant.py; FP8's quantization of EXPERT_UP's
+    outputs by each slot's last tile: one GPU-scope add a tile) beside the
+    quantized projections' tensor cores, on the demo Qwen3-MoE: clean SASS,
+    within the register share. (Real shapes: scripts/compile_grid.py.)"""
+    fmt, batch, arch = case
+    spec = dataclasses.replace(demo_spec("qwen3_moe"), quant=QUANT_MOE[fmt])
+    shape = KernelShape.from_program(plan(spec, batch, H200, with_lm_head=True),
+                                     BLOCK_SIZE)  # fmt: skip
+    assert shape.quantized and shape.moe and ring_slots(shape) > 0
+    built = build(arch, tmp_path, shape)
+    check_sass(built)
+    assert built.mma_ops > 0 and built.bulk_copies > 0  # the projections
+    if fmt != "int4":
+        assert built.e4m3_converts > 0
+    print(f"{fmt} b{batch} {arch}: {built.registers} at launch, "
+          f"{built.max_register} used")  # fmt: skip
 
 
 def test_workspace_lists_the_mixtures_buffers():

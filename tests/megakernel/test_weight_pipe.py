@@ -141,7 +141,10 @@ CASES = [(c, b, False) for c in ("llama-3.2-1b", "llama-3.1-8b")
          for b in (1, 16)] + [("llama-3.2-1b", b, True) for b in (1, 16)] + [
     # Quantized (tensor-core pages at every batch: e4m3's 512-code chunks,
     # INT4's 128-row groups; FP8 blocks page as FP8 per channel).
-    ("llama-3.1-8b-fp8", 1, False), ("llama-3.1-8b-w4a16", 1, False)]  # fmt: skip
+    ("llama-3.1-8b-fp8", 1, False), ("llama-3.1-8b-w4a16", 1, False),
+    # A quantized mixture: its attention's pages (the experts read global
+    # memory), INT4's at 16 requests beside the halved stage (stage_bytes).
+    ("qwen3-30b-a3b-gptq-int4", 16, False)]  # fmt: skip
 
 
 @pytest.mark.parametrize("config, batch, split", CASES)
@@ -398,7 +401,7 @@ def busiest(counts: list[list[int]], n: int) -> list[list[int]]:
 # 128-row tensor-core pages at batch 1.
 REPLAYS = [("llama-3.2-1b", 1), ("llama-3.1-8b", 1), ("qwen3-30b-a3b", 1),
            ("llama-3.2-1b", 16), ("llama-3.1-8b", 64),
-           ("llama-3.1-8b-w4a16", 1)]  # fmt: skip
+           ("llama-3.1-8b-w4a16", 1), ("qwen3-30b-a3b-fp8", 16)]  # fmt: skip
 
 
 @pytest.mark.parametrize("config, batch", REPLAYS)

@@ -371,6 +371,7 @@ class ProgramInterpreter:
                 buf["q_lat"][layer][:, heads], buf["q_pe"][layer][:, heads],
                 self.inputs.kv_caches[layer], self.inputs.block_table,
                 self.seq_lens, b, p.attn_chunks, w.attn_scale,
+                self.inputs.query_map if p.query_rows > 1 else None,
             )  # fmt: skip
             buf["part_o"][layer][b, a] = o
             buf["part_lse"][layer][b, a] = lse
@@ -533,9 +534,12 @@ class ProgramExecutor:
         device,
         buckets: tuple[int, ...],
         seed: int = 0,
+        query_rows: int = 1,
     ) -> None:
+        """``query_rows``: a verify step's rows a request (planner.plan)."""
         self.spec, self.weights, self.device = spec, weights, device
         self.buckets, self.seed = buckets, seed
+        self.query_rows = query_rows
         self.interpreters: dict[int, ProgramInterpreter] = {}
 
     def interpreter(self, batch: int) -> ProgramInterpreter:
@@ -546,7 +550,7 @@ class ProgramExecutor:
             from vllm_ext.megakernel.planner import plan
             from vllm_ext.megakernel.verify import verify
 
-            program = plan(self.spec, bucket, self.device)
+            program = plan(self.spec, bucket, self.device, query_rows=self.query_rows)
             verify(program)
             # A tensor-parallel rank: vLLM's group adds the partial sums.
             reducer = GroupReducer() if self.spec.tp_size > 1 else None
@@ -585,4 +589,15 @@ def pad_inputs(inputs: DecodeInputs, batch: int) -> DecodeInputs:
         slot_mapping=pad(inputs.slot_mapping, -1),
         kv_caches=inputs.kv_caches,
         hidden_in=None if inputs.hidden_in is None else pad(inputs.hidden_in, 0),
+        query_map=(
+            None if inputs.query_map is None else pad_query_map(inputs.query_map, batch)
+        ),
     )
+
+
+def pad_query_map(query_map: torch.Tensor, batch: int) -> torch.Tensor:
+    """A query map padded to ``batch`` rows: each padded row a request of
+    its own (first row itself, one row)."""
+    n = query_map.shape[0]
+    tail = torch.arange(n, batch, dtype=query_map.dtype, device=query_map.device)
+    return torch.cat([query_map, torch.stack([tail, torch.ones_like(tail)], 1)])

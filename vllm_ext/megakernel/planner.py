@@ -114,6 +114,10 @@ class Program:
     # model's only; the program is the same at every length): a measured
     # run's context where its prediction stands beside it.
     context: int = NOMINAL_CONTEXT
+    # Query rows a request the latent attention is built for (1 + drafts of
+    # a verify step): above 1, MLA_ATTN reads a request's cache once for
+    # all its rows (the step's query map). 1 in a grouped-query program.
+    query_rows: int = 1
 
     @property
     def num_instructions(self) -> int:
@@ -553,6 +557,7 @@ def plan(
     qkv_parts: int | None = None,
     expert_tiles: int | None = None,
     combine_parts: int | None = None,
+    query_rows: int = 1,
 ) -> Program:
     """The program of one decode step of ``batch`` requests on ``device``
     (``qkv_parts``: QKV's parts per head in place of ``qkv_parts_to_fill``'s,
@@ -560,9 +565,13 @@ def plan(
     routed slot's EXPERT_UP tiles in place of ``expert_split``'s choice,
     which plans with it; ``combine_parts``: COMBINE's dim parts per q head
     in place of ``combine_parts_to_fill``'s, for reports of older programs
-    and the tests)."""
+    and the tests; ``query_rows``: a verify step's rows a request, which a
+    latent attention's MLA_ATTN passes over together, at most the batch)."""
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
+    if query_rows < 1:
+        raise ValueError(f"query_rows must be >= 1, got {query_rows}")
+    query_rows = min(query_rows, batch) if spec.mla is not None else 1
     if qkv_parts is None:
         qkv_parts = qkv_parts_to_fill(spec, device.num_sms)
     if combine_parts is None:
@@ -747,7 +756,7 @@ def plan(
 
     program = Program(
         spec, batch, device, chunks, with_lm_head, (), tuple(counters), (),
-        qkv_parts, groups, v_parts, combine_parts,
+        qkv_parts, groups, v_parts, combine_parts, query_rows=query_rows,
     )  # fmt: skip
     queues: list[list[Instruction]] = [[] for _ in range(n_sm)]
     load = [0] * n_sm
@@ -812,4 +821,5 @@ def plan(
         groups,
         v_parts,
         combine_parts,
+        query_rows=query_rows,
     )

@@ -61,10 +61,12 @@ class GpuExecutor:
         logger: logging.Logger | None = None,
         variants: Variants | None = None,
         tp_group: Any = None,
+        query_rows: int = 1,
     ) -> None:
         """``tp_group``: a tensor-parallel rank's vLLM TP group
         (``GroupCoordinator``), over which each bucket's counters and partial
-        sums are exchanged in symmetric memory (kernel/symmetric.py)."""
+        sums are exchanged in symmetric memory (kernel/symmetric.py).
+        ``query_rows``: a verify step's rows a request (planner.plan)."""
         from vllm_ext.megakernel.build import library_for
 
         if spec.dtype != torch.bfloat16:
@@ -78,7 +80,7 @@ class GpuExecutor:
         variants = variants or Variants()
         programs = {}
         for bucket in buckets:
-            program = plan(spec, bucket, target)
+            program = plan(spec, bucket, target, query_rows=query_rows)
             verify(program)
             programs[bucket] = program
         try:

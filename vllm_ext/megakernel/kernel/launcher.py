@@ -211,6 +211,11 @@ class KernelExecutor:
                     )
                 self.ws[name] = partial
                 continue
+            if name == "arrive":  # (counts: zero, and zero again after a step)
+                self.ws[name] = torch.zeros(dims, dtype=torch.int32, device=dev)
+                continue
+            if name == "xscale":
+                dtype = torch.float32
             # NaN until written: a read of an unwritten value shows as NaN.
             self.ws[name] = torch.full(dims, float("nan"), dtype=dtype, device=dev)
         b = shape.batch
@@ -219,6 +224,13 @@ class KernelExecutor:
         self.seq_lens = torch.zeros(b, dtype=torch.int32, device=dev)
         self.slot_mapping = torch.full((b,), -1, dtype=torch.int32, device=dev)
         self.block_table = torch.zeros(b, max_blocks, dtype=torch.int32, device=dev)
+        # Each row's request (first row, row count): only where MLA_ATTN
+        # passes over a request's rows together.
+        self.query_map = self._own_rows = None
+        if shape.query_rows > 1:
+            rows = torch.arange(b, dtype=torch.int32, device=dev)
+            self._own_rows = torch.stack([rows, torch.ones_like(rows)], 1)
+            self.query_map = self._own_rows.clone()
         self.cos_sin = weights.cos_sin.to(device=dev, dtype=torch.float32).contiguous()
         # TOPK reads the correction bias in fp32 (the routing runs in fp32).
         self.correction_bias = [
@@ -278,17 +290,7 @@ class KernelExecutor:
             if lw.mla is not None:
                 row |= self._mla_row(i, lw.mla)
             if self.shape.quantized:  # codes where the dense weights were, scales
-                f = lw.quant
-                row |= {
-                    LayerSlot.QKV: f.qkv.codes,
-                    LayerSlot.O_PROJ: f.o_proj.codes,
-                    LayerSlot.GATE_UP: f.gate_up.codes,
-                    LayerSlot.DOWN: f.down.codes,
-                    LayerSlot.QKV_SCALE: f.qkv.scale,
-                    LayerSlot.O_PROJ_SCALE: f.o_proj.scale,
-                    LayerSlot.GATE_UP_SCALE: f.gate_up.scale,
-                    LayerSlot.DOWN_SCALE: f.down.scale,
-                }
+                row |= self._quant_row(i, lw)
             for slot, t in row.items():
                 table[i, slot] = _address(t, f"layer {i} {slot.name.lower()}")
         glob = {
@@ -301,6 +303,7 @@ class KernelExecutor:
             GlobalSlot.BLOCK_TABLE: self.block_table,
             GlobalSlot.SEQ_LENS: self.seq_lens,
             GlobalSlot.SLOT_MAPPING: self.slot_mapping,
+            GlobalSlot.QUERY_MAP: self.query_map,
             GlobalSlot.H0: ws["h"][0],
             GlobalSlot.H_LAST: ws["h"][layers],
             GlobalSlot.OUT: ws["out"],
@@ -314,6 +317,35 @@ class KernelExecutor:
         if self.shape.tp_size > 1:
             table[layers, GlobalSlot.VOCAB_START] = w.vocab_range[0]
         return table
+
+    def _quant_row(self, i: int, lw: LayerWeights) -> dict:
+        """A quantized layer's codes and scales (shape.py's QKV_SCALE ..
+        ARRIVE); a sparse layer's experts' in place of its dense MLP's."""
+        f, ws = lw.quant, self.ws
+        row = {}
+        for slot, scale, w in (
+            (LayerSlot.QKV, LayerSlot.QKV_SCALE, f.qkv),
+            (LayerSlot.O_PROJ, LayerSlot.O_PROJ_SCALE, f.o_proj),
+            (LayerSlot.GATE_UP, LayerSlot.GATE_UP_SCALE, f.gate_up),
+            (LayerSlot.DOWN, LayerSlot.DOWN_SCALE, f.down),
+        ):
+            row[slot] = None if w is None else w.codes
+            row[scale] = None if w is None else w.scale
+        if lw.moe is not None:
+            e = lw.moe.quant
+            row |= {
+                LayerSlot.W13: e.w13.codes,
+                LayerSlot.W2: e.w2.codes,
+                LayerSlot.W13_SCALE: e.w13.scale,
+                LayerSlot.W2_SCALE: e.w2.scale,
+            }
+            if self.shape.xact_groups:
+                row |= {
+                    LayerSlot.XQ: ws["xq"][i],
+                    LayerSlot.XSCALE: ws["xscale"][i],
+                    LayerSlot.ARRIVE: ws["arrive"][i],
+                }
+        return row
 
     def set_peers(self, peers: torch.Tensor) -> None:
         """A tensor-parallel rank: every rank's counters and partial sums
@@ -442,6 +474,12 @@ class KernelExecutor:
             dst[n:].fill_(pad)
         self.block_table[:n, :width].copy_(inputs.block_table[:n, :width])
         self.block_table[n:].zero_()  # never read (length 0), but valid ids
+        if self.query_map is not None:
+            # A row per request unless the step says otherwise (a verify
+            # step); padded rows each their own.
+            self.query_map.copy_(self._own_rows)
+            if inputs.query_map is not None:
+                self.query_map[:n].copy_(inputs.query_map[:n])
         if not self.program.spec.pp_first:
             # A later pipeline stage starts from the previous stage's
             # residual stream (the program has no EMBED): h[0], its padded
@@ -498,7 +536,8 @@ def _check_weights(w: DecodeWeights, shape: KernelShape) -> None:
                 tensors[f"layer {i} {name}"] = getattr(lw, name)
         if lw.moe is not None:
             for name in ("router", "w13", "w2", "shared_gate_up", "shared_down"):
-                tensors[f"layer {i} moe.{name}"] = getattr(lw.moe, name)
+                if not (shape.quantized and name in ("w13", "w2")):
+                    tensors[f"layer {i} moe.{name}"] = getattr(lw.moe, name)
         if lw.mla is not None:
             for name in ("q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "kv_b"):
                 tensors[f"layer {i} mla.{name}"] = getattr(lw.mla, name)
@@ -513,7 +552,8 @@ def _check_weights(w: DecodeWeights, shape: KernelShape) -> None:
 def _check_quant(i: int, lw: LayerWeights, shape: KernelShape) -> None:
     """A quantized kernel's operands: FP8's e4m3 codes ``[N, K]`` with fp32
     row (or block) scales; INT4's packed codes ``[N, K / 2]`` uint8 with
-    bf16 group scales."""
+    bf16 group scales; a sparse layer's experts' ``[E, ...]`` in place of
+    its dense MLP's."""
     if lw.quant is None:
         raise MegakernelError(
             f"megakernel: layer {i}: a quantized kernel reads the layer's codes "
@@ -522,15 +562,26 @@ def _check_quant(i: int, lw: LayerWeights, shape: KernelShape) -> None:
     h, q, inter = shape.hidden, shape.q_size, shape.intermediate
     dims = {"qkv": (q + 2 * shape.kv_heads * shape.head_dim, h), "o_proj": (h, q),
             "gate_up": (2 * inter, h), "down": (h, inter)}  # fmt: skip
-    for name in QUANT_LINEARS:
-        f, (rows, k) = getattr(lw.quant, name), dims[name]
-        codes, code_dtype = (rows, k), torch.float8_e4m3fn
-        scales, scale_dtype = (rows,), torch.float32
+    operands = {name: (getattr(lw.quant, name), ()) for name in QUANT_LINEARS}
+    if lw.moe is not None:
+        if lw.moe.quant is None:
+            raise MegakernelError(
+                f"megakernel: layer {i}: a quantized kernel reads the experts' "
+                "codes and scales (MoeWeights.quant), and the layer has none"
+            )
+        e, ei = shape.num_experts, shape.expert_intermediate
+        del operands["gate_up"], operands["down"]
+        dims |= {"w13": (2 * ei, h), "w2": (h, ei)}
+        operands |= {"w13": (lw.moe.quant.w13, (e,)), "w2": (lw.moe.quant.w2, (e,))}
+    for name, (f, lead) in operands.items():
+        rows, k = dims[name]
+        codes, code_dtype = (*lead, rows, k), torch.float8_e4m3fn
+        scales, scale_dtype = (*lead, rows), torch.float32
         if shape.fp8_block:
-            scales = (-(-rows // 128), -(-k // 128))
+            scales = (*lead, -(-rows // 128), -(-k // 128))
         if shape.int4_group:
-            codes, code_dtype = (rows, k // 2), torch.uint8
-            scales, scale_dtype = (rows, k // shape.int4_group), torch.bfloat16
+            codes, code_dtype = (*lead, rows, k // 2), torch.uint8
+            scales, scale_dtype = (*lead, rows, k // shape.int4_group), torch.bfloat16
         if (
             f.codes.dtype != code_dtype
             or tuple(f.codes.shape) != codes

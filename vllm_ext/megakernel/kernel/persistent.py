@@ -57,18 +57,19 @@ from vllm_ext.megakernel.kernel.ops.common import (
     NUM_WARPS,
     VEC,
     consumer_sync,
-    stages_input,
+    stage_rows,
 )
 from vllm_ext.megakernel.kernel.ops.embed import embed
 from vllm_ext.megakernel.kernel.ops.expert_down import expert_down
 from vllm_ext.megakernel.kernel.ops.expert_up import (
     expert_up,
+    quant_words,
     routed_words,
     routing_of,
 )
 from vllm_ext.megakernel.kernel.ops.final_norm import final_norm
 from vllm_ext.megakernel.kernel.ops.mla_append import mla_append
-from vllm_ext.megakernel.kernel.ops.mla_attn import mla_attn
+from vllm_ext.megakernel.kernel.ops.mla_attn import mla_attn, pass_tiles
 from vllm_ext.megakernel.kernel.ops.mla_attn import scratch_floats as attn_floats
 from vllm_ext.megakernel.kernel.ops.mla_combine import mla_combine
 from vllm_ext.megakernel.kernel.ops.mla_q import (
@@ -119,7 +120,7 @@ def _buffers(s: KernelShape) -> list[int]:
     """The CTA's shared buffers but the weight pipeline's, in bytes."""
     return [
         4 * s.batch,  # rstd
-        2 * (s.batch * s.hidden if stages_input(s) else VEC),  # x_stage
+        2 * max(stage_rows(s) * s.hidden, VEC),  # x_stage
         *gqa_buffers(s),
         *([] if s.legacy_control else ring_bytes()),
         4 * moe_words(s),  # the mixture's int32 scratch
@@ -154,8 +155,9 @@ def mla_red_floats(s: KernelShape) -> int:
     return max(
         wuk_scratch_floats(),
         s.batch * (s.attn_chunks + 1),
-        attn_floats(s.kv_lora_rank + s.qk_rope),
-    )
+        attn_floats(s.kv_lora_rank + s.qk_rope,
+                    pass_tiles(s.mla_per_group, s.query_rows)),
+    )  # fmt: skip
 
 
 def mla_union_parts(s: KernelShape) -> tuple[list[int], list[int]]:
@@ -183,7 +185,8 @@ def moe_words(s: KernelShape) -> int:
     EXPERT_DOWN's sorted slots, one at a time (0 in a dense kernel)."""
     if not s.moe:
         return 0
-    return routed_words(s)  # (TOPK's and EXPERT_DOWN's fit in it)
+    # (TOPK's and EXPERT_DOWN's fit in it.)
+    return routed_words(s) + quant_words(s)
 
 
 def _padded(buffers: list[int]) -> int:
@@ -214,7 +217,9 @@ def block_threads(s: KernelShape) -> int:
 
 class Megakernel:
     def __init__(self, shape: KernelShape):
-        if shape.mma_gemv and ring_slots(shape) == 0:
+        # (A quantized kernel's projections run on tensor cores at every
+        # batch: geometry.)
+        if (shape.mma_gemv or shape.quantized) and ring_slots(shape) == 0:
             raise ValueError(
                 f"the kernel for {shape} leaves no room in shared memory for the "
                 "weight ring the tensor-core GEMV reads"
@@ -283,7 +288,7 @@ class Megakernel:
 
         smem = SmemAllocator()
         rstd = smem.allocate_tensor(Float32, cute.make_layout(s.batch), 16)
-        stage = (s.batch, s.hidden) if stages_input(s) else (1, VEC)
+        stage = (stage_rows(s), s.hidden) if stage_rows(s) else (1, VEC)
         x_stage = smem.allocate_tensor(
             BFloat16, cute.make_layout(stage, stride=(stage[1], 1)), 16
         )

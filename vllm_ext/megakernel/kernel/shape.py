@@ -85,6 +85,17 @@ class LayerSlot(IntEnum):
     O_PROJ_SCALE = 38  # [hidden]
     GATE_UP_SCALE = 39  # [2 intermediate]
     DOWN_SCALE = 40  # [hidden]
+    # A quantized mixture's rows are QUANT_MOE_SLOTS wide: W13 and W2 then
+    # hold its experts' codes (FP8 [E, N, K], INT4 [E, N, K / 2] bytes) and
+    # these their scales (FP8 blocks [E, N / 128, K / 128], per channel
+    # [E, N], fp32; INT4 [E, N, K / group] bf16), then, FP8 only, EXPERT_UP's
+    # outputs quantized for EXPERT_DOWN (ops/expert_up.py, ``quantize_slot``).
+    W13_SCALE = 41
+    W2_SCALE = 42
+    XQ = 43  # [xact_slots, B, xact_width] bf16: XACT's e4m3 values
+    XSCALE = 44  # [xact_slots, B, xact_groups] fp32: their scales
+    ARRIVE = 45  # [xact_slots] int32: a slot's EXPERT_UP columns done (0
+    # between steps: the slot's last tile resets it)
 
 
 class GlobalSlot(IntEnum):
@@ -111,6 +122,10 @@ class GlobalSlot(IntEnum):
     # this GPU addresses them (symmetric memory; one GPU's own memory in
     # the check's one-launch ranks)
     VOCAB_START = 16  # the first vocabulary row of the rank's embedding shard
+    # A latent attention kernel of query_rows > 1 only (0 without): [B, 2]
+    # int32, each row's request's first row and row count (a padded row: its
+    # own, 1). MLA_ATTN passes over a request's rows together.
+    QUERY_MAP = 17
 
 
 class AbortWord(IntEnum):
@@ -149,6 +164,7 @@ NUM_SLOTS = 18
 MOE_SLOTS = 27
 MLA_SLOTS = 37
 QUANT_SLOTS = 41
+QUANT_MOE_SLOTS = 46
 
 
 def partial_rows(num_layers: int) -> int:
@@ -165,7 +181,7 @@ def partial_row(point: int, layer: int) -> int:
 def table_width(shape: KernelShape) -> int:
     """Columns of the address table the kernel for ``shape`` reads."""
     if shape.quantized:
-        return QUANT_SLOTS
+        return QUANT_MOE_SLOTS if shape.moe else QUANT_SLOTS
     if shape.mla:
         return MLA_SLOTS
     return MOE_SLOTS if shape.moe else NUM_SLOTS
@@ -297,6 +313,11 @@ class KernelShape:
     mla_scale: float = 0.0  # the softmax scale (the launch's attn_scale)
     mla_groups: int = 0  # MLA_ATTN's head groups (the program's)
     mla_v_parts: int = 0  # MLA_COMBINE's v parts per head (the program's)
+    # Query rows a request MLA_ATTN is built for (the program's; 1 + drafts
+    # of a verify step): above 1 it passes over a request's rows together,
+    # heads x rows as the MMA's M, reading its cache once (GlobalSlot.
+    # QUERY_MAP). 1: a row per request, the kernel as without speculation.
+    query_rows: int = 1
     # Tensor parallel (parallel.py): the program's ranks, and how many of
     # them this launch runs (1 on a TP deployment, one kernel per GPU;
     # tp_size for the one-GPU check, whose CTAs split into rank groups
@@ -329,6 +350,11 @@ class KernelShape:
         for name in ("hidden", "intermediate", "head_dim"):
             if getattr(self, name) % 8:
                 raise ValueError(f"{name} must be a multiple of 8 (128-bit loads)")
+        if not 1 <= self.query_rows <= max(1, self.batch):
+            raise ValueError(f"query_rows {self.query_rows}: 1 to the batch")
+        if self.query_rows > 1 and not self.mla:
+            raise ValueError("query rows share a pass in latent attention only "
+                             "(query_rows 1 without MLA)")  # fmt: skip
         if self.mla:
             self._check_mla()
         elif self.head_dim not in (64, 128):
@@ -410,11 +436,16 @@ class KernelShape:
         kind = "FP8" if self.fp8 else "INT4"
         if self.fp8 and self.int4_group:
             raise ValueError("a kernel's weights are FP8 or INT4, not both")
-        if self._variants() or self.moe or self.mla or self.tp_size > 1:
+        if self._variants() or self.mla or self.tp_size > 1:
             raise ValueError(
-                f"{kind} weights run in the default kernel of a dense model on "
-                f"one GPU only (no {kind} mixture, latent attention or tensor "
-                "parallel device functions yet)"
+                f"{kind} weights run in the default kernel of a grouped-query "
+                f"attention model on one GPU only (no {kind} latent attention or "
+                "tensor parallel device functions yet)"
+            )
+        if self.shared_intermediate:
+            raise ValueError(
+                f"{kind} weights: a mixture's shared expert has no quantized "
+                "device functions yet"
             )
         if self.batch > QUANT_MAX_BATCH:
             # (8B FP8's batch-64 build kept two words in local memory at
@@ -429,6 +460,16 @@ class KernelShape:
                 "lane's 32 codes in one group; per-channel scales not yet)"
             )
         widths = (self.hidden, self.q_heads * self.head_dim, self.intermediate)
+        if self.moe and self.fp8_block and self.expert_intermediate % FP8_GROUP:
+            raise ValueError(
+                f"expert_intermediate {self.expert_intermediate}: FP8 block "
+                f"experts' widths are whole groups of {FP8_GROUP}"
+            )
+        if self.moe and self.int4_group and self.expert_intermediate % self.int4_group:
+            raise ValueError(
+                f"expert_intermediate {self.expert_intermediate}: INT4 experts' "
+                f"widths are whole groups of {self.int4_group}"
+            )
         multiple = FP8_K_BLOCK
         if self.fp8_block:
             multiple = FP8_GROUP
@@ -444,6 +485,14 @@ class KernelShape:
     def quantized(self) -> bool:
         """QKV, O_PROJ, GATE_UP and DOWN read codes with scales (FP8, INT4)."""
         return self.fp8 or self.int4_group > 0
+
+    @property
+    def xact_groups(self) -> int:
+        """FP8 mixtures: input scales of an EXPERT_DOWN row (XSCALE): a
+        group of 128 each with blocks, one per channel; 0 otherwise."""
+        if not (self.fp8 and self.moe):
+            return 0
+        return self.xact_width // FP8_GROUP if self.fp8_block else 1
 
     @property
     def fp8_groups(self) -> int:
@@ -591,6 +640,7 @@ class KernelShape:
                 qk_rope=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
                 mla_scale=float(m.softmax_scale),
                 mla_groups=program.mla_head_groups, mla_v_parts=program.mla_v_parts,
+                query_rows=program.query_rows,
             )  # fmt: skip
         moe = {}
         if s.moe is not None and any(s.moe.sparse_layers):
@@ -661,6 +711,14 @@ def workspace_sizes(shape: KernelShape, num_layers: int) -> dict[str, tuple]:
         sizes["router"] = (num_layers, b, shape.router_stride)
         sizes["route"] = (num_layers, route_layout(shape).words)
         sizes["xact"] = (num_layers, shape.xact_slots, b, shape.xact_width)
+        if shape.xact_groups:
+            # FP8 experts: xact quantized for EXPERT_DOWN, its scales, and
+            # each slot's count of EXPERT_UP columns done (int32, zero; each
+            # layer's row padded to 16 bytes, as every table entry is).
+            words = shape.xact_slots * b * shape.xact_groups
+            sizes["xq"] = (num_layers, shape.xact_slots, b, shape.xact_width)
+            sizes["xscale"] = (num_layers, -(-words // 4) * 4)
+            sizes["arrive"] = (num_layers, -(-shape.xact_slots // 4) * 4)
     if shape.mla:
         # As the interpreter's buffers: no q; the partials per (chunk, head
         # group); o_proj's input of heads x v_head_dim (attn, as sized above).

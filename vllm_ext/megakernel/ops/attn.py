@@ -18,10 +18,14 @@ def chunk_tokens(
     block_size: int,
     chunk: int,
     chunks: int,
+    row_lens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Chunk ``chunk`` of each sequence's tokens in a paged cache: (blocks,
     offsets in their block, valid), each ``[B, T]`` (invalid entries point
-    at token 0), or None when the chunk is empty for every request."""
+    at token 0), or None when the chunk is empty for every request.
+    ``row_lens`` (at most ``seq_lens``): each row's own length, tokens past
+    it invalid, the chunks still those of ``seq_lens`` (MLA_ATTN's shared
+    pass: a request's rows split by its longest)."""
     n = seq_lens.long()
     size = (n + chunks - 1) // chunks
     lo = torch.minimum(chunk * size, n)
@@ -30,6 +34,8 @@ def chunk_tokens(
     if width == 0:
         return None
     pos = lo[:, None] + torch.arange(width, device=n.device)  # [B, T]
+    if row_lens is not None:
+        hi = torch.minimum(hi, row_lens.long())
     valid = pos < hi[:, None]
     pos = torch.where(valid, pos, torch.zeros_like(pos))
     blocks = torch.gather(block_table.long(), 1, pos // block_size)

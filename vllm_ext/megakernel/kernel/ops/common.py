@@ -93,11 +93,32 @@ def row_rstd(x: cute.Tensor, rstd: cute.Tensor, eps: cutlass.Constexpr):
 STAGE_BYTES = 64 * 1024
 
 
+def stage_bytes(shape) -> int:
+    """The staging buffer's size: ``STAGE_BYTES``, half of it in a quantized
+    mixture, whose tensor-core projections stage their own chunks beside a
+    ring of at least three pages (Qwen3-30B-A3B W4A16 at batch 16 had no
+    room for the ring beside a 64 KiB stage)."""
+    return STAGE_BYTES // 2 if shape.moe and shape.quantized else STAGE_BYTES
+
+
 def stages_input(shape) -> bool:
     """Whether QKV / GATE_UP stage their whole normed input: when it fits
     the staging buffer, and not on tensor cores, which norm and stage each
     page's k chunk themselves (gemv_mma.stage_chunk)."""
-    return not shape.mma_gemv and shape.batch * shape.hidden * 2 <= STAGE_BYTES
+    return not shape.mma_gemv and shape.batch * shape.hidden * 2 <= stage_bytes(shape)
+
+
+def stage_rows(shape) -> int:
+    """Requests x_stage holds: the batch where ``stages_input``; in a
+    quantized mixture, which stages its experts' inputs in passes
+    (ops/expert_up.py), as many as fit, a power of two; else none (the
+    kernel allocates a placeholder vector)."""
+    if stages_input(shape):
+        return shape.batch
+    if shape.moe and shape.quantized:
+        fit = min(shape.batch, stage_bytes(shape) // (2 * shape.hidden))
+        return 1 << (fit.bit_length() - 1)
+    return 0
 
 
 @cute.jit

@@ -23,7 +23,7 @@ bit for bit (like every GEMV of the kernel).
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float32, Int32, Int64, Uint8
 
 from vllm_ext.megakernel.isa import Point
 from vllm_ext.megakernel.kernel.ops.all_reduce import own_partials
@@ -40,8 +40,21 @@ from vllm_ext.megakernel.kernel.ops.common import (
     vectors,
     warp_sum,
 )
+from vllm_ext.megakernel.kernel.ops.gemv_paged import weight_scales
+from vllm_ext.megakernel.kernel.ops.gemv_quant import (
+    code_bytes,
+    code_vectors,
+    lane_weights,
+    row_bytes,
+    scale_bytes,
+)
 from vllm_ext.megakernel.kernel.ops.prefetch import PREFETCH_BYTES, prefetch_rows
-from vllm_ext.megakernel.kernel.shape import KernelShape, LayerSlot, route_layout
+from vllm_ext.megakernel.kernel.shape import (
+    FP8_GROUP,
+    KernelShape,
+    LayerSlot,
+    route_layout,
+)
 
 # Slots whose tiles the control hints into L2 once the routing is visible (at
 # most 2 x PREFETCH_BYTES in all, as a dense tile's two matrices).
@@ -59,13 +72,14 @@ def prefetch_routed(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi,
     shape: KernelShape = s
     h, inter = shape.hidden, shape.expert_intermediate
     w2 = ptrs[layer, LayerSlot.W2]
-    tile = (hi - lo) * (inter * 2)
+    row = row_bytes(shape, inter)
+    tile = (hi - lo) * row
     budget = Int32(2 * PREFETCH_BYTES)
     for slot in cutlass.range_constexpr(min(shape.num_slots, PREFETCH_SLOTS)):
         ex = experts[slot]
         if ex >= 0:
             if budget > 0:
-                prefetch_rows(w2 + Int64(ex) * (h * inter * 2), inter * 2, lo, hi)
+                prefetch_rows(w2 + Int64(ex) * (h * row), row, lo, hi)
                 budget = budget - tile
 
 
@@ -137,23 +151,23 @@ def expert_down(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, glob, lo, hi,
                                 hit[i] = Int32(1)
                                 any_hit = Int32(1)
                     if any_hit != 0:
-                        row = w2 + (Int64(ex) * h + col) * (inter * 2)
-                        wv = vectors(gmem(BFloat16, row, (inter,)))
-                        xs = xact + Int64(slot) * (b * width * 2)
                         dot = cute.make_rmem_tensor((group,), Float32)
                         dot.fill(0.0)
-                        for v in cutlass.range(lane, inter // VEC, 32, unroll=unroll):
-                            wf = load_f32(wv, v)
-                            # (Elements taken out before the branches: an
-                            # element extracted inside one is not visible
-                            # to the next.)
-                            we = [wf[e] for e in range(VEC)]
-                            for i in cutlass.range_constexpr(group):
-                                if cutlass.const_expr(group == 1):
-                                    # (The one request is routed here.)
-                                    _dot(dot, i, we, xs, b0 + i, width, inter, v)
-                                elif hit[i] != 0:
-                                    _dot(dot, i, we, xs, b0 + i, width, inter, v)
+                        if cutlass.const_expr(shape.quantized):
+                            _quant_dots(shape, ptrs, layer, ex, col, slot, b0, hit,
+                                        dot, lane, unroll)  # fmt: skip
+                        else:
+                            row = w2 + (Int64(ex) * h + col) * (inter * 2)
+                            wv = vectors(gmem(BFloat16, row, (inter,)))
+                            xs = xact + Int64(slot) * (b * width * 2)
+                            for v in cutlass.range(lane, inter // VEC, 32,
+                                                   unroll=unroll):  # fmt: skip
+                                wf = load_f32(wv, v)
+                                # (Elements taken out before the branches: an
+                                # element extracted inside one is not visible
+                                # to the next.)
+                                we = [wf[e] for e in range(VEC)]
+                                _dots(dot, hit, we, xs, b0, width, inter, v)
                         for i in cutlass.range_constexpr(group):
                             s1 = warp_sum(dot[i])
                             if hit[i] != 0:
@@ -169,6 +183,70 @@ def expert_down(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, glob, lo, hi,
                     else:
                         y = round_bf16(acc[i]) + hmid[b0 + i, col].to(Float32)
                         dst[b0 + i, col] = y.to(BFloat16)
+
+
+@cute.jit
+def _dots(dot: cute.Tensor, hit: cute.Tensor, we, xs, b0, width: cutlass.Constexpr,
+          inter: cutlass.Constexpr, v):  # fmt: skip
+    """Each routed request's ``dot[i] += xact row b0 + i . we`` (vector v)."""
+    for i in cutlass.range_constexpr(dot.shape[0]):
+        if cutlass.const_expr(dot.shape[0] == 1):
+            # (The one request is routed here.)
+            _dot(dot, i, we, xs, b0 + i, width, inter, v)
+        elif hit[i] != 0:
+            _dot(dot, i, we, xs, b0 + i, width, inter, v)
+
+
+@cute.jit
+def _quant_dots(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, ex, col, slot, b0,
+                hit: cute.Tensor, dot: cute.Tensor, lane,
+                unroll: cutlass.Constexpr):  # fmt: skip
+    """``_dots`` over a quantized expert's row ``col`` of w2 (codes and
+    scales, ``gemv_quant``): FP8 against XQ (the slot's inputs quantized
+    by its last EXPERT_UP tile) with their scales XSCALE, each 8-k sum
+    scaled by the input group's and the weight block's scales (blocks) or
+    the sum by the request's and the row's (per channel); INT4 against
+    XACT. Each ``dot[i]`` is the warp's share of the scaled sum."""
+    shape: KernelShape = s
+    b, h, inter, width = (
+        shape.batch,
+        shape.hidden,
+        shape.expert_intermediate,
+        shape.xact_width,
+    )
+    int4 = shape.int4_group > 0
+    codes = ptrs[layer, LayerSlot.W2] + Int64(ex) * code_bytes(shape, h, inter)
+    cv = code_vectors(gmem(Uint8, codes + Int64(col) * row_bytes(shape, inter),
+                           (row_bytes(shape, inter),)), int4)  # fmt: skip
+    at = ptrs[layer, LayerSlot.W2_SCALE] + Int64(ex) * scale_bytes(shape, h, inter)
+    ws = weight_scales(shape, at, h, inter)
+    inputs = LayerSlot.XACT if int4 else LayerSlot.XQ
+    xs = gmem(BFloat16, ptrs[layer, inputs] + Int64(slot) * (b * width * 2), (b, width))
+    groups = max(shape.xact_groups, 1)
+    xsc = gmem(Float32, ptrs[layer, LayerSlot.XSCALE] + Int64(slot) * (b * groups * 4),
+               (b, groups))  # fmt: skip
+    group = dot.shape[0]
+    for v in cutlass.range(lane, inter // VEC, 32, unroll=unroll):
+        scale2 = Int32(0)
+        if cutlass.const_expr(int4):
+            t = Int32(ws[col, (v * VEC) // shape.int4_group])
+            scale2 = t | (t << 16)
+        we = lane_weights(cv, v, int4, scale2)
+        g = (v * VEC) // FP8_GROUP
+        for i in cutlass.range_constexpr(group):
+            if group == 1 or hit[i] != 0:
+                xf = load_f32(vectors(xs[b0 + i, None]), v)
+                part = Float32(0.0)
+                for e in cutlass.range_constexpr(VEC):
+                    part = part + we[e] * xf[e]
+                if cutlass.const_expr(shape.fp8_block):
+                    part = (part * xsc[b0 + i, g]) * ws[col // FP8_GROUP, g]
+                dot[i] = dot[i] + part
+    if cutlass.const_expr(shape.fp8 and not shape.fp8_block):
+        # (Per channel: the warp's shares add up to the sum, so each share
+        # is scaled: a * (w * share), summed by the caller's warp_sum.)
+        for i in cutlass.range_constexpr(group):
+            dot[i] = xsc[b0 + i, 0] * (ws[col] * dot[i])
 
 
 @cute.jit

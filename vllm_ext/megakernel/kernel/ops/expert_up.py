@@ -22,7 +22,7 @@ the GEMV's passes over a weight row cover only them (at batch 1, the one).
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float32, Int32, Int64, Uint8
 
 from vllm_ext.megakernel.isa import Op
 from vllm_ext.megakernel.kernel.ops.common import (
@@ -36,6 +36,7 @@ from vllm_ext.megakernel.kernel.ops.common import (
     round_bf16,
     row_rstd,
     stage_normed,
+    stage_rows,
     stages_input,
     thread_ids,
     vectors,
@@ -43,6 +44,15 @@ from vllm_ext.megakernel.kernel.ops.common import (
 )
 from vllm_ext.megakernel.kernel.ops.expert_down import prefetch_routed as hint_down
 from vllm_ext.megakernel.kernel.ops.gemv import gemv
+from vllm_ext.megakernel.kernel.ops.gemv_paged import weight_scales
+from vllm_ext.megakernel.kernel.ops.gemv_quant import (
+    code_bytes,
+    input_groups,
+    qgemv,
+    quantize_rows,
+    row_bytes,
+    scale_bytes,
+)
 from vllm_ext.megakernel.kernel.ops.prefetch import prefetch_rows
 from vllm_ext.megakernel.kernel.ops.topk import route_batch, topk_words
 from vllm_ext.megakernel.kernel.queue import downs_end
@@ -97,9 +107,10 @@ def _hint_up(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, expert, cols):
     h, inter = shape.hidden, shape.expert_intermediate
     lo, hi = cols >> 16, cols & 0xFFFF
     if expert >= 0:
-        base = ptrs[layer, LayerSlot.W13] + Int64(expert) * (2 * inter * h * 2)
-        prefetch_rows(base, h * 2, lo, hi)
-        prefetch_rows(base, h * 2, lo + inter, hi + inter)
+        row = row_bytes(shape, h)
+        base = ptrs[layer, LayerSlot.W13] + Int64(expert) * (2 * inter * row)
+        prefetch_rows(base, row, lo, hi)
+        prefetch_rows(base, row, lo + inter, hi + inter)
 
 
 # Instructions a routed tile hints ahead of itself (control.py's
@@ -120,6 +131,78 @@ def routing_of(s: KernelShape) -> int:
     the next ones of that layer (they follow each other in the queue:
     nothing else writes the scratch between them) reuse it."""
     return routed_words(s) - 1
+
+
+def quant_words(s: KernelShape) -> int:
+    """Words of a quantized mixture's scratch past the routing
+    (``routed_words``): EXPERT_UP's flag for its slot's last tile
+    (``quantize_slot``), then FP8's input scales of a pass (``x_scales``)."""
+    if not s.quantized:
+        return 0
+    return 1 + (stage_rows(s) * input_groups(s.hidden, s.fp8_block) if s.fp8 else 0)
+
+
+def x_scales(s: KernelShape, scratch: cute.Tensor) -> cute.Tensor:
+    """FP8: the input scales of an EXPERT_UP pass, [stage rows, groups]
+    fp32, in the mixture's scratch past the routing and the flag."""
+    rows, groups = max(stage_rows(s), 1), input_groups(s.hidden, s.fp8_block)
+    at = cute.recast_ptr(scratch.iterator + routed_words(s) + 1, dtype=Float32)
+    return cute.make_tensor(at, cute.make_layout((rows, groups), stride=(groups, 1)))
+
+
+def expert_w13(s: KernelShape, ptrs: cute.Tensor, layer, expert):
+    """A quantized mixture's ``expert``: its gate and up codes (bytes, gate
+    rows then up rows in W13) and their scales (W13_SCALE)."""
+    h, inter = s.hidden, s.expert_intermediate
+    codes = ptrs[layer, LayerSlot.W13] + Int64(expert) * code_bytes(s, 2 * inter, h)
+    scales = ptrs[layer, LayerSlot.W13_SCALE] + Int64(expert) * (
+        2 * scale_bytes(s, inter, h)
+    )
+    k = h // 2 if s.int4_group else h
+    gate = gmem(Uint8, codes, (inter, k))
+    up = gmem(Uint8, codes + code_bytes(s, inter, h), (inter, k))
+    gate_s = weight_scales(s, scales, inter, h)
+    up_s = weight_scales(s, scales + scale_bytes(s, inter, h), inter, h)
+    return gate, up, gate_s, up_s
+
+
+@cute.jit
+def quantize_slot(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, slot, expert,
+                  rows: cute.Tensor, count: cute.Tensor, lo, hi,
+                  scratch: cute.Tensor):  # fmt: skip
+    """FP8: the slot's outputs quantized for EXPERT_DOWN, by the slot's last
+    tile. Each tile adds its columns to the slot's ARRIVE word (a GPU-scope
+    acquire-release add after the consumers' barrier: its xact stores
+    before it, as ``control.signal_done`` publishes them); the tile that
+    completes the row quantizes the gathered requests' rows of XACT into
+    XQ and XSCALE (vLLM quantizes the SiLU-mul output per token, or per
+    group of 128, before its down GEMM) and resets the word for the next
+    step. EXPERT_DOWN waits for every tile's signal, so for this tile's
+    quantization too."""
+    shape: KernelShape = s
+    b, width, inter = shape.batch, shape.xact_width, shape.expert_intermediate
+    tidx, _, _ = thread_ids()
+    flag = routed_words(shape)
+    consumer_sync()
+    if tidx == 0:
+        arrive = gmem(Int32, ptrs[layer, LayerSlot.ARRIVE], (shape.xact_slots,))
+        old = cute.arch.atomic_add(arrive.iterator + slot, hi - lo, sem="acq_rel",
+                                   scope="gpu")  # fmt: skip
+        last = Int32(0)
+        if old + (hi - lo) == inter:
+            last = Int32(1)
+            arrive[slot] = Int32(0)  # (every tile of this step has arrived)
+        scratch[flag] = last
+    consumer_sync()
+    if scratch[flag] != 0:
+        if expert >= 0:
+            groups = shape.xact_groups
+            xq = gmem(BFloat16, ptrs[layer, LayerSlot.XQ]
+                      + Int64(slot) * (b * width * 2), (b, width))  # fmt: skip
+            xsc = gmem(Float32, ptrs[layer, LayerSlot.XSCALE]
+                       + Int64(slot) * (b * groups * 4), (b, groups))  # fmt: skip
+            quantize_rows(_xact(shape, ptrs, layer, slot), xq, xsc, count[0],
+                          shape.fp8_block, rows)  # fmt: skip
 
 
 def gather_words(batch: int) -> int:
@@ -178,7 +261,7 @@ def _xact(s: cutlass.Constexpr, ptrs, layer, slot) -> cute.Tensor:
 def _routed(s: cutlass.Constexpr, q: cutlass.Constexpr, ptrs, layer, glob, slot, cols,
             rstd, x_stage, scratch, pc, length):  # fmt: skip
     shape: KernelShape = s
-    b, h, k, inter = shape.batch, shape.hidden, shape.top_k, shape.expert_intermediate
+    b, k = shape.batch, shape.top_k
     lo, hi = cols >> 16, cols & 0xFFFF
     off = topk_words(shape)
     experts = cute.make_tensor(scratch.iterator + off,
@@ -198,80 +281,175 @@ def _routed(s: cutlass.Constexpr, q: cutlass.Constexpr, ptrs, layer, glob, slot,
         hint_routed(shape, q, ptrs, layer, computed, experts, pc, length)
     # (Every thread read the same expert: the branch is uniform, and its
     # barriers are met by the whole CTA.)
+    gather = cute.make_tensor(scratch.iterator + off + shape.num_slots,
+                              cute.make_layout(gather_words(b)))  # fmt: skip
+    rows = cute.make_tensor(gather.iterator + b, cute.make_layout(b))
+    count = cute.make_tensor(gather.iterator + 2 * b, cute.make_layout(1))
     if expert >= 0:
-        base = ptrs[layer, LayerSlot.W13] + Int64(expert) * (2 * inter * h * 2)
-        gather = cute.make_tensor(scratch.iterator + off + shape.num_slots,
-                                  cute.make_layout(gather_words(b)))  # fmt: skip
-        flags = cute.make_tensor(gather.iterator, cute.make_layout(b))
-        rows = cute.make_tensor(gather.iterator + b, cute.make_layout(b))
-        count = cute.make_tensor(gather.iterator + 2 * b, cute.make_layout(1))
-        for r in cutlass.range(tidx, b, NUM_THREADS):
-            hit = Int32(0)
-            for c in cutlass.range_constexpr(k):
-                if chosen[r * k + c] == expert:
-                    hit = Int32(1)
-            flags[r] = hit
-        consumer_sync()
-        if tidx == 0:
-            n = Int32(0)
-            for r in cutlass.range(b):
-                if flags[r] != 0:
-                    rows[n] = r
-                    n = n + 1
-            count[0] = n
-        consumer_sync()
+        _gather(shape, chosen, expert, gather)
         n = count[0]
-        gate = gmem(BFloat16, base, (inter, h))
-        up = gmem(BFloat16, base + inter * h * 2, (inter, h))  # bytes
-        hmid = ptrs[layer, LayerSlot.HMID]
-        norm = gmem(BFloat16, ptrs[layer, LayerSlot.POST_NORM], (h,))
-        xact = _xact(shape, ptrs, layer, slot)
-        # rstd of the gathered requests, rstd[j] for rows[j] (row_rstd's sum).
-        for j in cutlass.range(warp, n, NUM_WARPS):
-            xv = vectors(gmem(BFloat16, hmid + Int64(rows[j]) * (h * 2), (h,)))
-            ss = Float32(0.0)
-            for v in cutlass.range(lane, h // VEC, 32):
-                xf = load_f32(xv, v)
-                for e in cutlass.range_constexpr(VEC):
-                    ss = ss + xf[e] * xf[e]
-            ss = warp_sum(ss)
-            if lane == 0:
-                rstd[j] = cute.math.rsqrt(ss / Float32(h) + Float32(shape.rms_norm_eps))
-        consumer_sync()
-        group = min(b, BATCH_GROUP)
-        if cutlass.const_expr(stages_input(shape)):
-            # The gathered requests' normed rows, compact, in x_stage.
-            n_vec = h // VEC
-            nv = vectors(norm)
-            for idx in cutlass.range(tidx, n * n_vec, NUM_THREADS):
-                j, v = idx // n_vec, idx % n_vec
-                src = vectors(gmem(BFloat16, hmid + Int64(rows[j]) * (h * 2), (h,)))
-                y = load_f32(src, v) * rstd[j] * load_f32(nv, v)
-                r = cute.make_rmem_tensor((VEC,), BFloat16)
-                r.store(y.to(BFloat16))
-                cute.autovec_copy(r, vectors(x_stage[j, None])[None, v])
-            consumer_sync()
-            # Groups of gathered requests; past n, a group's last rows are
-            # computed on stale rows and not stored.
-            for j0 in cutlass.range(0, n, group):
-                off = cute.assume(j0 * h, divby=VEC)
-                rows_g = cute.make_layout((group, h), stride=(h, 1))
-                xg = cute.make_tensor(x_stage.iterator + off, rows_g)
-
-                def epilogue(row, i, sg, su, j0=j0):
-                    _store_gathered(xact, rows, j0, n, row, i, sg, su)
-
-                gemv(gate, up, xg, norm, rstd, lo, hi, epilogue, False, True)
+        if cutlass.const_expr(shape.quantized):
+            _routed_quant(shape, ptrs, layer, slot, expert, rows, n, lo, hi, rstd,
+                          x_stage, scratch)  # fmt: skip
         else:
-            # One request at a time, normed on the fly (its rstd at j).
-            for j in cutlass.range(n):
-                x1 = gmem(BFloat16, hmid + Int64(rows[j]) * (h * 2), (1, h))
-                r1 = cute.make_tensor(rstd.iterator + j, cute.make_layout(1))
+            _routed_bf16(shape, ptrs, layer, slot, expert, rows, n, lo, hi, rstd,
+                         x_stage)  # fmt: skip
+    if cutlass.const_expr(shape.fp8):
+        # (Every tile of a slot arrives, a slot without an expert too.)
+        quantize_slot(shape, ptrs, layer, slot, expert, rows, count, lo, hi, scratch)
 
-                def epilogue(row, i, sg, su, j=j):
-                    _store_gathered(xact, rows, j, n, row, i, sg, su)
 
-                gemv(gate, up, x1, norm, r1, lo, hi, epilogue, True, True)
+@cute.jit
+def _gather(s: cutlass.Constexpr, chosen: cute.Tensor, expert, gather: cute.Tensor):
+    """The requests routed to ``expert``, ascending, into the gather
+    (``gather_words``: flags, then the compact list, then its count)."""
+    shape: KernelShape = s
+    b, k = shape.batch, shape.top_k
+    tidx, _, _ = thread_ids()
+    flags = cute.make_tensor(gather.iterator, cute.make_layout(b))
+    rows = cute.make_tensor(gather.iterator + b, cute.make_layout(b))
+    count = cute.make_tensor(gather.iterator + 2 * b, cute.make_layout(1))
+    for r in cutlass.range(tidx, b, NUM_THREADS):
+        hit = Int32(0)
+        for c in cutlass.range_constexpr(k):
+            if chosen[r * k + c] == expert:
+                hit = Int32(1)
+        flags[r] = hit
+    consumer_sync()
+    if tidx == 0:
+        n = Int32(0)
+        for r in cutlass.range(b):
+            if flags[r] != 0:
+                rows[n] = r
+                n = n + 1
+        count[0] = n
+    consumer_sync()
+
+
+@cute.jit
+def _gathered_rstd(s: cutlass.Constexpr, hmid, rows: cute.Tensor, n, rstd: cute.Tensor):
+    """rstd of the gathered requests, rstd[j] for rows[j] (row_rstd's sum),
+    then a barrier."""
+    shape: KernelShape = s
+    h = shape.hidden
+    _, warp, lane = thread_ids()
+    for j in cutlass.range(warp, n, NUM_WARPS):
+        xv = vectors(gmem(BFloat16, hmid + Int64(rows[j]) * (h * 2), (h,)))
+        ss = Float32(0.0)
+        for v in cutlass.range(lane, h // VEC, 32):
+            xf = load_f32(xv, v)
+            for e in cutlass.range_constexpr(VEC):
+                ss = ss + xf[e] * xf[e]
+        ss = warp_sum(ss)
+        if lane == 0:
+            rstd[j] = cute.math.rsqrt(ss / Float32(h) + Float32(shape.rms_norm_eps))
+    consumer_sync()
+
+
+@cute.jit
+def _stage_gathered(s: cutlass.Constexpr, hmid, norm: cute.Tensor, rows: cute.Tensor,
+                    j0, n, rstd: cute.Tensor, x_stage: cute.Tensor):  # fmt: skip
+    """Gathered requests j0 .. min(j0 + rows of x_stage, n) normed into
+    x_stage (compact, from its row 0), then a barrier."""
+    shape: KernelShape = s
+    h = shape.hidden
+    tidx, _, _ = thread_ids()
+    n_vec = h // VEC
+    nv = vectors(norm)
+    m = cutlass.min(n - j0, x_stage.shape[0])
+    for idx in cutlass.range(tidx, m * n_vec, NUM_THREADS):
+        j, v = idx // n_vec, idx % n_vec
+        src = vectors(gmem(BFloat16, hmid + Int64(rows[j0 + j]) * (h * 2), (h,)))
+        y = load_f32(src, v) * rstd[j0 + j] * load_f32(nv, v)
+        r = cute.make_rmem_tensor((VEC,), BFloat16)
+        r.store(y.to(BFloat16))
+        cute.autovec_copy(r, vectors(x_stage[j, None])[None, v])
+    consumer_sync()
+
+
+@cute.jit
+def _routed_bf16(s: cutlass.Constexpr, ptrs, layer, slot, expert, rows, n, lo, hi,
+                 rstd, x_stage):  # fmt: skip
+    """A routed tile's bf16 expert: GATE_UP's GEMV over the gathered
+    requests ``rows[0 .. n)``."""
+    shape: KernelShape = s
+    b, h, inter = shape.batch, shape.hidden, shape.expert_intermediate
+    base = ptrs[layer, LayerSlot.W13] + Int64(expert) * (2 * inter * h * 2)
+    gate = gmem(BFloat16, base, (inter, h))
+    up = gmem(BFloat16, base + inter * h * 2, (inter, h))  # bytes
+    hmid = ptrs[layer, LayerSlot.HMID]
+    norm = gmem(BFloat16, ptrs[layer, LayerSlot.POST_NORM], (h,))
+    xact = _xact(shape, ptrs, layer, slot)
+    _gathered_rstd(shape, hmid, rows, n, rstd)
+    group = min(b, BATCH_GROUP)
+    if cutlass.const_expr(stages_input(shape)):
+        # The gathered requests' normed rows, compact, in x_stage.
+        _stage_gathered(shape, hmid, norm, rows, 0, n, rstd, x_stage)
+        # Groups of gathered requests; past n, a group's last rows are
+        # computed on stale rows and not stored.
+        for j0 in cutlass.range(0, n, group):
+            off = cute.assume(j0 * h, divby=VEC)
+            rows_g = cute.make_layout((group, h), stride=(h, 1))
+            xg = cute.make_tensor(x_stage.iterator + off, rows_g)
+
+            def epilogue(row, i, sg, su, j0=j0):
+                _store_gathered(xact, rows, j0, n, row, i, sg, su)
+
+            gemv(gate, up, xg, norm, rstd, lo, hi, epilogue, False, True)
+    else:
+        # One request at a time, normed on the fly (its rstd at j).
+        for j in cutlass.range(n):
+            x1 = gmem(BFloat16, hmid + Int64(rows[j]) * (h * 2), (1, h))
+            r1 = cute.make_tensor(rstd.iterator + j, cute.make_layout(1))
+
+            def epilogue(row, i, sg, su, j=j):
+                _store_gathered(xact, rows, j, n, row, i, sg, su)
+
+            gemv(gate, up, x1, norm, r1, lo, hi, epilogue, True, True)
+
+
+@cute.jit
+def _routed_quant(s: cutlass.Constexpr, ptrs, layer, slot, expert, rows, n, lo, hi,
+                  rstd, x_stage, scratch):  # fmt: skip
+    """A routed tile's quantized expert (FP8, INT4; ``gemv_quant.qgemv``):
+    the gathered requests in passes of as many as x_stage holds (all of
+    them where the batch's inputs fit it), each pass's normed inputs staged
+    and, FP8, quantized in place (per token, or per group of 128) with
+    their scales in ``x_scales``."""
+    shape: KernelShape = s
+    h = shape.hidden
+    hmid = ptrs[layer, LayerSlot.HMID]
+    norm = gmem(BFloat16, ptrs[layer, LayerSlot.POST_NORM], (h,))
+    xact = _xact(shape, ptrs, layer, slot)
+    gate, up, gate_s, up_s = expert_w13(shape, ptrs, layer, expert)
+    _gathered_rstd(shape, hmid, rows, n, rstd)
+    per_pass = x_stage.shape[0]
+    xs = x_scales(shape, scratch)
+    for j0 in cutlass.range(0, n, per_pass):
+        _stage_gathered(shape, hmid, norm, rows, j0, n, rstd, x_stage)
+        if cutlass.const_expr(shape.fp8):
+            quantize_rows(x_stage, x_stage, xs, cutlass.min(n - j0, per_pass),
+                          shape.fp8_block)  # fmt: skip
+            consumer_sync()
+
+        # Groups of the pass's requests; past n, a group's last rows are
+        # computed on stale rows and not stored.
+        group = min(per_pass, BATCH_GROUP)
+        for g0 in cutlass.range(0, cutlass.min(n - j0, per_pass), group):
+            xg = cute.make_tensor(
+                x_stage.iterator + cute.assume(g0 * h, divby=VEC),
+                cute.make_layout((group, h), stride=(h, 1)),
+            )
+            sg = cute.make_tensor(
+                xs.iterator + g0 * xs.shape[1],
+                cute.make_layout((group, xs.shape[1]), stride=(xs.shape[1], 1)),
+            )
+
+            def epilogue(row, i, s1, s2, j=j0 + g0):
+                _store_gathered(xact, rows, j, n, row, i, s1, s2)
+
+            qgemv(shape, gate, up, xg, sg, gate_s, up_s, lo, hi, epilogue, True)
+        consumer_sync()  # (the stage is refilled)
 
 
 @cute.jit
