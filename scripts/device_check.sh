@@ -26,7 +26,8 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${VLLM_MEGAKERNEL_VENV:-$ROOT/.venv}
-BUNDLE=$ROOT/.device
+# (DEVICE_CHECK_BUNDLE: another folder, e.g. a dry run beside a test's.)
+BUNDLE=${DEVICE_CHECK_BUNDLE:-$ROOT/.device}
 MODELS=${DEVICE_CHECK_MODELS:-"llama-3.2-1b llama-3.1-8b"}
 # Every bucket the backend may take (issue 17: it opens only those the
 # kernel measured faster than the per-op baseline): tensor-core GEMVs from
@@ -123,6 +124,15 @@ MLA=${DEVICE_CHECK_MLA-"deepseek-v3:1:4 kimi-k2:1:2"}
 # 51 GB. The step then reads 1.75 GB of FP8 layers beside the 1.05 GB
 # bf16 LM head: the breakdown's per-kind rows give the FP8 GEMVs' bandwidth
 # apart. DEVICE_CHECK_QUANT="llama-3.1-8b-fp8:1" runs all 32. Empty: none.
+# Quantized mixtures (not in the default, 59.4 MiB at 76e978f: ~2.2 MiB
+# each, so leave others out, e.g. DEVICE_CHECK_VARIANTS=""), e.g.
+# "qwen3-30b-a3b-fp8:1:4 qwen3-30b-a3b-gptq-int4:1:4": FP8-block or INT4
+# routed experts, random codes and scales (testing.quantized_layer), built
+# and run like the bf16 mixture above with every instruction checked
+# (EXPERT_UP's and EXPERT_DOWN's references quantize their inputs as the
+# kernel does), the weight guard over the experts' codes and scales, and
+# FP8's ARRIVE counts back at zero after every step; correctness only: no
+# fair per-op MoE without vLLM's kernels (the timing names none).
 QUANT=${DEVICE_CHECK_QUANT-"llama-3.1-8b-fp8:1:8"}
 # Tensor parallel, MODEL:BATCH:TP: every rank of a TP program in one launch
 # on the one GPU (build.py --tp TP --one-gpu-ranks; device_ranks.py), built

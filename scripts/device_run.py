@@ -43,7 +43,10 @@ like the dense cases (the references quantize the linears' inputs as the
 kernel does), its weight guard over the codes and scales the kernel reads;
 it is timed against the per-op step with vLLM's FP8 linears in torch
 (``per_op.FP8_BASELINE``: torch._scaled_mm, named apart: it opens no
-bucket) and the floor of its FP8 weight bytes.
+bucket) and the floor of its FP8 weight bytes. A quantized mixture (FP8
+blocks or INT4 routed experts) is checked the same way, its weight guard
+over the experts' codes and scales, FP8's ARRIVE counts zero after each
+step; it has no per-op MoE step (QUANT_MOE_BASELINE): correctness only.
 Writes OUT_DIR/device_check.json and .md as each part ends, with a verdict:
 passed, incomplete (a required check did not run) or failed.
 """
@@ -187,6 +190,12 @@ ABORT_SPINS = (1 << 12, 1 << 16)
 # The per-op baseline of a speculative verify step (timing()): not the
 # fair one, which reads a request's cache once.
 VERIFY_BASELINE = "vllm-default-split-kv-rows-as-requests"
+# A quantized mixture's per-op MoE (timing()): none. vLLM's FP8-block and
+# GPTQ mixtures run its CUTLASS / Marlin MoE kernels and its input
+# quantization from _C, which does not travel; the bf16 Triton fused MoE
+# would time another model. Its cases are correctness only (the kernel's
+# step and breakdown still timed, no per-op figure).
+QUANT_MOE_BASELINE = "none (quantized experts: no fair baseline without vLLM's kernels)"
 # The per-op steps whose figures the report's main table shows: vLLM's
 # default decode, and an FP8 case's (the same step, its linears by
 # torch._scaled_mm: named below the table).
@@ -420,8 +429,7 @@ def correctness(case_dir: Path) -> dict:
         inputs = case_inputs(case_dir, spec, n, seed=100 + step, max_len=CONTEXT)
         inputs = _to(inputs, dev)
         mine = _to(inputs, dev, clone_kv=True)
-        for t in ex.ws.values():
-            t.fill_(float("nan"))
+        poison(ex)
         before = StepGuard(ex, guards, mine)
         ex.step(mine)
         sync()
@@ -515,8 +523,7 @@ def graph_replays(ex, spec: ModelSpec, n: int, guards: dict) -> dict:
             getattr(src, name).copy_(getattr(new, name))
         for dst, val in zip(src.kv_caches, new.kv_caches, strict=True):
             dst.copy_(val)
-        for t in ex.ws.values():
-            t.fill_(float("nan"))
+        poison(ex)
         sync()
         step = int(ex.counters[-1].item())
         before = StepGuard(ex, guards, src)
@@ -815,6 +822,16 @@ def _new_kv(cache: torch.Tensor, inputs: DecodeInputs, n: int) -> torch.Tensor:
     return cache[_at_slots(cache, inputs.slot_mapping[:n].long())].float()
 
 
+def poison(ex) -> None:
+    """Every workspace buffer NaN before a step, so a value read before it
+    is written shows; but for FP8 experts' ARRIVE counts, which the kernel
+    needs at zero between steps (``StepGuard.stray_writes`` checks that
+    each step leaves them so)."""
+    for t in ex.ws.values():
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+
+
 def guard_workspace(ex) -> dict[str, torch.Tensor]:
     """Move each workspace buffer into an allocation with GUARD_BYTES of
     poison after it and point the kernel's address table at the moved
@@ -824,8 +841,11 @@ def guard_workspace(ex) -> dict[str, torch.Tensor]:
     guards = {}
     for name, t in list(ex.ws.items()):
         extra = GUARD_BYTES // t.element_size()
-        store = torch.full((t.numel() + extra,), float("nan"), dtype=t.dtype,
+        # (ARRIVE's int32 counts start at zero, as the executor's do.)
+        fill = float("nan") if t.is_floating_point() else 0
+        store = torch.full((t.numel() + extra,), fill, dtype=t.dtype,
                            device=t.device)  # fmt: skip
+        store[: t.numel()].view(t.shape).copy_(t)
         store[t.numel() :].view(torch.uint8).fill_(GUARD_BYTE)
         ex.ws[name] = store[: t.numel()].view(t.shape)
         guards[name] = store[t.numel() :]
@@ -868,7 +888,8 @@ class StepGuard:
     def stray_writes(self, ex, inputs: DecodeInputs, n: int) -> dict:
         """Counts of changed elements where the step must not write, as
         checks with tolerance 0: KV_STRAY (worst layer), GUARD (buffers
-        written past their end), INPUTS and WEIGHTS (what changed)."""
+        written past their end), INPUTS and WEIGHTS (what changed); with
+        FP8 experts, ARRIVE (counts the step left nonzero)."""
         slots = inputs.slot_mapping[:n].long()
         worst, layer = 0, 0
         for i, (cache, old) in enumerate(
@@ -892,7 +913,26 @@ class StepGuard:
                       "buffers": [name for name, c in past.items() if c]},
             "INPUTS": {"max": len(statics), "tol": 0, "changed": statics},
             "WEIGHTS": {"max": len(weights), "tol": 0, "changed": weights[:8]},
+            **arrive_left(ex),
         }  # fmt: skip
+
+
+def arrive_left(ex) -> dict:
+    """FP8 experts: every slot's ARRIVE count back at zero after a step (the
+    slot's last EXPERT_UP tile resets it; a count left over makes the next
+    step's last tile miscount, so its quantization for EXPERT_DOWN runs
+    early or never): ``{"ARRIVE": check}`` naming the first layer and slot
+    left nonzero, ``{}`` for a kernel without them."""
+    arrive = ex.ws.get("arrive")
+    if arrive is None:
+        return {}
+    left = (arrive != 0).nonzero().tolist()
+    check = {"max": len(left), "tol": 0}
+    if left:
+        (layer, slot), count = left[0], int(arrive[tuple(left[0])])
+        check.update(layer=layer, slot=slot, count=count,
+                     left=[f"layer {i} slot {s}" for i, s in left[:8]])  # fmt: skip
+    return {"ARRIVE": check}
 
 
 # What the executor holds for every step and the kernel only reads.
@@ -918,7 +958,7 @@ def _staged_inputs(ex, inputs: DecodeInputs, n: int) -> dict[str, torch.Tensor]:
 
 def _weights(w):
     """(name, tensor) of every weight the kernel reads: a quantized layer's
-    linears as their codes and scales (its dense fields, their
+    linears and experts as their codes and scales (its dense fields, their
     dequantization, are the references' and not in the kernel's table)."""
     yield "embed", w.embed
     yield "final_norm", w.final_norm
@@ -933,10 +973,29 @@ def _weights(w):
                 yield f"layer {i} {name}", t
         for name in linears:
             f = getattr(lw.quant, name)
+            if f is None:  # (a sparse layer's MLP: its experts, below)
+                continue
             yield f"layer {i} {name} codes", f.codes
             yield f"layer {i} {name} scales", f.scale
+        if lw.moe is not None:
+            yield from _mixture_weights(i, lw.moe)
         for name, t in device_mla.mla_weights(lw):
             yield f"layer {i} {name}", t
+
+
+def _mixture_weights(i: int, m):
+    """A sparse layer's router, experts and shared expert, as ``_weights``
+    names them; those ``MoeWeights.quant`` holds as their codes and scales
+    (the dense fields beside them are the references'). (TOPK reads the
+    launcher's fp32 copy of the correction bias.)"""
+    yield f"layer {i} router", m.router
+    for name in ("w13", "w2", "shared_gate_up", "shared_down"):
+        f = getattr(m.quant, name, None)
+        if f is not None:
+            yield f"layer {i} experts {name} codes", f.codes
+            yield f"layer {i} experts {name} scales", f.scale
+        elif getattr(m, name) is not None:
+            yield f"layer {i} experts {name}", getattr(m, name)
 
 
 def _to(inputs: DecodeInputs, dev, clone_kv: bool = False) -> DecodeInputs:
@@ -1011,10 +1070,22 @@ def per_op_baseline(spec: ModelSpec) -> str | None:
     its linears by torch._scaled_mm (per_op.FP8_BASELINE), which stands for
     vLLM's CUTLASS FP8 GEMMs without being them: it opens no bucket. None
     for another format (FP8 blocks): per_op_step has no linears for it and
-    refuses it, which the timing reports as its per_op_error."""
+    refuses it, which the timing reports as its per_op_error; and for a
+    quantized mixture, timed with no per-op step (``per_op_moe``)."""
     if spec.quant is None:
         return FAIR_BASELINE
-    return FP8_BASELINE if spec.quant.name == FP8_W8A8 else None
+    if spec.quant.name != FP8_W8A8 or spec.moe is not None:
+        return None
+    return FP8_BASELINE
+
+
+def per_op_moe(spec: ModelSpec) -> str | None:
+    """The per-op step's mixture: vLLM's fused-MoE Triton kernels (bf16
+    experts: moe_mixture), QUANT_MOE_BASELINE for quantized experts (none:
+    the case is timed without a per-op step), None without a mixture."""
+    if spec.moe is None:
+        return None
+    return QUANT_MOE_BASELINE if spec.quant is not None else "vllm-fused-moe-triton"
 
 
 def timing(case_dir: Path) -> dict:
@@ -1079,6 +1150,14 @@ def timing(case_dir: Path) -> dict:
         except Exception as e:  # reported in the JSON
             result["extras_error"] = repr(e)[:500]
         return result
+    if per_op_moe(spec) == QUANT_MOE_BASELINE:
+        result["per_op_baseline"] = None
+        result["per_op_moe"] = QUANT_MOE_BASELINE
+        try:
+            result["breakdown"] = breakdown(ex, program, mk, result["megakernel_ms"])
+        except Exception as e:  # reported in the JSON
+            result["extras_error"] = repr(e)[:500]
+        return result
     flashinfer = FlashInferDecode.load(case_dir.parent)
     if flashinfer is None:
         result["per_op_error"] = "no FlashInfer in the bundle: no per-op baseline"
@@ -1107,7 +1186,7 @@ def timing(case_dir: Path) -> dict:
         # it timed alone, beside the kernel's whole step.
         try:
             mixture, result["moe_layer"] = moe_mixture(case_dir, spec, weights, b)
-            result["per_op_moe"] = "vllm-fused-moe-triton"
+            result["per_op_moe"] = per_op_moe(spec)
         except Exception as e:  # reported; no per-op baseline without it
             result["per_op_error"] = f"MoE baseline: {e!r}"[:500]
             return result
@@ -1163,7 +1242,10 @@ def mla_timing(case_dir: Path, spec: ModelSpec, weights, inputs: DecodeInputs, e
     out = {"per_op_baseline": "mla-per-op",
            "roofline": device_mla.roofline(spec, b, context)}  # fmt: skip
     mixture = None
-    if spec.moe is not None and any(spec.moe.sparse_layers):
+    if spec.moe is not None and any(spec.moe.sparse_layers) and spec.quant:
+        # (Quantized experts: no per-op step, as timing()'s.)
+        out.update(per_op_baseline=None, per_op_moe=QUANT_MOE_BASELINE)
+    elif spec.moe is not None and any(spec.moe.sparse_layers):
         try:
             mixture, out["moe_layer"] = moe_mixture(case_dir, spec, weights, b)
             out["per_op_moe"] = "vllm-fused-moe-triton"
@@ -1172,6 +1254,8 @@ def mla_timing(case_dir: Path, spec: ModelSpec, weights, inputs: DecodeInputs, e
 
     def per_op(name: str, attend) -> None:
         if out.get("per_op_error", "").startswith("MoE baseline"):
+            return
+        if out.get("per_op_moe") == QUANT_MOE_BASELINE:
             return
         try:
             start = time.time()
@@ -1662,6 +1746,14 @@ def markdown(report: dict) -> str:
         lines.append(f"per-op step of {', '.join(named)}: {FP8_BASELINE} (vLLM's "
                      "FP8 linears by torch._scaled_mm, not its CUTLASS GEMM; "
                      "opens no bucket)")  # fmt: skip
+    unmatched = [
+        name
+        for name, c in report["cases"].items()
+        if isinstance(c.get("timing"), dict)
+        and c["timing"].get("per_op_moe") == QUANT_MOE_BASELINE
+    ]
+    if unmatched:
+        lines.append(f"per-op MoE of {', '.join(unmatched)}: {QUANT_MOE_BASELINE}")
     sanitizer = "; ".join(
         f"{tool} {r['status']}"
         + (f" on {r['case']}" if r.get("case") else "")

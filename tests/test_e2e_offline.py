@@ -934,15 +934,17 @@ def test_gpu_route_through_vllm_with_a_stand_in_kernel(
 @pytest.mark.parametrize(
     "arch, fmt",
     [("llama", "fp8-channel"), ("llama", "fp8-block"), ("llama", "pack-quantized"),
-     ("qwen3_moe", "fp8-block"), ("qwen3_moe", "pack-quantized")],
+     ("qwen3_moe", "fp8-block"), ("qwen3_moe", "pack-quantized"),
+     ("deepseek_v3_fp8", "fp8-block")],
 )  # fmt: skip
 def test_gpu_route_runs_a_quantized_checkpoint(
     demo_model, stand_in_route, monkeypatch, tmp_path, arch, fmt
 ):
     """A quantized checkpoint of the Llama demo (FP8 per-channel W8A8, FP8
-    128 x 128 blocks, INT4 W4A16 in groups of 32) and of the Qwen3-MoE demo
-    (a dense layer, then a mixture; FP8 blocks, INT4), vLLM's CPU kernels
-    stood in for where it has none, through the GPU route's host side
+    128 x 128 blocks, INT4 W4A16 in groups of 32), of the Qwen3-MoE demo
+    (a dense layer, then a mixture; FP8 blocks, INT4) and DeepSeek-V3 as
+    shipped (FP8 blocks: latent attention, a shared expert), vLLM's CPU
+    kernels stood in for where it has none, through the GPU route's host side
     (``stand_in_route``): quantized kernels (``KernelShape.quantized``)
     whose tables hold the codes and scales (FP8's vLLM's own, in place, the
     experts' too; INT4's packed two a byte from what vLLM loaded), no dense
@@ -966,13 +968,15 @@ def test_gpu_route_runs_a_quantized_checkpoint(
     assert all(e.shape.int4_group == (32 if int4 else 0) for e in executors)
     codes = torch.uint8 if int4 else torch.float8_e4m3fn
     for lw in executors[0].weights.layers:
-        assert lw.qkv is None and lw.down is None
-        assert lw.quant.qkv.codes.dtype == codes
+        assert lw.qkv is None and lw.down is None and lw.o_proj is None
+        assert lw.quant.o_proj.codes.dtype == codes
         if lw.moe is not None:
             assert lw.moe.w13 is None and lw.moe.quant.w2.codes.dtype == codes
-    assert any(lw.moe is not None for lw in executors[0].weights.layers) == (
-        arch != "llama"
-    )
+        if lw.mla is not None:
+            assert lw.mla.q_b is None and lw.mla.quant.q_b.codes.dtype == codes
+    layers = executors[0].weights.layers
+    assert any(lw.moe is not None for lw in layers) == (arch != "llama")
+    assert any(lw.mla is not None for lw in layers) == (arch == "deepseek_v3_fp8")
 
 
 @pytest.mark.parametrize(

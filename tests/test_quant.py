@@ -249,19 +249,24 @@ def test_quantized_mixtures_taken_and_refused_by_name(config, refused):
         backend._check_gpu_kernel(None, spec)
 
 
-def test_quantized_latent_attention_runs_in_reference_mode_only():
-    """DeepSeek-V3 in FP8 blocks (latent attention, a shared expert) has no
-    quantized device functions yet: refused at start-up by name, pointing
-    at reference mode."""
+def test_the_gpu_kernel_takes_fp8_latent_attention_only():
+    """DeepSeek-V3 in FP8 blocks (latent attention, a shared expert) passes
+    the kernel's format check (it then needs a GPU: refused here for the
+    missing one); INT4 latent attention has no device functions: refused at
+    start-up by name, pointing at reference mode."""
     from vllm_ext import backend
     from vllm_ext.demo_models import hf_config
     from vllm_ext.model_spec import ModelSpec
 
-    hf = hf_config("deepseek_v3")
+    hf = hf_config("deepseek_v3_fp8")
     hf.quantization_config = DEEPSEEK_FP8
     spec = ModelSpec.from_hf_config(hf, torch.bfloat16, 512)
-    with pytest.raises(ValueError, match="no latent attention or shared expert"):
+    assert spec.mla is not None and spec.moe.shared_intermediate
+    with pytest.raises(ValueError, match="needs .*GPU"):
         backend._check_gpu_kernel(None, spec)
+    int4 = dataclasses.replace(spec, quant=quant_format(_ct({"group_size": 32})))
+    with pytest.raises(ValueError, match="latent attention takes FP8 weights only"):
+        backend._check_gpu_kernel(None, int4)
 
 
 def _int4_experts(e: int, n: int, k: int, group: int = 32):

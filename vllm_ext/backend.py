@@ -33,6 +33,7 @@ from vllm_ext.megakernel.planner import batch_buckets
 from vllm_ext.model_spec import ModelSpec, sliding_window_refusal
 from vllm_ext.parallel import shard_spec, stage_spec
 from vllm_ext.plugin import ATTENTION_BACKEND
+from vllm_ext.quant import INT4_W4A16
 from vllm_ext.runner import MAX_QUERY_LEN, DecodeExecutor, decode_inputs
 from vllm_ext.weights import DecodeWeights, stage_layers
 
@@ -583,18 +584,14 @@ def _tp_group():
 
 def _check_gpu_kernel(vllm_config: VllmConfig, spec: ModelSpec) -> None:
     """What the compiled kernel (not the reference) needs."""
-    shared = spec.moe is not None and spec.moe.shared_intermediate > 0
     refused = quant_refusal(spec.quant)
-    if spec.quant is not None and (refused or shared or spec.mla is not None):
+    int4_mla = spec.quant is not None and not refused and spec.mla is not None
+    int4_mla = int4_mla and spec.quant.name == INT4_W4A16
+    if spec.quant is not None and (refused or int4_mla):
         raise ValueError(
             f"--decode-backend megakernel runs {spec.quant.name} checkpoints of "
             "this model in reference mode only: "
-            + (
-                refused
-                or "the kernel's quantized device functions run with "
-                "grouped-query attention, dense layers and routed experts (no "
-                "latent attention or shared expert yet)"
-            )
+            + (refused or "the kernel's latent attention takes FP8 weights only")
             + ". "
             + INTERPRET_HINT
         )

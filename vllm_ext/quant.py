@@ -244,15 +244,17 @@ def quantize_rows(w: torch.Tensor) -> Fp8Weight:
 
 
 def quantize_blocks(w: torch.Tensor) -> Fp8Weight:
-    """A weight ``[N, K]`` (whole blocks) quantized as FP8-block checkpoints
-    are: each 128 x 128 block's amax over 448 its scale (random-weight
-    models and the GPU check)."""
+    """A weight ``[N, K]`` (whole blocks along K; a partial last block of
+    rows, as DeepSeek-V3's fused q_a/kv_a ends in, scaled by its own rows)
+    quantized as FP8-block checkpoints are: each 128 x 128 block's amax
+    over 448 its scale (random-weight models and the GPU check)."""
     top = torch.finfo(torch.float8_e4m3fn).max
     n, k = w.shape
-    blocks = w.float().view(n // BLOCK, BLOCK, k // BLOCK, BLOCK)
+    padded = torch.nn.functional.pad(w.float(), (0, 0, 0, -n % BLOCK))
+    blocks = padded.view(-1, BLOCK, k // BLOCK, BLOCK)
     scale = (blocks.abs().amax(dim=(1, 3)) / top).clamp(min=1e-12)
     codes = (blocks / scale[:, None, :, None]).clamp(-top, top)
-    codes = codes.to(torch.float8_e4m3fn).view(n, k)
+    codes = codes.to(torch.float8_e4m3fn).view(-1, k)[:n]
     return Fp8Weight(codes.contiguous(), scale.contiguous())
 
 

@@ -13,6 +13,7 @@ from vllm_ext.quant import (
     FP8_BLOCK,
     FP8_W8A8,
     INT4_W4A16,
+    Fp8Weight,
     quantize_blocks,
     quantize_int4,
     quantize_rows,
@@ -26,6 +27,7 @@ from vllm_ext.weights import (
     MoeWeights,
     QuantExperts,
     QuantLinears,
+    QuantMla,
 )
 
 BLOCK_SIZE = 16
@@ -123,9 +125,25 @@ def quantized_layer(lw: LayerWeights, spec: ModelSpec) -> LayerWeights:
     group = spec.quant.group_size
     formats = {FP8_W8A8: quantize_rows, FP8_BLOCK: quantize_blocks,
                INT4_W4A16: lambda w: quantize_int4(w, group)}  # fmt: skip
-    if spec.quant.name not in formats or lw.mla is not None:
-        raise ValueError(f"random {spec.quant.name} weights: no latent attention")
+    if spec.quant.name not in formats:
+        raise ValueError(f"random {spec.quant.name} weights")
     quantize = formats[spec.quant.name]
+    mla = lw.mla
+    if mla is not None:
+        if spec.quant.name == INT4_W4A16:
+            raise ValueError("random INT4 weights: no latent attention")
+        # q_a and kv_a: views of one fused layer's codes and scales, as vLLM
+        # holds them (weights._mla_codes).
+        r = 0 if mla.q_a is None else mla.q_a.shape[0]
+        fused = quantize(mla.kv_a if not r else torch.cat([mla.q_a, mla.kv_a]))
+        cut = r // 128 if fused.scale.dim() == 2 else r
+        q_a = Fp8Weight(fused.codes[:r], fused.scale[:cut]) if r else None
+        kv_a = Fp8Weight(fused.codes[r:], fused.scale[cut:].clone())
+        q = QuantMla(q_a, kv_a, quantize(mla.q_b))
+        mla = dataclasses.replace(
+            mla, q_a=None if q_a is None else q_a.dequantize(),
+            kv_a=kv_a.dequantize(), q_b=q.q_b.dequantize(), quant=q,
+        )  # fmt: skip
     names = [n for n in QUANT_LINEARS if getattr(lw, n) is not None]
     codes = QuantLinears(
         *(quantize(getattr(lw, n)) if n in names else None for n in QUANT_LINEARS)
@@ -133,18 +151,22 @@ def quantized_layer(lw: LayerWeights, spec: ModelSpec) -> LayerWeights:
     dense = {n: getattr(codes, n).dequantize() for n in names}
     moe = lw.moe
     if moe is not None:
-        if moe.shared_gate_up is not None:
-            raise ValueError(f"random {spec.quant.name} weights: no shared expert")
 
         def stacked(w: torch.Tensor):
             each = [quantize(e) for e in w]
             return type(each[0])(torch.stack([q.codes for q in each]),
                                  torch.stack([q.scale for q in each]))  # fmt: skip
 
-        e = QuantExperts(stacked(moe.w13), stacked(moe.w2))
-        moe = dataclasses.replace(moe, w13=e.w13.dequantize(),
-                                  w2=e.w2.dequantize(), quant=e)  # fmt: skip
-    return dataclasses.replace(lw, quant=codes, moe=moe, **dense)
+        shared = {}
+        if moe.shared_gate_up is not None:
+            shared = {n: quantize(getattr(moe, n))
+                      for n in ("shared_gate_up", "shared_down")}  # fmt: skip
+        e = QuantExperts(stacked(moe.w13), stacked(moe.w2), **shared)
+        moe = dataclasses.replace(
+            moe, w13=e.w13.dequantize(), w2=e.w2.dequantize(), quant=e,
+            **{n: w.dequantize() for n, w in shared.items()},
+        )  # fmt: skip
+    return dataclasses.replace(lw, quant=codes, moe=moe, mla=mla, **dense)
 
 
 def random_decode_inputs(

@@ -17,6 +17,7 @@ import torch
 
 from vllm_ext.model_spec import ModelSpec, UnsupportedModelError
 from vllm_ext.quant import (
+    BLOCK,
     FP8_BLOCK,
     FP8_W8A8,
     INT4_W4A16,
@@ -59,6 +60,9 @@ class QuantExperts:
 
     w13: Fp8Weight | PackedInt4
     w2: Fp8Weight | PackedInt4
+    # The shared expert's gate/up ([2 * shared, hidden]) and down, if any.
+    shared_gate_up: Fp8Weight | PackedInt4 | None = None
+    shared_down: Fp8Weight | PackedInt4 | None = None
 
 
 @dataclass(frozen=True)
@@ -67,14 +71,17 @@ class MlaWeights:
     ``DeepseekV2MLAAttention`` holds it (``o_proj`` is
     ``LayerWeights.o_proj``, ``[hidden, heads * v_head_dim]``)."""
 
+    # (q_a, q_b and kv_a None where ``quant`` holds them and DecodeWeights
+    # was read for the GPU route: from_vllm_model.)
     q_a: torch.Tensor | None  # [q_lora_rank, hidden]; None: q_b is q_proj
     q_a_norm: torch.Tensor | None  # [q_lora_rank]
-    q_b: torch.Tensor  # [heads * qk_head_dim, q_lora_rank or hidden]
-    kv_a: torch.Tensor  # [kv_lora_rank + qk_rope_head_dim, hidden]
+    q_b: torch.Tensor | None  # [heads * qk_head_dim, q_lora_rank or hidden]
+    kv_a: torch.Tensor | None  # [kv_lora_rank + qk_rope_head_dim, hidden]
     kv_a_norm: torch.Tensor  # [kv_lora_rank]
     # [heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]: per head its
     # W_UK rows, then its W_UV rows (vLLM splits it the same way).
     kv_b: torch.Tensor
+    quant: QuantMla | None = None  # the kernel's operands (FP8)
 
     def w_uk(self, num_heads: int, nope: int) -> torch.Tensor:
         """``[heads, qk_nope_head_dim, kv_lora_rank]``: a head's q_nope times
@@ -85,6 +92,19 @@ class MlaWeights:
         """``[heads, v_head_dim, kv_lora_rank]``: a head's latent output
         times its transpose is the head's value output."""
         return self.kv_b.view(num_heads, -1, self.kv_b.shape[-1])[:, nope:]
+
+
+@dataclass(frozen=True)
+class QuantMla:
+    """An FP8 latent attention's projections as the kernel reads them, in
+    place: q_a and kv_a (views of the fused down projection's codes and
+    scales; q_a None without a q LoRA) and q_b (or q_proj). kv_b is not
+    among them: vLLM's MLA decode dequantizes it once (``MlaWeights.kv_b``
+    holds it in the model dtype)."""
+
+    q_a: Fp8Weight | None
+    kv_a: Fp8Weight
+    q_b: Fp8Weight
 
 
 # The linear weights a quantized layer holds as codes (QuantLinears'
@@ -101,7 +121,8 @@ class QuantLinears:
     ``dequantize()``. The layer's dense fields hold their dequantization,
     which reference mode and the program interpreter read."""
 
-    qkv: Fp8Weight | PackedInt4
+    # (None in a latent attention layer, whose projections are MlaWeights.quant.)
+    qkv: Fp8Weight | PackedInt4 | None
     o_proj: Fp8Weight | PackedInt4
     # (None in a sparse layer, whose MLP is its mixture's: MoeWeights.quant.)
     gate_up: Fp8Weight | PackedInt4 | None
@@ -155,7 +176,7 @@ class DecodeWeights:
         ``dense=False`` (the GPU route) leaves its dense fields None instead
         of dequantized copies (FP8's fp32: 4 bytes a weight)."""
         if spec.mla is not None:
-            return _from_vllm_mla_model(cls, model, spec)
+            return _from_vllm_mla_model(cls, model, spec, dense)
         fp8 = spec.quant is not None and spec.quant.name in (FP8_W8A8, FP8_BLOCK)
         int4 = spec.quant is not None and spec.quant.name == INT4_W4A16
         read = fp8_codes if fp8 else lambda m, dims: pack_int4(int4_linear(m, dims))
@@ -206,70 +227,121 @@ class DecodeWeights:
         return _model_weights(cls, model, spec, layers)
 
 
-def _from_vllm_mla_model(cls, model: torch.nn.Module, spec: ModelSpec):
+def _from_vllm_mla_model(
+    cls, model: torch.nn.Module, spec: ModelSpec, dense: bool = True
+):
     """DeepSeek-V2/V3 as vLLM loaded them (``deepseek_v2.py``). With a q LoRA
     vLLM fuses q_a_proj and kv_a_proj_with_mqa into ``fused_qkv_a_proj``
-    (q_a rows first): q_a and kv_a are views of it."""
+    (q_a rows first): q_a and kv_a are views of it. An FP8 model's layers
+    also give the kernel's operands in place (``_mla_codes``); ``dense=False``
+    (the GPU route) leaves their dequantized fields None."""
     mla = spec.mla
     assert mla is not None
     h, lat = spec.hidden_size, mla.latent_width
     q_rows = mla.num_heads * mla.qk_head_dim
+    fp8 = spec.quant is not None and spec.quant.name in (FP8_W8A8, FP8_BLOCK)
+    # (The GPU route of an FP8 model reads codes only: no dequantized copy.)
+    linear = (lambda m, dims: None) if fp8 and not dense else linear_weight
     layers = []
     for i, layer in enumerate(stage_layers(model)):
         attn = layer.self_attn
         if mla.q_lora_rank is not None:
             r = mla.q_lora_rank
-            fused = linear_weight(attn.fused_qkv_a_proj, (r + lat, h))
-            q_a, kv_a = fused[:r], fused[r:]
+            fused = linear(attn.fused_qkv_a_proj, (r + lat, h))
+            q_a, kv_a = (None, None) if fused is None else (fused[:r], fused[r:])
             q_a_norm = attn.q_a_layernorm.weight
-            q_b = linear_weight(attn.q_b_proj, (q_rows, r))
+            q_b = linear(attn.q_b_proj, (q_rows, r))
         else:
             q_a = q_a_norm = None
-            kv_a = linear_weight(attn.kv_a_proj_with_mqa, (lat, h))
-            q_b = linear_weight(attn.q_proj, (q_rows, h))
+            kv_a = linear(attn.kv_a_proj_with_mqa, (lat, h))
+            q_b = linear(attn.q_proj, (q_rows, h))
         kv_b_rows = mla.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim)
         sparse = spec.moe is not None and spec.moe.sparse_layers[i]
         mlp = layer.mlp
         inter = spec.intermediate_size
         moe = None
         if sparse:
-            moe = moe_weights(mlp, spec)
+            moe = moe_weights(mlp, spec, dense)
             shared = getattr(mlp, "shared_experts", None)
             if shared is not None:
                 width = spec.moe.shared_intermediate
                 moe = dataclasses.replace(
                     moe,
-                    shared_gate_up=linear_weight(shared.gate_up_proj, (2 * width, h)),
-                    shared_down=linear_weight(shared.down_proj, (h, width)),
+                    shared_gate_up=linear(shared.gate_up_proj, (2 * width, h)),
+                    shared_down=linear(shared.down_proj, (h, width)),
                 )
-        layers.append(
-            LayerWeights(
-                input_norm=layer.input_layernorm.weight,
-                qkv=None,
-                qkv_bias=None,
-                q_norm=None,
-                k_norm=None,
-                o_proj=linear_weight(attn.o_proj, (h, mla.num_heads * mla.v_head_dim)),
-                post_norm=layer.post_attention_layernorm.weight,
-                gate_up=None
-                if sparse
-                else linear_weight(mlp.gate_up_proj, (2 * inter, h)),
-                down=None if sparse else linear_weight(mlp.down_proj, (h, inter)),
-                moe=moe,
-                mla=MlaWeights(
-                    q_a=q_a,
-                    q_a_norm=q_a_norm,
-                    q_b=q_b,
-                    kv_a=kv_a,
-                    kv_a_norm=attn.kv_a_layernorm.weight,
-                    kv_b=_kv_b(attn.kv_b_proj, (kv_b_rows, mla.kv_lora_rank), spec),
-                ),
-            )
+        weights = LayerWeights(
+            input_norm=layer.input_layernorm.weight,
+            qkv=None,
+            qkv_bias=None,
+            q_norm=None,
+            k_norm=None,
+            o_proj=linear(attn.o_proj, (h, mla.num_heads * mla.v_head_dim)),
+            post_norm=layer.post_attention_layernorm.weight,
+            gate_up=None if sparse else linear(mlp.gate_up_proj, (2 * inter, h)),
+            down=None if sparse else linear(mlp.down_proj, (h, inter)),
+            moe=moe,
+            mla=MlaWeights(
+                q_a=q_a,
+                q_a_norm=q_a_norm,
+                q_b=q_b,
+                kv_a=kv_a,
+                kv_a_norm=attn.kv_a_layernorm.weight,
+                kv_b=_kv_b(attn.kv_b_proj, (kv_b_rows, mla.kv_lora_rank), spec),
+            ),
         )
+        if fp8:
+            weights = _mla_codes(weights, layer, spec)
+        layers.append(weights)
     rotary = stage_layers(model)[0].self_attn.rotary_emb
     if rotary.is_neox_style or rotary.rotary_dim != mla.qk_rope_head_dim:
         raise ValueError("megakernel: MLA expects GPT-J-style rotary on the rope dims")
     return _model_weights(cls, model, spec, layers)
+
+
+def _mla_codes(
+    w: LayerWeights, layer: torch.nn.Module, spec: ModelSpec
+) -> LayerWeights:
+    """An FP8 latent attention layer's kernel operands, read in place
+    (``quant.fp8_codes``): q_a and kv_a as views of the fused down
+    projection's codes and scales (q_a's rows whole 128-row blocks, so
+    kv_a's scales start at a block row), q_b, o_proj, the dense MLP's or the
+    shared expert's."""
+    mla, attn, h = spec.mla, layer.self_attn, spec.hidden_size
+    lat, q_rows = mla.latent_width, mla.num_heads * mla.qk_head_dim
+    r = mla.q_lora_rank
+    if r is not None:
+        fused = fp8_codes(attn.fused_qkv_a_proj, (r + lat, h))
+        cut = r // BLOCK if fused.scale.dim() == 2 else r
+        # (kv_a's scales a copy, a few KiB: the table's entries are 16-byte
+        # aligned, and a view at q_a's last block row need not be.)
+        q_a = Fp8Weight(fused.codes[:r], fused.scale[:cut])
+        kv_a = Fp8Weight(fused.codes[r:], fused.scale[cut:].clone())
+        q_b = fp8_codes(attn.q_b_proj, (q_rows, r))
+    else:
+        q_a = None
+        kv_a = fp8_codes(attn.kv_a_proj_with_mqa, (lat, h))
+        q_b = fp8_codes(attn.q_proj, (q_rows, h))
+    mlp, inter = layer.mlp, spec.intermediate_size
+    o_proj = fp8_codes(attn.o_proj, (h, mla.num_heads * mla.v_head_dim))
+    gate_up = down = None
+    moe = w.moe
+    if moe is None:
+        gate_up = fp8_codes(mlp.gate_up_proj, (2 * inter, h))
+        down = fp8_codes(mlp.down_proj, (h, inter))
+    elif getattr(mlp, "shared_experts", None) is not None:
+        width = spec.moe.shared_intermediate
+        shared = mlp.shared_experts
+        codes = dataclasses.replace(
+            moe.quant,
+            shared_gate_up=fp8_codes(shared.gate_up_proj, (2 * width, h)),
+            shared_down=fp8_codes(shared.down_proj, (h, width)),
+        )
+        moe = dataclasses.replace(moe, quant=codes)
+    m = dataclasses.replace(w.mla, quant=QuantMla(q_a, kv_a, q_b))
+    return dataclasses.replace(
+        w, mla=m, moe=moe, quant=QuantLinears(None, o_proj, gate_up, down)
+    )
 
 
 def _kv_b(

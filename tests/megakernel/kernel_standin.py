@@ -83,6 +83,7 @@ from vllm_ext.weights import (
     MoeWeights,
     QuantExperts,
     QuantLinears,
+    QuantMla,
 )
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -296,6 +297,8 @@ class KernelStandIn:
 
         blocks = s.quant.name == FP8_BLOCK  # a scale a 128 x 128 block
         sparse = s.moe is not None and s.moe.sparse_layers[i]
+        gqa = s.mla is None
+        o_cols = s.q_size if gqa else s.mla.num_heads * s.mla.v_head_dim
 
         def fp8(codes, scales, n, k, lead=()):
             if s.quant.name == INT4_W4A16:
@@ -307,8 +310,8 @@ class KernelStandIn:
                              at(scales, (*lead, *grid), dtype=FP32))  # fmt: skip
 
         f = QuantLinears(
-            qkv=fp8(LayerSlot.QKV, LayerSlot.QKV_SCALE, qkv_rows, h),
-            o_proj=fp8(LayerSlot.O_PROJ, LayerSlot.O_PROJ_SCALE, h, s.q_size),
+            qkv=fp8(LayerSlot.QKV, LayerSlot.QKV_SCALE, qkv_rows, h) if gqa else None,
+            o_proj=fp8(LayerSlot.O_PROJ, LayerSlot.O_PROJ_SCALE, h, o_cols),
             gate_up=None if sparse else fp8(LayerSlot.GATE_UP,
                                             LayerSlot.GATE_UP_SCALE, 2 * inter, h),
             down=None if sparse else fp8(LayerSlot.DOWN, LayerSlot.DOWN_SCALE, h,
@@ -319,25 +322,54 @@ class KernelStandIn:
             # The experts' codes and scales where the bf16 experts would be
             # (W13, W2) and in W13_SCALE / W2_SCALE.
             e, ei = s.moe.num_experts, s.moe.expert_intermediate
+            si = s.moe.shared_intermediate
+            shared = {}
+            if si:
+                shared = dict(
+                    shared_gate_up=fp8(LayerSlot.SHARED_GATE_UP,
+                                       LayerSlot.SHARED_GATE_UP_SCALE, 2 * si, h),
+                    shared_down=fp8(LayerSlot.SHARED_DOWN,
+                                    LayerSlot.SHARED_DOWN_SCALE, h, si),
+                )  # fmt: skip
             experts = QuantExperts(
                 w13=fp8(LayerSlot.W13, LayerSlot.W13_SCALE, 2 * ei, h, (e,)),
                 w2=fp8(LayerSlot.W2, LayerSlot.W2_SCALE, h, ei, (e,)),
+                **shared,
             )
             moe = dataclasses.replace(
                 self._moe(i, row, dense=False), w13=experts.w13.dequantize(),
                 w2=experts.w2.dequantize(), quant=experts,
+                **{n: w.dequantize() for n, w in shared.items()},
+            )  # fmt: skip
+        mla = None
+        if not gqa:
+            # q_a, kv_a and q_b's codes and scales (FP8); kv_b in bf16.
+            m, lora = s.mla, s.mla.q_lora_rank
+            q = QuantMla(
+                q_a=fp8(LayerSlot.MLA_Q_A, LayerSlot.MLA_Q_A_SCALE, lora, h)
+                if lora else None,
+                kv_a=fp8(LayerSlot.MLA_KV_A, LayerSlot.MLA_KV_A_SCALE,
+                         m.latent_width, h),
+                q_b=fp8(LayerSlot.MLA_Q_B, LayerSlot.MLA_Q_B_SCALE,
+                        m.num_heads * m.qk_head_dim, lora or h),
+            )  # fmt: skip
+            mla = dataclasses.replace(
+                self._mla(i, row, dense=False), quant=q,
+                q_a=None if q.q_a is None else q.q_a.dequantize(),
+                kv_a=q.kv_a.dequantize(), q_b=q.q_b.dequantize(),
             )  # fmt: skip
         return LayerWeights(
             input_norm=at(LayerSlot.INPUT_NORM, (h,)),
-            qkv=f.qkv.dequantize(),
-            qkv_bias=at(LayerSlot.QKV_BIAS, (qkv_rows,), s.qkv_bias),
-            q_norm=at(LayerSlot.Q_NORM, (d,), s.qk_norm),
-            k_norm=at(LayerSlot.K_NORM, (d,), s.qk_norm),
+            qkv=f.qkv.dequantize() if gqa else None,
+            qkv_bias=at(LayerSlot.QKV_BIAS, (qkv_rows,), gqa and s.qkv_bias),
+            q_norm=at(LayerSlot.Q_NORM, (d,), gqa and s.qk_norm),
+            k_norm=at(LayerSlot.K_NORM, (d,), gqa and s.qk_norm),
             o_proj=f.o_proj.dequantize(),
             post_norm=at(LayerSlot.POST_NORM, (h,)),
             gate_up=None if sparse else f.gate_up.dequantize(),
             down=None if sparse else f.down.dequantize(),
             moe=moe,
+            mla=mla,
             quant=f,
         )
 
@@ -360,14 +392,17 @@ class KernelStandIn:
             ),
             w13=at(LayerSlot.W13, (e, 2 * inter, h)) if dense else None,
             w2=at(LayerSlot.W2, (e, h, inter)) if dense else None,
-            shared_gate_up=at(LayerSlot.SHARED_GATE_UP, (2 * shared, h), shared > 0),
-            shared_down=at(LayerSlot.SHARED_DOWN, (h, shared), shared > 0),
-        )
+            shared_gate_up=at(LayerSlot.SHARED_GATE_UP, (2 * shared, h), shared > 0)
+            if dense else None,
+            shared_down=at(LayerSlot.SHARED_DOWN, (h, shared), shared > 0)
+            if dense else None,
+        )  # fmt: skip
 
-    def _mla(self, i: int, row) -> MlaWeights:
+    def _mla(self, i: int, row, dense: bool = True) -> MlaWeights:
         """A latent attention layer's weights, kv_b_proj rebuilt from its
         W_UK and W_UV columns (each head's rows at head stride
-        ``(nope + v) * rank``, as the kernel reads them)."""
+        ``(nope + v) * rank``, as the kernel reads them); ``dense=False``:
+        its projections are codes (``_quant_layer`` reads them)."""
         s = self.program.spec
         mla, h = s.mla, s.hidden_size
         lora, rank = mla.q_lora_rank, mla.kv_lora_rank
@@ -384,10 +419,14 @@ class KernelStandIn:
                           w_uv.as_strided((heads, v, rank), stride)],
                          dim=1).reshape(-1, rank)  # fmt: skip
         return MlaWeights(
-            q_a=at(LayerSlot.MLA_Q_A, (lora or 0, h), lora is not None),
+            q_a=at(LayerSlot.MLA_Q_A, (lora or 0, h), lora is not None)
+            if dense
+            else None,
             q_a_norm=at(LayerSlot.MLA_Q_A_NORM, (lora or 0,), lora is not None),
-            q_b=at(LayerSlot.MLA_Q_B, (heads * mla.qk_head_dim, lora or h)),
-            kv_a=at(LayerSlot.MLA_KV_A, (mla.latent_width, h)),
+            q_b=at(LayerSlot.MLA_Q_B, (heads * mla.qk_head_dim, lora or h))
+            if dense
+            else None,
+            kv_a=at(LayerSlot.MLA_KV_A, (mla.latent_width, h)) if dense else None,
             kv_a_norm=at(LayerSlot.MLA_KV_A_NORM, (rank,)),
             kv_b=kv_b,
         )
@@ -605,10 +644,16 @@ def register_executor(standin: KernelStandIn, ex, kv_caches=()) -> None:
                                            m.shared_gate_up, m.shared_down)
                                if t is not None))  # fmt: skip
             if m.quant is not None:
-                for f in (m.quant.w13, m.quant.w2):
-                    standin.register(f.codes, f.scale)
+                q = m.quant
+                for f in (q.w13, q.w2, q.shared_gate_up, q.shared_down):
+                    if f is not None:
+                        standin.register(f.codes, f.scale)
         if lw.mla is not None:
             m = lw.mla
             standin.register(*(t for t in (m.q_a, m.q_a_norm, m.q_b, m.kv_a,
                                            m.kv_a_norm, m.kv_b) if t is not None),
                              w_uv_base(m.kv_b, nope))  # fmt: skip
+            if m.quant is not None:
+                for f in (m.quant.q_a, m.quant.kv_a, m.quant.q_b):
+                    if f is not None:
+                        standin.register(f.codes, f.scale)

@@ -296,11 +296,42 @@ def _scale_write(plants: ExitStack, corrupt: dict, ex) -> None:
     ex.weights.layers[corrupt["layer"]].quant.down.scale[3] *= 2
 
 
-# Planted FP8 faults (corrupt's "kind"): each patches the stand-in for one
-# launch.
+def _neighbour_experts_scales(plants: ExitStack, corrupt: dict, ex) -> None:
+    """The stand-in reads layer ``corrupt["layer"]``'s W2 scales of the
+    next expert (each expert takes its neighbour's: a wrong index into
+    W2_SCALE)."""
+    read = KernelStandIn._quant_layer
+
+    def layer(self, i, row):
+        lw = read(self, i, row)
+        if i != corrupt["layer"]:
+            return lw
+        f = lw.moe.quant.w2
+        wrong = type(f)(f.codes, f.scale.roll(1, 0)).dequantize()
+        return dataclasses.replace(lw, moe=dataclasses.replace(lw.moe, w2=wrong))
+
+    plants.enter_context(mock.patch.object(KernelStandIn, "_quant_layer", layer))
+
+
+def _arrive_left(plants: ExitStack, corrupt: dict, ex) -> None:
+    """A slot's last EXPERT_UP tile that does not reset its ARRIVE count:
+    layer ``corrupt["layer"]``'s slot 1 keeps its columns after the step."""
+    plants.callback(lambda: ex.ws["arrive"][corrupt["layer"], 1].fill_(64))
+
+
+def _expert_scale_write(plants: ExitStack, corrupt: dict, ex) -> None:
+    """A stray write over one of layer ``corrupt["layer"]``'s W2 scales."""
+    ex.weights.layers[corrupt["layer"]].moe.quant.w2.scale[2].mul_(2)
+
+
+# Planted FP8 and quantized-mixture faults (corrupt's "kind"): each patches
+# the stand-in for one launch.
 FP8_PLANTS = {"fp8_scale_row": _neighbours_scales,
               "fp8_unquantized": _unquantized_down,
-              "fp8_scale_write": _scale_write}  # fmt: skip
+              "fp8_scale_write": _scale_write,
+              "expert_scale": _neighbour_experts_scales,
+              "arrive_left": _arrive_left,
+              "expert_scale_write": _expert_scale_write}  # fmt: skip
 # Llama: QKV in head parts without QK-norm (QKV finishes q and k).
 SPLIT = {"arch": "llama"}
 # Whole heads (the GPU check's comparison case): QKV finishes Qwen3's q and
@@ -314,11 +345,19 @@ FP8_LLAMA = {"arch": "llama", "quant": FP8}
 BLOCKS_LLAMA = {"arch": "llama", "quant": QuantFormat(FP8_BLOCK, "fp8", 8, 128,
                                                       PER_TOKEN_GROUP)}  # fmt: skip
 INT4_LLAMA = {"arch": "llama", "quant": QuantFormat(INT4_W4A16, "gptq", 4, 64)}
+# Qwen3-MoE-shaped quantized mixtures (the GPU check's Qwen3-30B-A3B FP8 and
+# GPTQ-INT4 cases, DEVICE_CHECK_QUANT): FP8 blocks (inputs quantized per
+# token and group of 128, EXPERT_UP's output through XQ, XSCALE and ARRIVE)
+# and INT4 W4A16; layer 0 dense, layer 1 sparse.
+MOE_FP8 = {"arch": "qwen3_moe", "quant": BLOCKS_LLAMA["quant"]}
+MOE_INT4 = {"arch": "qwen3_moe", "quant": INT4_LLAMA["quant"]}
 
 
 @pytest.mark.parametrize(
-    "harness", [{}, SPLIT, HEADS, MOE, FP8_LLAMA, BLOCKS_LLAMA, INT4_LLAMA],
-    ids=["plain", "split", "heads", "moe", "fp8", "fp8-block", "int4"],
+    "harness",
+    [{}, SPLIT, HEADS, MOE, FP8_LLAMA, BLOCKS_LLAMA, INT4_LLAMA, MOE_FP8, MOE_INT4],
+    ids=["plain", "split", "heads", "moe", "fp8", "fp8-block", "int4", "moe-fp8-block",
+         "moe-int4"],
     indirect=True,
 )  # fmt: skip
 def test_harness_passes_a_correct_kernel(harness):
@@ -330,6 +369,9 @@ def test_harness_passes_a_correct_kernel(harness):
     if spec.moe is not None:
         assert set(result["steps"][0]["errors"]) >= MIXTURE_CHECKS
         assert result["steps"][0]["errors"]["TOPK"]["rows"] == 0
+        # FP8 experts' ARRIVE counts checked after every step (INT4 has none).
+        fp8 = spec.quant is not None and spec.quant.name == FP8_BLOCK
+        assert all(("ARRIVE" in s["errors"]) == fp8 for s in result["steps"])
     if d.is_variant(case):  # (judged by the local checks alone)
         assert {"QKV", "KV_APPEND", "COMBINE"} <= set(result["steps"][0]["errors"])
         return
@@ -418,6 +460,61 @@ def test_a_write_over_an_fp8_scale_fails(harness, monkeypatch):
     errors = d.correctness(case)["steps"][0]["errors"]
     assert errors["WEIGHTS"]["changed"] == ["layer 1 down scales"]
     assert not d.passes(errors["WEIGHTS"])
+
+
+@pytest.mark.parametrize("harness", [MOE_FP8, MOE_INT4], ids=["fp8-block", "int4"],
+                         indirect=True)  # fmt: skip
+def test_a_quantized_mixture_guards_the_codes_the_kernel_reads(harness):
+    """A quantized mixture's case as the GPU side loads it: its saved spec
+    keeps the format, its weight guard covers the experts' codes and scales
+    (not the references' dequantized w13 / w2) and the router, and its
+    timing has no per-op MoE step (named in the result)."""
+    d, case, _ = harness
+    spec = d.load_case(case)[0]
+    codes = {FP8_BLOCK: torch.float8_e4m3fn, INT4_W4A16: torch.uint8}
+    assert spec.quant.name in codes and spec.moe.sparse_layers == (False, True)
+    guarded = dict(d._weights(random_weights(spec, seed=1)))
+    assert guarded["layer 0 down codes"].dtype == codes[spec.quant.name]
+    for w in ("w13", "w2"):  # layer 1: the sparse one
+        assert guarded[f"layer 1 experts {w} codes"].dtype == codes[spec.quant.name]
+        assert f"layer 1 experts {w} scales" in guarded
+        assert f"layer 1 experts {w}" not in guarded
+    assert "layer 1 router" in guarded
+    assert d.per_op_moe(spec) == d.QUANT_MOE_BASELINE
+    bf16 = dataclasses.replace(spec, quant=None)
+    assert d.per_op_moe(bf16) == "vllm-fused-moe-triton"
+    assert d.per_op_baseline(spec) is None
+
+
+@pytest.mark.parametrize(
+    "harness, kind",
+    [(MOE_FP8, "expert_scale"), (MOE_INT4, "expert_scale"), (MOE_FP8, "arrive_left"),
+     (MOE_INT4, "expert_scale_write")],
+    ids=["fp8-block-scale", "int4-scale", "fp8-block-arrive", "int4-scale-write"],
+    indirect=["harness"],
+)  # fmt: skip
+def test_a_wrong_quantized_mixture_fails(harness, monkeypatch, kind):
+    """A kernel that reads layer 1's W2 scales of the neighbouring expert
+    fails EXPERT_DOWN there (EXPERT_UP, upstream, passes); one whose slot
+    keeps its ARRIVE count past the step fails ARRIVE, naming the layer and
+    slot; a write over an expert's scale fails the weight guard, named."""
+    d, case, corrupt = harness
+    monkeypatch.setattr(d, "STEPS", 1)
+    monkeypatch.setattr(d, "FULL_CHECK_BATCHES", ())
+    corrupt.update(kind=kind, layer=1)
+    result = d.correctness(case)
+    assert not result["ok"]
+    errors = result["steps"][0]["errors"]
+    failing = {op for op, check in errors.items() if not d.passes(check)}
+    if kind == "expert_scale":
+        assert failing == {"EXPERT_DOWN"}, errors
+        assert errors["EXPERT_DOWN"]["layer"] == 1
+    elif kind == "arrive_left":
+        assert failing == {"ARRIVE"}, errors
+        assert (errors["ARRIVE"]["layer"], errors["ARRIVE"]["slot"]) == (1, 1)
+    else:  # (the stand-in read the doubled scale too: EXPERT_DOWN may fail)
+        assert "WEIGHTS" in failing and failing <= {"WEIGHTS", "EXPERT_DOWN"}
+        assert errors["WEIGHTS"]["changed"] == ["layer 1 experts w2 scales"]
 
 
 def test_the_abort_check_passes_a_kernel_that_aborts(harness):

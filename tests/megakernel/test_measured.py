@@ -309,7 +309,8 @@ def _backend_log(monkeypatch, env: dict) -> tuple[object, list[str]]:
     config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=512),
                              cache_config=SimpleNamespace(block_size=16),
                              parallel_config=SimpleNamespace(
-                                 pipeline_parallel_size=1))  # fmt: skip
+                                 pipeline_parallel_size=1),
+                             speculative_config=None)  # fmt: skip
     made = backend.MegakernelDecodeBackend(config, model, torch.device("cpu"))
     # What vLLM logs once, as "Decode backend 'megakernel' takes ...".
     return made, [made.describe()]

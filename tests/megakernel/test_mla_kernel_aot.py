@@ -40,6 +40,7 @@ from vllm_ext.megakernel.cost import DEVICES
 from vllm_ext.megakernel.interpret import ProgramInterpreter, pad_inputs
 from vllm_ext.megakernel.kernel.aot import BuildResult, build
 from vllm_ext.megakernel.kernel.launcher import KernelExecutor
+from vllm_ext.megakernel.kernel.ops.mla_attn import PV_UNROLL
 from vllm_ext.megakernel.kernel.ops.weight_pipe import MIN_SLOTS
 from vllm_ext.megakernel.kernel.persistent import (
     SMEM_LIMIT,
@@ -50,6 +51,7 @@ from vllm_ext.megakernel.kernel.persistent import (
 )
 from vllm_ext.megakernel.kernel.shape import (
     MLA_SLOTS,
+    QUANT_MOE_SLOTS,
     GlobalSlot,
     KernelShape,
     LayerSlot,
@@ -60,7 +62,14 @@ from vllm_ext.megakernel.plan import spec_or_exit
 from vllm_ext.megakernel.planner import plan
 from vllm_ext.megakernel.variants import KERNEL
 from vllm_ext.model_spec import ModelSpec
-from vllm_ext.testing import BLOCK_SIZE, random_verify_inputs, random_weights
+from vllm_ext.quant import FP8_BLOCK, PER_TOKEN_GROUP, QuantFormat
+from vllm_ext.reference import ReferenceExecutor
+from vllm_ext.testing import (
+    BLOCK_SIZE,
+    random_decode_inputs,
+    random_verify_inputs,
+    random_weights,
+)
 
 H200 = DEVICES["h200"]
 SMALL = dataclasses.replace(H200, num_sms=16)
@@ -118,32 +127,39 @@ def test_latent_attention_compiles_clean(builds, case):
 
 def test_a_verify_steps_shared_pass_compiles_clean(tmp_path):
     """MLA_ATTN's shared pass (``query_rows`` 2): DeepSeek-V3's real group
-    of 16 heads x 2 rows, two M tiles in one pass (twice the MMAs of a
-    tile: each latent fragment feeds both), one layer at batch 8 on
-    sm_90a: no spill, within the consumers' register share. (Kimi-K2's
-    mixture kernel at 4 rows keeps a few words in local memory: not yet
-    clean, so not served; test_the_query_map_reaches_the_shared_pass runs
-    the host side.)"""
-    program = plan(real_spec("deepseek-v3", 8, layers=1), 8, H200,
+    of 16 heads x 2 rows, two M tiles in one pass (each latent fragment
+    feeds both), one layer at batch 16 on sm_100a, where P @ V fully
+    unrolled kept five words in local memory: no spill, within the
+    consumers' register share. The scores' 36 MMAs a tile unrolled, P @ V
+    rolled ``PV_UNROLL`` steps at a time (8 dim blocks x 2 tiles a step).
+    Every bucket at 2, 4 and 8 rows, both models and archs: docs/design.md."""
+    program = plan(real_spec("deepseek-v3", 16, layers=1), 16, H200,
                    with_lm_head=True, query_rows=2)  # fmt: skip
-    shape = KernelShape.from_program(program, LATENT_BLOCK["sm_90a"])
+    shape = KernelShape.from_program(program, LATENT_BLOCK["sm_100a"])
     assert shape.query_rows == 2 and shape.mla_per_group == 16
-    built = build("sm_90a", tmp_path / "verify", shape)
+    built = build("sm_100a", tmp_path / "verify", shape)
     check_sass(built)
-    assert built.mma_ops == 2 * 68
+    assert built.mma_ops == 2 * 36 + PV_UNROLL * 8 * 2
     assert shared_bytes(shape) <= SMEM_LIMIT
 
 
-@pytest.mark.parametrize("batch", [16, 64])
-def test_latent_attention_leaves_the_weight_ring_room(batch):
+@pytest.mark.parametrize(
+    "model, batch, slots",
+    [("deepseek-v3", 16, MIN_SLOTS + 1), ("deepseek-v3", 64, MIN_SLOTS),
+     ("deepseek-v3-fp8", 16, MIN_SLOTS)],
+)  # fmt: skip
+def test_latent_attention_leaves_the_weight_ring_room(model, batch, slots):
     # No grouped-query scratch in a latent attention kernel, and MLA_COMBINE's
-    # latent rows laid over MLA_Q's buffers: DeepSeek-V3 at batch 64 keeps a
-    # ring (it had none), at 16 a fourth page (it had three).
-    shape = real_shape("deepseek-v3", batch)
-    assert ring_slots(shape) >= (MIN_SLOTS if batch == 64 else MIN_SLOTS + 1)
+    # latent rows and x_stage laid over MLA_Q's buffers: DeepSeek-V3 at batch
+    # 64 keeps a ring (it had none), at 16 a fourth page (it had three); the
+    # FP8 model at 16 (its tensor-core projections' 27 KiB stage) a ring of
+    # three (it had none with x_stage apart).
+    shape = real_shape(model, batch)
+    assert ring_slots(shape) >= slots
     assert shared_bytes(shape) <= SMEM_LIMIT
-    q_part, combine_part = mla_union_parts(shape)
-    assert mla_buffers(shape)[1] < sum(q_part) + sum(combine_part)  # shared
+    q_part, combine_part, stage_part = mla_union_parts(shape)
+    # (Shared: MLA_Q's, MLA_COMBINE's and x_stage's.)
+    assert mla_buffers(shape)[1] < sum(q_part) + sum(combine_part) + sum(stage_part)
 
 
 @pytest.mark.parametrize("model", ["deepseek-v3", "kimi-k2"])
@@ -303,3 +319,89 @@ def test_the_query_map_reaches_the_shared_pass():
     assert not torch.equal(solo.buf["part_lse"][0], interp.buf["part_lse"][0])
     plain = mla_executor(96, bucket=8)[3]
     assert plain.query_map is None and plain.ptrs_host[-1, GlobalSlot.QUERY_MAP] == 0
+
+
+# DeepSeek-V3 as shipped, in small: FP8 128 x 128 blocks in every linear
+# layer but kv_b (vLLM dequantizes it), experts and the shared expert 128
+# wide (whole blocks), a q LoRA of 128 (q_a's rows whole blocks of the
+# fused layer, kv_a's 576 ending in half a block).
+FP8_BLOCKS = QuantFormat(FP8_BLOCK, "fp8", 8, 128, PER_TOKEN_GROUP)
+
+
+def fp8_mla_spec() -> ModelSpec:
+    spec = mla_spec(torch.bfloat16, 128)
+    moe = dataclasses.replace(spec.moe, expert_intermediate=128,
+                              shared_intermediate=128)  # fmt: skip
+    return dataclasses.replace(spec, moe=moe, quant=FP8_BLOCKS)
+
+
+def test_fp8_latent_attention_through_the_table():
+    """The FP8 DeepSeek-V3 (a dense layer, then a mixture with a shared
+    expert): the table holds q_a's, kv_a's and q_b's codes where their
+    bf16 weights would be and their scales in MLA_Q_A_SCALE ..
+    MLA_Q_B_SCALE (kv_a's scales from the fused layer's block row past
+    q_a's), the shared expert's in SHARED_GATE_UP_SCALE / _DOWN_SCALE;
+    the stand-in reads the codes only (no dense copy registered), and a
+    step of 3 requests in a bucket of 4 equals reference mode's."""
+    spec = fp8_mla_spec()
+    weights = random_weights(spec, seed=1)
+    program = plan(spec, 4, SMALL, with_lm_head=True)
+    standin = KernelStandIn(program, weights)
+    ex = KernelExecutor(program, weights, standin, block_size=BLOCK_SIZE,
+                        max_blocks=4)  # fmt: skip
+    assert ex.shape.mla and ex.shape.fp8_block
+    assert ex.ptrs_host.shape[1] == QUANT_MOE_SLOTS
+    for i, lw in enumerate(weights.layers):
+        row, q = ex.ptrs_host[i], lw.mla.quant
+        for slot, scale, w in (
+            (LayerSlot.MLA_Q_A, LayerSlot.MLA_Q_A_SCALE, q.q_a),
+            (LayerSlot.MLA_KV_A, LayerSlot.MLA_KV_A_SCALE, q.kv_a),
+            (LayerSlot.MLA_Q_B, LayerSlot.MLA_Q_B_SCALE, q.q_b),
+        ):
+            assert row[slot] == w.codes.data_ptr()
+            assert row[scale] == w.scale.data_ptr()
+        assert (
+            row[LayerSlot.MLA_KV_A] - row[LayerSlot.MLA_Q_A] == 128 * spec.hidden_size
+        )
+        assert q.kv_a.scale.shape[0] == 5  # 576 rows: 4.5 blocks
+        if lw.moe is not None:
+            e = lw.moe.quant
+            assert row[LayerSlot.SHARED_DOWN] == e.shared_down.codes.data_ptr()
+            assert (
+                row[LayerSlot.SHARED_GATE_UP_SCALE] == e.shared_gate_up.scale.data_ptr()
+            )
+    inputs = random_decode_inputs(spec, 3, seed=5)
+    ref_inputs = dataclasses.replace(
+        inputs, kv_caches=tuple(c.clone() for c in inputs.kv_caches)
+    )
+    register_executor(standin, ex, inputs.kv_caches)
+    for lw in weights.layers:  # (a table entry pointing at one fails)
+        m = lw.mla
+        dense = (m.q_a, m.kv_a, m.q_b, lw.o_proj, lw.gate_up, lw.down)
+        if lw.moe is not None:
+            dense += (lw.moe.w13, lw.moe.w2, lw.moe.shared_gate_up, lw.moe.shared_down)
+        for t in dense:
+            if t is not None:
+                standin.tensors.pop(t.data_ptr(), None)
+    got = ex.step(inputs)
+    want = ReferenceExecutor(spec, weights).step(ref_inputs)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=0, atol=0.0625)
+
+
+@pytest.mark.parametrize("batch, arch", [(4, "sm_90a")])
+def test_fp8_latent_attention_compiles_clean(batch, arch, tmp_path):
+    """FP8 latent attention (MLA_QKV_A's and MLA_Q's codes by
+    ``gemv_quant``, their inputs quantized in staged passes) beside the
+    quantized experts, shared expert and projections, on the demo shape:
+    clean SASS within the register share. (Real shapes:
+    scripts/compile_grid.py.)"""
+    spec = fp8_mla_spec()
+    shape = KernelShape.from_program(plan(spec, batch, H200, with_lm_head=True),
+                                     BLOCK_SIZE)  # fmt: skip
+    assert shape.mla and shape.fp8_block and shape.shared_intermediate
+    built = build(arch, tmp_path, shape)
+    check_sass(built)
+    assert built.e4m3_converts > 0
+    print(f"fp8 mla b{batch} {arch}: {built.registers} at launch, "
+          f"{built.max_register} used")  # fmt: skip

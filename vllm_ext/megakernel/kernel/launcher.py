@@ -331,6 +331,16 @@ class KernelExecutor:
         ):
             row[slot] = None if w is None else w.codes
             row[scale] = None if w is None else w.scale
+        if lw.mla is not None:
+            m = lw.mla.quant
+            row |= {
+                LayerSlot.MLA_Q_A: None if m.q_a is None else m.q_a.codes,
+                LayerSlot.MLA_Q_A_SCALE: None if m.q_a is None else m.q_a.scale,
+                LayerSlot.MLA_KV_A: m.kv_a.codes,
+                LayerSlot.MLA_KV_A_SCALE: m.kv_a.scale,
+                LayerSlot.MLA_Q_B: m.q_b.codes,
+                LayerSlot.MLA_Q_B_SCALE: m.q_b.scale,
+            }
         if lw.moe is not None:
             e = lw.moe.quant
             row |= {
@@ -339,6 +349,13 @@ class KernelExecutor:
                 LayerSlot.W13_SCALE: e.w13.scale,
                 LayerSlot.W2_SCALE: e.w2.scale,
             }
+            if e.shared_gate_up is not None:
+                row |= {
+                    LayerSlot.SHARED_GATE_UP: e.shared_gate_up.codes,
+                    LayerSlot.SHARED_DOWN: e.shared_down.codes,
+                    LayerSlot.SHARED_GATE_UP_SCALE: e.shared_gate_up.scale,
+                    LayerSlot.SHARED_DOWN_SCALE: e.shared_down.scale,
+                }
             if self.shape.xact_groups:
                 row |= {
                     LayerSlot.XQ: ws["xq"][i],
@@ -534,13 +551,15 @@ def _check_weights(w: DecodeWeights, shape: KernelShape) -> None:
                      "post_norm", "gate_up", "down"):  # fmt: skip
             if name not in linears:
                 tensors[f"layer {i} {name}"] = getattr(lw, name)
+        # (A quantized kernel reads codes in place of these: _check_quant.)
         if lw.moe is not None:
             for name in ("router", "w13", "w2", "shared_gate_up", "shared_down"):
-                if not (shape.quantized and name in ("w13", "w2")):
+                if not (shape.quantized and name != "router"):
                     tensors[f"layer {i} moe.{name}"] = getattr(lw.moe, name)
         if lw.mla is not None:
             for name in ("q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "kv_b"):
-                tensors[f"layer {i} mla.{name}"] = getattr(lw.mla, name)
+                if not (shape.quantized and name in ("q_a", "q_b", "kv_a")):
+                    tensors[f"layer {i} mla.{name}"] = getattr(lw.mla, name)
     bad = [n for n, t in tensors.items() if t is not None and t.dtype != torch.bfloat16]
     if bad:
         raise MegakernelError(
@@ -563,6 +582,20 @@ def _check_quant(i: int, lw: LayerWeights, shape: KernelShape) -> None:
     dims = {"qkv": (q + 2 * shape.kv_heads * shape.head_dim, h), "o_proj": (h, q),
             "gate_up": (2 * inter, h), "down": (h, inter)}  # fmt: skip
     operands = {name: (getattr(lw.quant, name), ()) for name in QUANT_LINEARS}
+    if lw.mla is not None:
+        m = lw.mla.quant
+        if m is None:
+            raise MegakernelError(
+                f"megakernel: layer {i}: a quantized kernel reads the latent "
+                "attention's codes and scales (MlaWeights.quant), and it has none"
+            )
+        lora, lat = shape.q_lora_rank, shape.latent_width
+        del operands["qkv"]
+        dims |= {"q_a": (lora, h), "kv_a": (lat, h),
+                 "q_b": (shape.mla_heads * shape.qk_head_dim, lora or h)}  # fmt: skip
+        operands |= {"kv_a": (m.kv_a, ()), "q_b": (m.q_b, ())}
+        if lora:
+            operands["q_a"] = (m.q_a, ())
     if lw.moe is not None:
         if lw.moe.quant is None:
             raise MegakernelError(
@@ -573,6 +606,11 @@ def _check_quant(i: int, lw: LayerWeights, shape: KernelShape) -> None:
         del operands["gate_up"], operands["down"]
         dims |= {"w13": (2 * ei, h), "w2": (h, ei)}
         operands |= {"w13": (lw.moe.quant.w13, (e,)), "w2": (lw.moe.quant.w2, (e,))}
+        if shape.shared_intermediate:
+            si = shape.shared_intermediate
+            dims |= {"shared_gate_up": (2 * si, h), "shared_down": (h, si)}
+            operands |= {"shared_gate_up": (lw.moe.quant.shared_gate_up, ()),
+                         "shared_down": (lw.moe.quant.shared_down, ())}  # fmt: skip
     for name, (f, lead) in operands.items():
         rows, k = dims[name]
         codes, code_dtype = (*lead, rows, k), torch.float8_e4m3fn

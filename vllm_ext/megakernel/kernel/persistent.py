@@ -57,6 +57,7 @@ from vllm_ext.megakernel.kernel.ops.common import (
     NUM_WARPS,
     VEC,
     consumer_sync,
+    quant_stages,
     stage_rows,
 )
 from vllm_ext.megakernel.kernel.ops.embed import embed
@@ -68,6 +69,7 @@ from vllm_ext.megakernel.kernel.ops.expert_up import (
     routing_of,
 )
 from vllm_ext.megakernel.kernel.ops.final_norm import final_norm
+from vllm_ext.megakernel.kernel.ops.gemv_quant import x_scale_shape
 from vllm_ext.megakernel.kernel.ops.mla_append import mla_append
 from vllm_ext.megakernel.kernel.ops.mla_attn import mla_attn, pass_tiles
 from vllm_ext.megakernel.kernel.ops.mla_attn import scratch_floats as attn_floats
@@ -75,6 +77,7 @@ from vllm_ext.megakernel.kernel.ops.mla_combine import mla_combine
 from vllm_ext.megakernel.kernel.ops.mla_q import (
     mla_q,
     q_input_width,
+    q_scale_floats,
     stages_q_input,
     wuk_scratch_floats,
 )
@@ -120,7 +123,8 @@ def _buffers(s: KernelShape) -> list[int]:
     """The CTA's shared buffers but the weight pipeline's, in bytes."""
     return [
         4 * s.batch,  # rstd
-        2 * max(stage_rows(s) * s.hidden, VEC),  # x_stage
+        # (A latent attention kernel's are in its shared region: mla_buffers.)
+        *([] if s.mla else x_stage_buffers(s)),
         *gqa_buffers(s),
         *([] if s.legacy_control else ring_bytes()),
         4 * moe_words(s),  # the mixture's int32 scratch
@@ -160,15 +164,35 @@ def mla_red_floats(s: KernelShape) -> int:
     )  # fmt: skip
 
 
-def mla_union_parts(s: KernelShape) -> tuple[list[int], list[int]]:
-    """The two users of one shared region, in bytes: MLA_Q's staged input
-    and a head's q in fp32; MLA_COMBINE's merged latent rows. One
-    instruction runs at a time (the consumers meet between two), so they
+def x_stage_buffers(s: KernelShape) -> list[int]:
+    """x_stage and the FP8 kernels' x_scales, in bytes."""
+    return [2 * max(stage_rows(s) * s.hidden, VEC), 4 * x_scale_floats(s)]
+
+
+def x_scale_floats(s: KernelShape) -> int:
+    """fp32 input scales of an FP8 kernel's staged passes (gemv_quant's
+    ``x_scale_shape``; none elsewhere)."""
+    if not (s.fp8 and quant_stages(s)):
+        return 0
+    rows, groups = x_scale_shape(s)
+    return rows * groups
+
+
+def mla_union_parts(s: KernelShape) -> tuple[list[int], list[int], list[int]]:
+    """The three users of one shared region, in bytes: MLA_Q's staged input
+    and a head's q in fp32 (FP8: then the staged input's scales,
+    ``q_scale_floats``); MLA_COMBINE's merged latent rows; the other
+    instructions' x_stage and x_scales (MLA_QKV_A, ROUTE, the experts, the
+    dense GATE_UP). One instruction runs at a time (the consumers meet
+    between two) and none leaves anything there for the next, so they
     never live together."""
     rows, cols = mla_stage_shape(s)
-    return [2 * rows * cols, 4 * s.batch * s.qk_head_dim], [
-        2 * s.batch * s.kv_lora_rank
-    ]
+    q_buf = 4 * (s.batch * s.qk_head_dim + q_scale_floats(s))
+    return (
+        [2 * rows * cols, q_buf],
+        [2 * s.batch * s.kv_lora_rank],
+        x_stage_buffers(s),
+    )
 
 
 def mla_buffers(s: KernelShape) -> list[int]:
@@ -289,9 +313,16 @@ class Megakernel:
         smem = SmemAllocator()
         rstd = smem.allocate_tensor(Float32, cute.make_layout(s.batch), 16)
         stage = (stage_rows(s), s.hidden) if stage_rows(s) else (1, VEC)
-        x_stage = smem.allocate_tensor(
-            BFloat16, cute.make_layout(stage, stride=(stage[1], 1)), 16
-        )
+        stage_layout = cute.make_layout(stage, stride=(stage[1], 1))
+        # FP8 kernels' staged passes' input scales (gemv_quant.staged_passes).
+        x_stage = x_scales = None
+        if cutlass.const_expr(not s.mla):  # (else in the MLA region, below)
+            x_stage = smem.allocate_tensor(BFloat16, stage_layout, 16)
+            if cutlass.const_expr(x_scale_floats(s) > 0):
+                rows, groups = x_scale_shape(s)
+                x_scales = smem.allocate_tensor(
+                    Float32, cute.make_layout((rows, groups), stride=(groups, 1)), 16
+                )
         # Grouped-query attention's scratch (not in a latent attention kernel).
         head_buf = head_rstd = warp_m = warp_l = warp_o = None
         if cutlass.const_expr(not s.mla):
@@ -330,12 +361,20 @@ class Megakernel:
             mla_red = smem.allocate_tensor(
                 Float32, cute.make_layout(mla_red_floats(s)), 16
             )
-            # MLA_Q's two buffers and MLA_COMBINE's one share a region
-            # (mla_union_parts), each buffer at a 128-byte boundary.
-            (x_bytes, _), _ = mla_union_parts(s)
+            # MLA_Q's two buffers, MLA_COMBINE's one and x_stage / x_scales
+            # share a region (mla_union_parts), each at a 128-byte boundary.
+            (x_bytes, _), _, (stage_bytes, _) = mla_union_parts(s)
             region = smem.allocate_tensor(
                 cutlass.Uint8, cute.make_layout(mla_buffers(s)[1]), 128
             ).iterator
+            x_stage = cute.make_tensor(cute.recast_ptr(region, dtype=BFloat16),
+                                       stage_layout)  # fmt: skip
+            if cutlass.const_expr(x_scale_floats(s) > 0):
+                rows, groups = x_scale_shape(s)
+                x_scales = cute.make_tensor(
+                    cute.recast_ptr(region + _padded([stage_bytes]), dtype=Float32),
+                    cute.make_layout((rows, groups), stride=(groups, 1)),
+                )
             rows, cols = mla_stage_shape(s)
             mla_x = cute.make_tensor(
                 cute.recast_ptr(region, dtype=BFloat16),
@@ -353,8 +392,8 @@ class Megakernel:
         # The legacy control has no weight pipeline: its ops receive x_stage
         # in its place and never read it.
         w_stage = x_stage
-        scratch = _Scratch(rstd, head_buf, head_rstd, x_stage, warp_m, warp_l, warp_o,
-                           moe_i, moe_f, mla_x, mla_qb, mla_red,
+        scratch = _Scratch(rstd, head_buf, head_rstd, x_stage, x_scales, warp_m,
+                           warp_l, warp_o, moe_i, moe_f, mla_x, mla_qb, mla_red,
                            mla_lat)  # fmt: skip
         q = Queue(queue, sm)
         args = _Args(ptrs, glob, counters, epoch, sm, max_spins, kv_block_stride,
@@ -423,6 +462,7 @@ class _Scratch:
     head_buf: object
     head_rstd: object
     x_stage: object
+    x_scales: object
     warp_m: object
     warp_l: object
     warp_o: object
@@ -536,7 +576,7 @@ def _execute(s: cutlass.Constexpr, op, layer, a0, a1, a: cutlass.Constexpr,
     elif op != Op.NOP:
         if cutlass.const_expr(s.mla):
             if op == Op.MLA_QKV_A:
-                mla_qkv_a(s, ptrs, layer, a0, a1, m.rstd, m.x_stage)
+                mla_qkv_a(s, ptrs, layer, a0, a1, m.rstd, m.x_stage, m.x_scales)
             elif op == Op.MLA_Q:
                 mla_q(s, ptrs, layer, glob, a0, a1, m.rstd, m.mla_x, m.mla_qb,
                       m.mla_red)  # fmt: skip
@@ -548,11 +588,9 @@ def _execute(s: cutlass.Constexpr, op, layer, a0, a1, a: cutlass.Constexpr,
             elif op == Op.MLA_COMBINE:
                 mla_combine(s, ptrs, layer, a0, a1, m.rstd, m.mla_lat, m.mla_red)
             else:
-                _moe_op(s, a, op, layer, a0, a1, m.rstd, m.x_stage, m.moe_i,
-                        m.moe_f, pc)  # fmt: skip
+                _moe_op(s, a, op, layer, a0, a1, m, pc)
         else:
-            _moe_op(s, a, op, layer, a0, a1, m.rstd, m.x_stage, m.moe_i, m.moe_f,
-                    pc)  # fmt: skip
+            _moe_op(s, a, op, layer, a0, a1, m, pc)
 
 
 @cute.jit
@@ -578,21 +616,21 @@ def _grouped_query_op(s: cutlass.Constexpr, op, layer, a0, a1, a: cutlass.Conste
 
 
 @cute.jit
-def _moe_op(s: cutlass.Constexpr, a: cutlass.Constexpr, op, layer, a0, a1, rstd,
-            x_stage, moe_i, moe_f, pc):  # fmt: skip
+def _moe_op(s: cutlass.Constexpr, a: cutlass.Constexpr, op, layer, a0, a1,
+            m: cutlass.Constexpr, pc):  # fmt: skip
     """The mixture-of-experts opcodes (compiled in only for a shape with a
     mixture), or a bad opcode."""
     ptrs, glob, sm = a.ptrs, a.glob, a.sm
     if cutlass.const_expr(s.moe):
         if op == Op.ROUTE:
-            route(s, ptrs, layer, a0, a1, rstd, x_stage)
+            route(s, ptrs, layer, a0, a1, m.rstd, m.x_stage)
         elif op == Op.TOPK:
-            topk(s, ptrs, layer, glob, moe_i)
+            topk(s, ptrs, layer, glob, m.moe_i)
         elif op == Op.EXPERT_UP:
-            expert_up(s, a.queue, ptrs, layer, glob, a0, a1, rstd, x_stage, moe_i, pc,
-                      a.lengths[sm])  # fmt: skip
+            expert_up(s, a.queue, ptrs, layer, glob, a0, a1, m.rstd, m.x_stage,
+                      m.x_scales, m.moe_i, pc, a.lengths[sm])  # fmt: skip
         elif op == Op.EXPERT_DOWN:
-            expert_down(s, ptrs, layer, glob, a0, a1, moe_i, moe_f)
+            expert_down(s, ptrs, layer, glob, a0, a1, m.moe_i, m.moe_f)
         else:
             _bad_opcode(s, op, a, pc)
     else:

@@ -85,7 +85,8 @@ class LayerSlot(IntEnum):
     O_PROJ_SCALE = 38  # [hidden]
     GATE_UP_SCALE = 39  # [2 intermediate]
     DOWN_SCALE = 40  # [hidden]
-    # A quantized mixture's rows are QUANT_MOE_SLOTS wide: W13 and W2 then
+    # A quantized mixture's or latent attention's rows are QUANT_MOE_SLOTS
+    # wide: W13 and W2 then
     # hold its experts' codes (FP8 [E, N, K], INT4 [E, N, K / 2] bytes) and
     # these their scales (FP8 blocks [E, N / 128, K / 128], per channel
     # [E, N], fp32; INT4 [E, N, K / group] bf16), then, FP8 only, EXPERT_UP's
@@ -96,6 +97,14 @@ class LayerSlot(IntEnum):
     XSCALE = 44  # [xact_slots, B, xact_groups] fp32: their scales
     ARRIVE = 45  # [xact_slots] int32: a slot's EXPERT_UP columns done (0
     # between steps: the slot's last tile resets it)
+    # The shared expert's scales (its codes in SHARED_GATE_UP / SHARED_DOWN),
+    # and a latent attention's (codes in MLA_Q_A, MLA_KV_A and MLA_Q_B; FP8
+    # only; q_a's and kv_a's scales are two views of the fused layer's).
+    SHARED_GATE_UP_SCALE = 46
+    SHARED_DOWN_SCALE = 47
+    MLA_Q_A_SCALE = 48
+    MLA_KV_A_SCALE = 49
+    MLA_Q_B_SCALE = 50
 
 
 class GlobalSlot(IntEnum):
@@ -164,7 +173,7 @@ NUM_SLOTS = 18
 MOE_SLOTS = 27
 MLA_SLOTS = 37
 QUANT_SLOTS = 41
-QUANT_MOE_SLOTS = 46
+QUANT_MOE_SLOTS = 51
 
 
 def partial_rows(num_layers: int) -> int:
@@ -181,7 +190,7 @@ def partial_row(point: int, layer: int) -> int:
 def table_width(shape: KernelShape) -> int:
     """Columns of the address table the kernel for ``shape`` reads."""
     if shape.quantized:
-        return QUANT_MOE_SLOTS if shape.moe else QUANT_SLOTS
+        return QUANT_MOE_SLOTS if shape.moe or shape.mla else QUANT_SLOTS
     if shape.mla:
         return MLA_SLOTS
     return MOE_SLOTS if shape.moe else NUM_SLOTS
@@ -436,16 +445,20 @@ class KernelShape:
         kind = "FP8" if self.fp8 else "INT4"
         if self.fp8 and self.int4_group:
             raise ValueError("a kernel's weights are FP8 or INT4, not both")
-        if self._variants() or self.mla or self.tp_size > 1:
+        if self._variants() or self.tp_size > 1:
             raise ValueError(
-                f"{kind} weights run in the default kernel of a grouped-query "
-                f"attention model on one GPU only (no {kind} latent attention or "
-                "tensor parallel device functions yet)"
+                f"{kind} weights run in the default kernel on one GPU only (no "
+                f"{kind} tensor parallel device functions yet)"
             )
-        if self.shared_intermediate:
+        if self.mla and not self.fp8:
             raise ValueError(
-                f"{kind} weights: a mixture's shared expert has no quantized "
-                "device functions yet"
+                "INT4 weights: latent attention's quantized device functions "
+                "are FP8's only"
+            )
+        if self.mla and self.q_lora_rank % FP8_GROUP:
+            raise ValueError(
+                f"q_lora_rank {self.q_lora_rank}: FP8 latent attention's q_a "
+                f"and kv_a share a fused layer's blocks at {FP8_GROUP} rows"
             )
         if self.batch > QUANT_MAX_BATCH:
             # (8B FP8's batch-64 build kept two words in local memory at
@@ -460,16 +473,13 @@ class KernelShape:
                 "lane's 32 codes in one group; per-channel scales not yet)"
             )
         widths = (self.hidden, self.q_heads * self.head_dim, self.intermediate)
-        if self.moe and self.fp8_block and self.expert_intermediate % FP8_GROUP:
-            raise ValueError(
-                f"expert_intermediate {self.expert_intermediate}: FP8 block "
-                f"experts' widths are whole groups of {FP8_GROUP}"
-            )
-        if self.moe and self.int4_group and self.expert_intermediate % self.int4_group:
-            raise ValueError(
-                f"expert_intermediate {self.expert_intermediate}: INT4 experts' "
-                f"widths are whole groups of {self.int4_group}"
-            )
+        group = FP8_GROUP if self.fp8_block else self.int4_group
+        for name in ("expert_intermediate", "shared_intermediate"):
+            if group and getattr(self, name) % group:
+                raise ValueError(
+                    f"{name} {getattr(self, name)}: {kind} experts' widths are "
+                    f"whole groups of {group}"
+                )
         multiple = FP8_K_BLOCK
         if self.fp8_block:
             multiple = FP8_GROUP

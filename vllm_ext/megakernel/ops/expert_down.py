@@ -22,8 +22,9 @@ def reference(
 ) -> torch.Tensor:
     """``xact`` ``[slots (+1 shared), B, width]``; ``routing``: ops/topk.py's;
     no residual (``hmid`` None): a tensor-parallel rank's partial sum;
-    ``quant``: the checkpoint's (FP8: each input row quantized as it
-    enters)."""
+    ``quant``: the checkpoint's (FP8: each slot's rows of its ``inter``
+    columns quantized as they enter, per token or per token and group of
+    128, as EXPERT_UP's last tile fills XQ and XSCALE)."""
     batch, moe = xact.shape[1], layer.moe
     inter = moe.w2.shape[-1]
     out = torch.zeros(batch, hi - lo, dtype=torch.float32, device=xact.device)

@@ -20,7 +20,9 @@ def reference(
     hi: int,
 ) -> torch.Tensor:
     """``[len(rows), hi - lo]`` in the model dtype; ``expert`` None: the
-    shared expert."""
+    shared expert. Quantized experts (``spec.quant``): the normed input as
+    the kernel quantizes it (FP8: per token, or per token and group of 128;
+    ``normed_swiglu``), the weights ``MoeWeights.w13``'s dequantization."""
     moe = layer.moe
     gate_up = moe.shared_gate_up if expert is None else moe.w13[expert]
     return normed_swiglu(hmid[rows], layer.post_norm, gate_up, spec, lo, hi)

@@ -95,10 +95,17 @@ STAGE_BYTES = 64 * 1024
 
 def stage_bytes(shape) -> int:
     """The staging buffer's size: ``STAGE_BYTES``, half of it in a quantized
-    mixture, whose tensor-core projections stage their own chunks beside a
-    ring of at least three pages (Qwen3-30B-A3B W4A16 at batch 16 had no
-    room for the ring beside a 64 KiB stage)."""
-    return STAGE_BYTES // 2 if shape.moe and shape.quantized else STAGE_BYTES
+    mixture or latent attention (``quant_stages``), whose tensor-core
+    projections stage their own chunks beside a ring of at least three
+    pages (Qwen3-30B-A3B W4A16 at batch 16 had no room for the ring beside
+    a 64 KiB stage)."""
+    return STAGE_BYTES // 2 if quant_stages(shape) else STAGE_BYTES
+
+
+def quant_stages(shape) -> bool:
+    """A quantized kernel whose CUDA-core GEMVs (the experts', latent
+    attention's) stage their inputs in passes (``stage_rows``)."""
+    return shape.quantized and (shape.moe or shape.mla)
 
 
 def stages_input(shape) -> bool:
@@ -110,12 +117,13 @@ def stages_input(shape) -> bool:
 
 def stage_rows(shape) -> int:
     """Requests x_stage holds: the batch where ``stages_input``; in a
-    quantized mixture, which stages its experts' inputs in passes
-    (ops/expert_up.py), as many as fit, a power of two; else none (the
-    kernel allocates a placeholder vector)."""
+    quantized mixture or latent attention, which stage their CUDA-core
+    GEMVs' inputs in passes (ops/expert_up.py, mla_qkv_a.py), as many as
+    fit, a power of two; else none (the kernel allocates a placeholder
+    vector)."""
     if stages_input(shape):
         return shape.batch
-    if shape.moe and shape.quantized:
+    if quant_stages(shape):
         fit = min(shape.batch, stage_bytes(shape) // (2 * shape.hidden))
         return 1 << (fit.bit_length() - 1)
     return 0

@@ -201,25 +201,32 @@ def _dots(dot: cute.Tensor, hit: cute.Tensor, we, xs, b0, width: cutlass.Constex
 def _quant_dots(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, ex, col, slot, b0,
                 hit: cute.Tensor, dot: cute.Tensor, lane,
                 unroll: cutlass.Constexpr):  # fmt: skip
-    """``_dots`` over a quantized expert's row ``col`` of w2 (codes and
-    scales, ``gemv_quant``): FP8 against XQ (the slot's inputs quantized
-    by its last EXPERT_UP tile) with their scales XSCALE, each 8-k sum
-    scaled by the input group's and the weight block's scales (blocks) or
-    the sum by the request's and the row's (per channel); INT4 against
-    XACT. Each ``dot[i]`` is the warp's share of the scaled sum."""
+    """``_dots`` over a quantized expert's row ``col`` of w2 (``_qdots``)."""
     shape: KernelShape = s
-    b, h, inter, width = (
-        shape.batch,
-        shape.hidden,
-        shape.expert_intermediate,
-        shape.xact_width,
-    )
-    int4 = shape.int4_group > 0
+    h, inter = shape.hidden, shape.expert_intermediate
     codes = ptrs[layer, LayerSlot.W2] + Int64(ex) * code_bytes(shape, h, inter)
+    at = ptrs[layer, LayerSlot.W2_SCALE] + Int64(ex) * scale_bytes(shape, h, inter)
+    _qdots(shape, ptrs, layer, codes, at, inter, col, slot, b0, hit, dot, lane, unroll)
+
+
+@cute.jit
+def _qdots(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, codes, scales,
+           inter: cutlass.Constexpr, col, slot, b0, hit: cute.Tensor,
+           dot: cute.Tensor, lane, unroll: cutlass.Constexpr):  # fmt: skip
+    """Row ``col`` of a quantized [hidden, inter] matrix (``codes`` and
+    ``scales`` its addresses, ``gemv_quant``) against slot ``slot``'s
+    inputs of requests b0 .. (those ``hit``; all where hit is None): FP8
+    against XQ (the slot's inputs quantized by its last EXPERT_UP tile)
+    with their scales XSCALE, each 8-k sum scaled by the input group's and
+    the weight block's scales (blocks) or the sum by the request's and the
+    row's (per channel); INT4 against XACT. Each ``dot[i]`` is the warp's
+    share of the scaled sum."""
+    shape: KernelShape = s
+    b, h, width = shape.batch, shape.hidden, shape.xact_width
+    int4 = shape.int4_group > 0
     cv = code_vectors(gmem(Uint8, codes + Int64(col) * row_bytes(shape, inter),
                            (row_bytes(shape, inter),)), int4)  # fmt: skip
-    at = ptrs[layer, LayerSlot.W2_SCALE] + Int64(ex) * scale_bytes(shape, h, inter)
-    ws = weight_scales(shape, at, h, inter)
+    ws = weight_scales(shape, scales, h, inter)
     inputs = LayerSlot.XACT if int4 else LayerSlot.XQ
     xs = gmem(BFloat16, ptrs[layer, inputs] + Int64(slot) * (b * width * 2), (b, width))
     groups = max(shape.xact_groups, 1)
@@ -234,19 +241,28 @@ def _quant_dots(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, ex, col, slot, b
         we = lane_weights(cv, v, int4, scale2)
         g = (v * VEC) // FP8_GROUP
         for i in cutlass.range_constexpr(group):
-            if group == 1 or hit[i] != 0:
-                xf = load_f32(vectors(xs[b0 + i, None]), v)
-                part = Float32(0.0)
-                for e in cutlass.range_constexpr(VEC):
-                    part = part + we[e] * xf[e]
-                if cutlass.const_expr(shape.fp8_block):
-                    part = (part * xsc[b0 + i, g]) * ws[col // FP8_GROUP, g]
-                dot[i] = dot[i] + part
+            if cutlass.const_expr(group == 1 or hit is None) or hit[i] != 0:
+                _qdot(shape, dot, i, we, xs, xsc, ws, b0, col, g, v)
     if cutlass.const_expr(shape.fp8 and not shape.fp8_block):
         # (Per channel: the warp's shares add up to the sum, so each share
         # is scaled: a * (w * share), summed by the caller's warp_sum.)
         for i in cutlass.range_constexpr(group):
             dot[i] = xsc[b0 + i, 0] * (ws[col] * dot[i])
+
+
+@cute.jit
+def _qdot(s: cutlass.Constexpr, dot: cute.Tensor, i, we, xs: cute.Tensor,
+          xsc: cute.Tensor, ws: cute.Tensor, b0, col, g, v):  # fmt: skip
+    """dot[i] += vector v of request b0 + i's input . the weights ``we``
+    (FP8 blocks: scaled by its group's and the block's scales)."""
+    shape: KernelShape = s
+    xf = load_f32(vectors(xs[b0 + i, None]), v)
+    part = Float32(0.0)
+    for e in cutlass.range_constexpr(VEC):
+        part = part + we[e] * xf[e]
+    if cutlass.const_expr(shape.fp8_block):
+        part = (part * xsc[b0 + i, g]) * ws[col // FP8_GROUP, g]
+    dot[i] = dot[i] + part
 
 
 @cute.jit
@@ -261,7 +277,26 @@ def _dot(dot, i, we, xs, r, width: cutlass.Constexpr, inter: cutlass.Constexpr, 
 @cute.jit
 def _shared(s: cutlass.Constexpr, ptrs, layer, col, b0, acc, lane,
             unroll: cutlass.Constexpr):  # fmt: skip
-    """acc[i] += xact[shared, b0 + i] @ shared_down[col] (weight 1)."""
+    """acc[i] += xact[shared, b0 + i] @ shared_down[col] (weight 1; a
+    quantized one by ``_qdots``)."""
+    shape: KernelShape = s
+    si = shape.shared_intermediate
+    group = acc.shape[0]
+    if cutlass.const_expr(shape.quantized):
+        dot = cute.make_rmem_tensor((group,), Float32)
+        dot.fill(0.0)
+        _qdots(shape, ptrs, layer, ptrs[layer, LayerSlot.SHARED_DOWN],
+               ptrs[layer, LayerSlot.SHARED_DOWN_SCALE], si, col, shape.num_slots,
+               b0, None, dot, lane, unroll)  # fmt: skip
+        for i in cutlass.range_constexpr(group):
+            acc[i] = acc[i] + warp_sum(dot[i])
+    else:
+        _shared_bf16(shape, ptrs, layer, col, b0, acc, lane, unroll)
+
+
+@cute.jit
+def _shared_bf16(s: cutlass.Constexpr, ptrs, layer, col, b0, acc, lane,
+                 unroll: cutlass.Constexpr):  # fmt: skip
     shape: KernelShape = s
     b, width, si = shape.batch, shape.xact_width, shape.shared_intermediate
     group = acc.shape[0]

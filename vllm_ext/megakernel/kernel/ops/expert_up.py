@@ -28,30 +28,27 @@ from vllm_ext.megakernel.isa import Op
 from vllm_ext.megakernel.kernel.ops.common import (
     BATCH_GROUP,
     NUM_THREADS,
-    NUM_WARPS,
     VEC,
     consumer_sync,
     gmem,
-    load_f32,
     round_bf16,
     row_rstd,
     stage_normed,
-    stage_rows,
     stages_input,
     thread_ids,
-    vectors,
-    warp_sum,
 )
 from vllm_ext.megakernel.kernel.ops.expert_down import prefetch_routed as hint_down
 from vllm_ext.megakernel.kernel.ops.gemv import gemv
 from vllm_ext.megakernel.kernel.ops.gemv_paged import weight_scales
 from vllm_ext.megakernel.kernel.ops.gemv_quant import (
     code_bytes,
-    input_groups,
+    gathered_rstd,
     qgemv,
     quantize_rows,
     row_bytes,
     scale_bytes,
+    stage_gathered,
+    staged_passes,
 )
 from vllm_ext.megakernel.kernel.ops.prefetch import prefetch_rows
 from vllm_ext.megakernel.kernel.ops.topk import route_batch, topk_words
@@ -136,18 +133,24 @@ def routing_of(s: KernelShape) -> int:
 def quant_words(s: KernelShape) -> int:
     """Words of a quantized mixture's scratch past the routing
     (``routed_words``): EXPERT_UP's flag for its slot's last tile
-    (``quantize_slot``), then FP8's input scales of a pass (``x_scales``)."""
-    if not s.quantized:
-        return 0
-    return 1 + (stage_rows(s) * input_groups(s.hidden, s.fp8_block) if s.fp8 else 0)
+    (``quantize_slot``)."""
+    return 1 if s.quantized else 0
 
 
-def x_scales(s: KernelShape, scratch: cute.Tensor) -> cute.Tensor:
-    """FP8: the input scales of an EXPERT_UP pass, [stage rows, groups]
-    fp32, in the mixture's scratch past the routing and the flag."""
-    rows, groups = max(stage_rows(s), 1), input_groups(s.hidden, s.fp8_block)
-    at = cute.recast_ptr(scratch.iterator + routed_words(s) + 1, dtype=Float32)
-    return cute.make_tensor(at, cute.make_layout((rows, groups), stride=(groups, 1)))
+def shared_w13(s: KernelShape, ptrs: cute.Tensor, layer):
+    """A quantized mixture's shared expert's gate and up codes and their
+    scales (SHARED_GATE_UP, SHARED_GATE_UP_SCALE)."""
+    h, inter = s.hidden, s.shared_intermediate
+    codes, scales = (
+        ptrs[layer, LayerSlot.SHARED_GATE_UP],
+        ptrs[layer, LayerSlot.SHARED_GATE_UP_SCALE],
+    )
+    k = h // 2 if s.int4_group else h
+    gate = gmem(Uint8, codes, (inter, k))
+    up = gmem(Uint8, codes + code_bytes(s, inter, h), (inter, k))
+    gate_s = weight_scales(s, scales, inter, h)
+    up_s = weight_scales(s, scales + scale_bytes(s, inter, h), inter, h)
+    return gate, up, gate_s, up_s
 
 
 def expert_w13(s: KernelShape, ptrs: cute.Tensor, layer, expert):
@@ -181,6 +184,11 @@ def quantize_slot(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, slot, expert,
     quantization too."""
     shape: KernelShape = s
     b, width, inter = shape.batch, shape.xact_width, shape.expert_intermediate
+    n = b  # (the shared expert: rows and count None, every request)
+    if cutlass.const_expr(rows is not None):
+        n = count[0]
+    else:
+        inter = shape.shared_intermediate
     tidx, _, _ = thread_ids()
     flag = routed_words(shape)
     consumer_sync()
@@ -201,7 +209,7 @@ def quantize_slot(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, slot, expert,
                       + Int64(slot) * (b * width * 2), (b, width))  # fmt: skip
             xsc = gmem(Float32, ptrs[layer, LayerSlot.XSCALE]
                        + Int64(slot) * (b * groups * 4), (b, groups))  # fmt: skip
-            quantize_rows(_xact(shape, ptrs, layer, slot), xq, xsc, count[0],
+            quantize_rows(_xact(shape, ptrs, layer, slot), xq, xsc, n,
                           shape.fp8_block, rows)  # fmt: skip
 
 
@@ -213,22 +221,42 @@ def gather_words(batch: int) -> int:
 
 @cute.jit
 def expert_up(s: cutlass.Constexpr, q: cutlass.Constexpr, ptrs: cute.Tensor, layer,
-              glob, slot, cols, rstd, x_stage, scratch, pc, length):  # fmt: skip
+              glob, slot, cols, rstd, x_stage, x_scales, scratch, pc,
+              length):  # fmt: skip
     shape: KernelShape = s
     if cutlass.const_expr(shape.shared_intermediate > 0):
         if slot == shape.num_slots:
-            _shared(shape, ptrs, layer, slot, cols >> 16, cols & 0xFFFF, rstd, x_stage)
+            _shared(shape, ptrs, layer, slot, cols >> 16, cols & 0xFFFF, rstd, x_stage,
+                    x_scales, scratch)  # fmt: skip
         else:
-            _routed(shape, q, ptrs, layer, glob, slot, cols, rstd, x_stage, scratch,
-                    pc, length)  # fmt: skip
+            _routed(shape, q, ptrs, layer, glob, slot, cols, rstd, x_stage, x_scales,
+                    scratch, pc, length)  # fmt: skip
     else:
-        _routed(shape, q, ptrs, layer, glob, slot, cols, rstd, x_stage, scratch, pc,
-                length)  # fmt: skip
+        _routed(shape, q, ptrs, layer, glob, slot, cols, rstd, x_stage, x_scales,
+                scratch, pc, length)  # fmt: skip
 
 
 @cute.jit
-def _shared(s: cutlass.Constexpr, ptrs, layer, slot, lo, hi, rstd, x_stage):
-    """The shared expert: GATE_UP on its own weights, every request."""
+def _shared(s: cutlass.Constexpr, ptrs, layer, slot, lo, hi, rstd, x_stage, x_scales,
+            scratch):  # fmt: skip
+    """The shared expert: GATE_UP on its own weights, every request (a
+    quantized one as a routed expert, ``_quant_up``; FP8 then quantizes its
+    outputs for EXPERT_DOWN, ``quantize_slot``)."""
+    shape: KernelShape = s
+    b = shape.batch
+    if cutlass.const_expr(shape.quantized):
+        gate, up, gate_s, up_s = shared_w13(shape, ptrs, layer)
+        _quant_up(shape, ptrs, layer, slot, gate, up, gate_s, up_s, None, b, lo, hi,
+                  rstd, x_stage, x_scales)  # fmt: skip
+        if cutlass.const_expr(shape.fp8):
+            quantize_slot(shape, ptrs, layer, slot, Int32(0), None, None, lo, hi,
+                          scratch)  # fmt: skip
+    else:
+        _shared_bf16(shape, ptrs, layer, slot, lo, hi, rstd, x_stage)
+
+
+@cute.jit
+def _shared_bf16(s: cutlass.Constexpr, ptrs, layer, slot, lo, hi, rstd, x_stage):
     shape: KernelShape = s
     b, h, inter = shape.batch, shape.hidden, shape.shared_intermediate
     base = ptrs[layer, LayerSlot.SHARED_GATE_UP]
@@ -259,7 +287,7 @@ def _xact(s: cutlass.Constexpr, ptrs, layer, slot) -> cute.Tensor:
 
 @cute.jit
 def _routed(s: cutlass.Constexpr, q: cutlass.Constexpr, ptrs, layer, glob, slot, cols,
-            rstd, x_stage, scratch, pc, length):  # fmt: skip
+            rstd, x_stage, x_scales, scratch, pc, length):  # fmt: skip
     shape: KernelShape = s
     b, k = shape.batch, shape.top_k
     lo, hi = cols >> 16, cols & 0xFFFF
@@ -290,7 +318,7 @@ def _routed(s: cutlass.Constexpr, q: cutlass.Constexpr, ptrs, layer, glob, slot,
         n = count[0]
         if cutlass.const_expr(shape.quantized):
             _routed_quant(shape, ptrs, layer, slot, expert, rows, n, lo, hi, rstd,
-                          x_stage, scratch)  # fmt: skip
+                          x_stage, x_scales)  # fmt: skip
         else:
             _routed_bf16(shape, ptrs, layer, slot, expert, rows, n, lo, hi, rstd,
                          x_stage)  # fmt: skip
@@ -327,47 +355,6 @@ def _gather(s: cutlass.Constexpr, chosen: cute.Tensor, expert, gather: cute.Tens
 
 
 @cute.jit
-def _gathered_rstd(s: cutlass.Constexpr, hmid, rows: cute.Tensor, n, rstd: cute.Tensor):
-    """rstd of the gathered requests, rstd[j] for rows[j] (row_rstd's sum),
-    then a barrier."""
-    shape: KernelShape = s
-    h = shape.hidden
-    _, warp, lane = thread_ids()
-    for j in cutlass.range(warp, n, NUM_WARPS):
-        xv = vectors(gmem(BFloat16, hmid + Int64(rows[j]) * (h * 2), (h,)))
-        ss = Float32(0.0)
-        for v in cutlass.range(lane, h // VEC, 32):
-            xf = load_f32(xv, v)
-            for e in cutlass.range_constexpr(VEC):
-                ss = ss + xf[e] * xf[e]
-        ss = warp_sum(ss)
-        if lane == 0:
-            rstd[j] = cute.math.rsqrt(ss / Float32(h) + Float32(shape.rms_norm_eps))
-    consumer_sync()
-
-
-@cute.jit
-def _stage_gathered(s: cutlass.Constexpr, hmid, norm: cute.Tensor, rows: cute.Tensor,
-                    j0, n, rstd: cute.Tensor, x_stage: cute.Tensor):  # fmt: skip
-    """Gathered requests j0 .. min(j0 + rows of x_stage, n) normed into
-    x_stage (compact, from its row 0), then a barrier."""
-    shape: KernelShape = s
-    h = shape.hidden
-    tidx, _, _ = thread_ids()
-    n_vec = h // VEC
-    nv = vectors(norm)
-    m = cutlass.min(n - j0, x_stage.shape[0])
-    for idx in cutlass.range(tidx, m * n_vec, NUM_THREADS):
-        j, v = idx // n_vec, idx % n_vec
-        src = vectors(gmem(BFloat16, hmid + Int64(rows[j0 + j]) * (h * 2), (h,)))
-        y = load_f32(src, v) * rstd[j0 + j] * load_f32(nv, v)
-        r = cute.make_rmem_tensor((VEC,), BFloat16)
-        r.store(y.to(BFloat16))
-        cute.autovec_copy(r, vectors(x_stage[j, None])[None, v])
-    consumer_sync()
-
-
-@cute.jit
 def _routed_bf16(s: cutlass.Constexpr, ptrs, layer, slot, expert, rows, n, lo, hi,
                  rstd, x_stage):  # fmt: skip
     """A routed tile's bf16 expert: GATE_UP's GEMV over the gathered
@@ -380,11 +367,11 @@ def _routed_bf16(s: cutlass.Constexpr, ptrs, layer, slot, expert, rows, n, lo, h
     hmid = ptrs[layer, LayerSlot.HMID]
     norm = gmem(BFloat16, ptrs[layer, LayerSlot.POST_NORM], (h,))
     xact = _xact(shape, ptrs, layer, slot)
-    _gathered_rstd(shape, hmid, rows, n, rstd)
+    gathered_rstd(shape, hmid, rows, n, rstd)
     group = min(b, BATCH_GROUP)
     if cutlass.const_expr(stages_input(shape)):
         # The gathered requests' normed rows, compact, in x_stage.
-        _stage_gathered(shape, hmid, norm, rows, 0, n, rstd, x_stage)
+        stage_gathered(shape, hmid, norm, rows, 0, n, rstd, x_stage)
         # Groups of gathered requests; past n, a group's last rows are
         # computed on stale rows and not stored.
         for j0 in cutlass.range(0, n, group):
@@ -410,53 +397,46 @@ def _routed_bf16(s: cutlass.Constexpr, ptrs, layer, slot, expert, rows, n, lo, h
 
 @cute.jit
 def _routed_quant(s: cutlass.Constexpr, ptrs, layer, slot, expert, rows, n, lo, hi,
-                  rstd, x_stage, scratch):  # fmt: skip
-    """A routed tile's quantized expert (FP8, INT4; ``gemv_quant.qgemv``):
-    the gathered requests in passes of as many as x_stage holds (all of
-    them where the batch's inputs fit it), each pass's normed inputs staged
-    and, FP8, quantized in place (per token, or per group of 128) with
-    their scales in ``x_scales``."""
+                  rstd, x_stage, x_scales):  # fmt: skip
+    """A routed tile's quantized expert (FP8, INT4): GATE_UP's arithmetic
+    over the gathered requests, their inputs staged and quantized in
+    passes (``gemv_quant.staged_passes``), the rows by ``qgemv``."""
+    shape: KernelShape = s
+    gate, up, gate_s, up_s = expert_w13(shape, ptrs, layer, expert)
+    _quant_up(shape, ptrs, layer, slot, gate, up, gate_s, up_s, rows, n, lo, hi,
+              rstd, x_stage, x_scales)  # fmt: skip
+
+
+@cute.jit
+def _quant_up(s: cutlass.Constexpr, ptrs, layer, slot, gate, up, gate_s, up_s, rows,
+              n, lo, hi, rstd, x_stage, x_scales):  # fmt: skip
+    """Rows [lo, hi) of a quantized expert's gate and up (a routed one on
+    its gathered ``rows[0 .. n)``, the shared one on every request: rows
+    None) into the slot's xact."""
     shape: KernelShape = s
     h = shape.hidden
-    hmid = ptrs[layer, LayerSlot.HMID]
     norm = gmem(BFloat16, ptrs[layer, LayerSlot.POST_NORM], (h,))
     xact = _xact(shape, ptrs, layer, slot)
-    gate, up, gate_s, up_s = expert_w13(shape, ptrs, layer, expert)
-    _gathered_rstd(shape, hmid, rows, n, rstd)
-    per_pass = x_stage.shape[0]
-    xs = x_scales(shape, scratch)
-    for j0 in cutlass.range(0, n, per_pass):
-        _stage_gathered(shape, hmid, norm, rows, j0, n, rstd, x_stage)
-        if cutlass.const_expr(shape.fp8):
-            quantize_rows(x_stage, x_stage, xs, cutlass.min(n - j0, per_pass),
-                          shape.fp8_block)  # fmt: skip
-            consumer_sync()
 
-        # Groups of the pass's requests; past n, a group's last rows are
-        # computed on stale rows and not stored.
-        group = min(per_pass, BATCH_GROUP)
-        for g0 in cutlass.range(0, cutlass.min(n - j0, per_pass), group):
-            xg = cute.make_tensor(
-                x_stage.iterator + cute.assume(g0 * h, divby=VEC),
-                cute.make_layout((group, h), stride=(h, 1)),
-            )
-            sg = cute.make_tensor(
-                xs.iterator + g0 * xs.shape[1],
-                cute.make_layout((group, xs.shape[1]), stride=(xs.shape[1], 1)),
-            )
+    def body(xg, sg, j):
+        def epilogue(row, i, s1, s2):
+            _store_gathered(xact, rows, j, n, row, i, s1, s2)
 
-            def epilogue(row, i, s1, s2, j=j0 + g0):
-                _store_gathered(xact, rows, j, n, row, i, s1, s2)
+        qgemv(shape, gate, up, xg, sg, gate_s, up_s, lo, hi, epilogue, True)
 
-            qgemv(shape, gate, up, xg, sg, gate_s, up_s, lo, hi, epilogue, True)
-        consumer_sync()  # (the stage is refilled)
+    staged_passes(shape, ptrs[layer, LayerSlot.HMID], norm, rows, n, rstd, x_stage,
+                  x_scales, body)  # fmt: skip
 
 
 @cute.jit
 def _store_gathered(xact: cute.Tensor, rows: cute.Tensor, j0, n, row, i, sg, su):
-    """Gathered request ``j0 + i``'s output (if it is one: ``< n``)."""
+    """Gathered request ``j0 + i``'s output (if it is one: ``< n``; rows
+    None: request ``j0 + i``)."""
     if j0 + i < n:
-        xact[rows[j0 + i], row] = silu_mul(sg, su)
+        r = j0 + i
+        if cutlass.const_expr(rows is not None):
+            r = rows[j0 + i]
+        xact[r, row] = silu_mul(sg, su)
 
 
 def silu_mul(sg, su):

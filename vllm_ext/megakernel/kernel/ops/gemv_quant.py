@@ -26,15 +26,19 @@ The index arithmetic and numerics: tests/megakernel/test_gemv_quant_mapping.py
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Uint8
+from cutlass import BFloat16, Float32, Int32, Int64, Uint8
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from vllm_ext.megakernel.kernel.ops.common import (
     BATCH_GROUP,
+    NUM_THREADS,
     NUM_WARPS,
     VEC,
+    consumer_sync,
+    gmem,
     load_f32,
+    stage_rows,
     thread_ids,
     vectors,
     warp_sum,
@@ -167,6 +171,104 @@ def quantize_rows(src: cute.Tensor, dst: cute.Tensor, scales: cute.Tensor, n,
             cute.autovec_copy(q, vectors(dst[r, None])[None, v0 + v])
         if lane == 0:
             scales[r, g] = scale
+
+
+def x_scale_shape(s: KernelShape) -> tuple[int, int]:
+    """FP8: the input scales of a staged pass (``staged_passes``), [stage
+    rows, groups of the hidden size] fp32 (a shared buffer of their own)."""
+    return max(stage_rows(s), 1), input_groups(s.hidden, s.fp8_block)
+
+
+@cute.jit
+def _row_of(rows: cute.Tensor, j):
+    """Gathered request j's row of the batch (all requests: j)."""
+    r = j
+    if cutlass.const_expr(rows is not None):
+        r = rows[j]
+    return r
+
+
+@cute.jit
+def gathered_rstd(s: cutlass.Constexpr, src, rows: cute.Tensor, n, rstd: cute.Tensor):
+    """RMSNorm's rstd of the gathered requests (``src`` the address of a
+    [B, hidden] bf16 buffer; ``rows`` None: requests 0 .. n), rstd[j] for
+    the j-th (row_rstd's sum), then a barrier."""
+    shape: KernelShape = s
+    h = shape.hidden
+    _, warp, lane = thread_ids()
+    for j in cutlass.range(warp, n, NUM_WARPS):
+        r = _row_of(rows, j)
+        xv = vectors(gmem(BFloat16, src + Int64(r) * (h * 2), (h,)))
+        ss = Float32(0.0)
+        for v in cutlass.range(lane, h // VEC, 32):
+            xf = load_f32(xv, v)
+            for e in cutlass.range_constexpr(VEC):
+                ss = ss + xf[e] * xf[e]
+        ss = warp_sum(ss)
+        if lane == 0:
+            rstd[j] = cute.math.rsqrt(ss / Float32(h) + Float32(shape.rms_norm_eps))
+    consumer_sync()
+
+
+@cute.jit
+def stage_gathered(s: cutlass.Constexpr, src, norm: cute.Tensor, rows: cute.Tensor,
+                   j0, n, rstd: cute.Tensor, x_stage: cute.Tensor):  # fmt: skip
+    """Gathered requests j0 .. min(j0 + rows of x_stage, n) normed into
+    x_stage (compact, from its row 0), then a barrier."""
+    shape: KernelShape = s
+    h = shape.hidden
+    tidx, _, _ = thread_ids()
+    n_vec = h // VEC
+    nv = vectors(norm)
+    m = cutlass.min(n - j0, x_stage.shape[0])
+    for idx in cutlass.range(tidx, m * n_vec, NUM_THREADS):
+        j, v = idx // n_vec, idx % n_vec
+        r = _row_of(rows, j0 + j)
+        xv = vectors(gmem(BFloat16, src + Int64(r) * (h * 2), (h,)))
+        y = load_f32(xv, v) * rstd[j0 + j] * load_f32(nv, v)
+        q = cute.make_rmem_tensor((VEC,), BFloat16)
+        q.store(y.to(BFloat16))
+        cute.autovec_copy(q, vectors(x_stage[j, None])[None, v])
+    consumer_sync()
+
+
+@cute.jit
+def staged_passes(s: cutlass.Constexpr, src, norm: cute.Tensor, rows: cute.Tensor, n,
+                  rstd: cute.Tensor, x_stage: cute.Tensor, x_scales: cute.Tensor,
+                  body: cutlass.Constexpr):  # fmt: skip
+    """A quantized CUDA-core GEMV's inputs: the gathered requests' rows of
+    ``src`` RMS-normed (``norm``) in passes of as many as x_stage holds
+    (all of them where the batch fits it), each pass staged and, FP8,
+    quantized in place (per token, or per group of 128) with its scales in
+    ``x_scales``; ``body(xg, sg, j)`` runs the GEMVs on each group of the
+    pass's requests (``xg`` their staged rows, ``sg`` their scales, ``j``
+    the first one's gathered index; past n a group's last rows are stale,
+    and their sums must not be stored)."""
+    shape: KernelShape = s
+    h = shape.hidden
+    gathered_rstd(shape, src, rows, n, rstd)
+    per_pass = x_stage.shape[0]
+    group = min(per_pass, BATCH_GROUP)
+    for j0 in cutlass.range(0, n, per_pass):
+        stage_gathered(shape, src, norm, rows, j0, n, rstd, x_stage)
+        if cutlass.const_expr(shape.fp8):
+            quantize_rows(x_stage, x_stage, x_scales, cutlass.min(n - j0, per_pass),
+                          shape.fp8_block)  # fmt: skip
+            consumer_sync()
+        for g0 in cutlass.range(0, cutlass.min(n - j0, per_pass), group):
+            xg = cute.make_tensor(
+                x_stage.iterator + cute.assume(g0 * h, divby=VEC),
+                cute.make_layout((group, h), stride=(h, 1)),
+            )
+            sg = None  # (INT4: no input scales)
+            if cutlass.const_expr(shape.fp8):
+                cols = x_scales.shape[1]
+                sg = cute.make_tensor(
+                    x_scales.iterator + g0 * cols,
+                    cute.make_layout((group, cols), stride=(cols, 1)),
+                )
+            body(xg, sg, j0 + g0)
+        consumer_sync()  # (the stage is refilled)
 
 
 def code_vectors(row: cute.Tensor, int4: bool) -> cute.Tensor:

@@ -44,9 +44,11 @@ read ``ceil(tiles / pass_tiles)`` times, not once a row. The chunks are the
 request's longest row's (its last), and each M row masks the tokens past
 its own row's length (causal among the step's tokens); a row with no token
 in the chunk keeps (o, lse) = (0, -inf), its maximum's reference point 0
-so that no -inf - -inf reaches an exponential. With ``query_rows`` 1 the
-code is the kernel's without speculation (a row per request, a tile at a
-time).
+so that no -inf - -inf reaches an exponential. A pass of two tiles rolls
+P @ V's four steps ``PV_UNROLL`` at a time: unrolled, the rows ptxas keeps
+in flight beside 64 accumulators went past the consumers' registers. With
+``query_rows`` 1 the code is the kernel's without speculation (a row per
+request, a tile at a time).
 
 The index functions (``q_stride``, ``score_token``, ``pv_tokens``,
 ``v_dim``, ``query_row``, ``pass_tiles``, ``scratch_floats``) are plain
@@ -84,6 +86,12 @@ P_STRIDE = TOKENS + 8  # bf16 per staged P row: rows 36 banks apart
 DIMS_PER_WARP = N_BLOCK * VEC  # latent dims a warp's P @ V covers
 # M tiles a shared pass holds in flight: 32 accumulators a tile and lane.
 PASS_TILES = 2
+# P @ V steps a pass of two tiles unrolls (of TOKENS // K_STEP): all four
+# (the tile-at-a-time kernel's) left five words in local memory on sm_100a
+# (DeepSeek-V3 at 2, 4 and 8 rows, batches 16 and 64; Kimi-K2 at 4 rows):
+# ptxas had 3 steps' 48 registers of rows in flight beside the 64
+# accumulators. Two keep every built shape clean (docs/design.md, MLA_ATTN).
+PV_UNROLL = 2
 
 
 def q_stride(width: int) -> int:
@@ -392,35 +400,58 @@ def _block(
             cute.autovec_copy(pair, dst[None, (score_token(warp, 0) + 2 * q) // 2])
     consumer_sync()
     # P @ V over the block's tokens, 16 a step; this warp's 64 latent dims,
-    # each token's vector loaded once for every tile (N blocks outer, so
-    # that each block's values die after the tiles' MMAs).
-    for step in cutlass.range_constexpr(TOKENS // K_STEP):
-        t_a, t_b, t_c, t_d = pv_tokens(step, q)
-        a = cute.make_rmem_tensor((n_tiles, 4), Int32)
+    # each token's vector loaded once for every tile. Unrolled, ptxas issues
+    # three steps' loads at once; beside two tiles' accumulators that is
+    # past the consumers' registers, so a pass of two tiles rolls the steps
+    # ``PV_UNROLL`` at a time (two steps' loads in flight).
+    if cutlass.const_expr(n_tiles > 1):
+        for step in cutlass.range(TOKENS // K_STEP, unroll=PV_UNROLL):
+            _pv_step(shape, ps, cache, table, i, t0, t_hi, kv_block_stride,
+                     acc, step)  # fmt: skip
+    else:
+        for step in cutlass.range_constexpr(TOKENS // K_STEP):
+            _pv_step(shape, ps, cache, table, i, t0, t_hi, kv_block_stride,
+                     acc, step)  # fmt: skip
+
+
+@cute.jit
+def _pv_step(
+    s: cutlass.Constexpr, ps, cache, table, i, t0, t_hi, kv_block_stride, acc, step
+):
+    """P @ V step ``step`` of a block: its 16 tokens' rows, one 128-bit
+    vector each (this lane's 8 dims of the warp's 64), fed to every
+    tile's MMAs, N blocks outer (each block's values die after the
+    tiles' MMAs)."""
+    shape: KernelShape = s
+    n_tiles = pass_tiles(shape.mla_per_group, shape.query_rows)
+    _, warp, lane = thread_ids()
+    gl, q = lane // 4, lane % 4
+    t_a, t_b, t_c, t_d = pv_tokens(step, q)
+    a = cute.make_rmem_tensor((n_tiles, 4), Int32)
+    for ti in cutlass.range_constexpr(n_tiles):
+        plo = cute.zipped_divide(ps[ti * HEAD_ROWS + gl, None], (2,))
+        phi = cute.zipped_divide(ps[ti * HEAD_ROWS + gl + 8, None], (2,))
+        a[ti, 0], a[ti, 1] = _pair(plo, t_a // 2), _pair(phi, t_a // 2)
+        a[ti, 2], a[ti, 3] = _pair(plo, t_c // 2), _pair(phi, t_c // 2)
+    ts = (t_a, t_b, t_c, t_d)
+    vecs = cute.make_rmem_tensor((4, VEC), BFloat16)
+    for k in cutlass.range_constexpr(4):
+        row = _row(shape, cache, table, i, t0 + ts[k], t_hi, kv_block_stride)
+        src = cute.zipped_divide(row, (VEC,))
+        cute.autovec_copy(src[None, v_dim(warp, gl, 0) // VEC], vecs[k, None])
+    for nb in cutlass.range_constexpr(N_BLOCK):
+        b0 = cute.make_rmem_tensor((2,), BFloat16)
+        b1 = cute.make_rmem_tensor((2,), BFloat16)
+        b0[0], b0[1] = vecs[0, nb], vecs[1, nb]
+        b1[0], b1[1] = vecs[2, nb], vecs[3, nb]
         for ti in cutlass.range_constexpr(n_tiles):
-            plo = cute.zipped_divide(ps[ti * HEAD_ROWS + gl, None], (2,))
-            phi = cute.zipped_divide(ps[ti * HEAD_ROWS + gl + 8, None], (2,))
-            a[ti, 0], a[ti, 1] = _pair(plo, t_a // 2), _pair(phi, t_a // 2)
-            a[ti, 2], a[ti, 3] = _pair(plo, t_c // 2), _pair(phi, t_c // 2)
-        ts = (t_a, t_b, t_c, t_d)
-        vecs = cute.make_rmem_tensor((4, VEC), BFloat16)
-        for k in cutlass.range_constexpr(4):
-            row = _row(shape, cache, table, i, t0 + ts[k], t_hi, kv_block_stride)
-            src = cute.zipped_divide(row, (VEC,))
-            cute.autovec_copy(src[None, v_dim(warp, gl, 0) // VEC], vecs[k, None])
-        for nb in cutlass.range_constexpr(N_BLOCK):
-            b0 = cute.make_rmem_tensor((2,), BFloat16)
-            b1 = cute.make_rmem_tensor((2,), BFloat16)
-            b0[0], b0[1] = vecs[0, nb], vecs[1, nb]
-            b1[0], b1[1] = vecs[2, nb], vecs[3, nb]
-            for ti in cutlass.range_constexpr(n_tiles):
-                d = mma_bf16(a[ti, 0], a[ti, 1], a[ti, 2], a[ti, 3],
-                             cute.recast_tensor(b0, Int32)[0],
-                             cute.recast_tensor(b1, Int32)[0],
-                             acc[ti, nb, 0], acc[ti, nb, 1], acc[ti, nb, 2],
-                             acc[ti, nb, 3])  # fmt: skip
-                for c in cutlass.range_constexpr(4):
-                    acc[ti, nb, c] = d[c]
+            d = mma_bf16(a[ti, 0], a[ti, 1], a[ti, 2], a[ti, 3],
+                         cute.recast_tensor(b0, Int32)[0],
+                         cute.recast_tensor(b1, Int32)[0],
+                         acc[ti, nb, 0], acc[ti, nb, 1], acc[ti, nb, 2],
+                         acc[ti, nb, 3])  # fmt: skip
+            for c in cutlass.range_constexpr(4):
+                acc[ti, nb, c] = d[c]
 
 
 def _row(shape: KernelShape, cache, table, i, t, t_hi, kv_block_stride):

@@ -14,7 +14,7 @@ in shared memory, ``WUK_GROUP`` requests per pass over the head's W_UK."""
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float32, Int32, Int64, Uint8
 
 from vllm_ext.megakernel.kernel.ops.common import (
     MAX_POSITIONS,
@@ -31,6 +31,12 @@ from vllm_ext.megakernel.kernel.ops.common import (
     vectors,
 )
 from vllm_ext.megakernel.kernel.ops.gemv import gemv
+from vllm_ext.megakernel.kernel.ops.gemv_paged import weight_scales
+from vllm_ext.megakernel.kernel.ops.gemv_quant import (
+    input_groups,
+    qgemv,
+    quantize_rows,
+)
 from vllm_ext.megakernel.kernel.shape import (
     WUK_GROUP,
     GlobalSlot,
@@ -42,6 +48,13 @@ from vllm_ext.megakernel.kernel.shape import (
 def q_input_width(shape: KernelShape) -> int:
     """K of the q_b (or q_proj) GEMV."""
     return shape.q_lora_rank or shape.hidden
+
+
+def q_scale_floats(shape: KernelShape) -> int:
+    """FP8: the fp32 input scales of q_b's GEMV past q_buf (0 otherwise)."""
+    if not shape.fp8:
+        return 0
+    return shape.batch * input_groups(q_input_width(shape), shape.fp8_block)
 
 
 def stages_q_input(shape: KernelShape) -> bool:
@@ -114,10 +127,25 @@ def mla_q(
     if cutlass.const_expr(stages_q_input(shape)):
         stage_normed(x, norm, rstd, q_stage)
         xs, normed = q_stage, False
+    # FP8: q_b's codes (``gemv_quant``), the staged input quantized in place
+    # (per token, or per group of 128) with its scales past q_buf
+    # (``q_scale_floats``); shape.py has every quantized batch stage it.
+    codes = gmem(Uint8, ptrs[layer, LayerSlot.MLA_Q_B], (heads * d, k))
+    ws = weight_scales(shape, ptrs[layer, LayerSlot.MLA_Q_B_SCALE], heads * d, k)
+    groups = input_groups(k, shape.fp8_block)
+    at = q_buf.iterator + b * d
+    qs = cute.make_tensor(at, cute.make_layout((b, groups), stride=(groups, 1)))
+    if cutlass.const_expr(shape.quantized):
+        quantize_rows(q_stage, q_stage, qs, b, shape.fp8_block)
+        consumer_sync()
     for head in cutlass.range(lo, hi):
         first = head * d
-        gemv(w_q, w_q, xs, norm, rstd, first, first + d, _store_q(q_buf, first),
-             normed, False)  # fmt: skip
+        if cutlass.const_expr(shape.quantized):
+            qgemv(shape, codes, codes, q_stage, qs, ws, ws, first, first + d,
+                  _store_q(q_buf, first), False)  # fmt: skip
+        else:
+            gemv(w_q, w_q, xs, norm, rstd, first, first + d, _store_q(q_buf, first),
+                 normed, False)  # fmt: skip
         consumer_sync()
         for idx in cutlass.range(tidx, b * half, NUM_THREADS):
             i, p = idx // half, idx % half

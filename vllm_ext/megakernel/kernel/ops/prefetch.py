@@ -23,6 +23,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 
 from vllm_ext.megakernel.isa import Op
+from vllm_ext.megakernel.kernel.ops.gemv_quant import row_bytes
 from vllm_ext.megakernel.kernel.shape import GlobalSlot, KernelShape, LayerSlot
 from vllm_ext.megakernel.kernel.sync import prefetch_l2
 
@@ -76,16 +77,18 @@ def _mla_rows(s: cutlass.Constexpr, ptrs: cute.Tensor, op, layer, a0, a1):
     projection, MLA_Q's first head's q_b rows, MLA_COMBINE's W_UV rows."""
     shape: KernelShape = s
     h, lora, rank = shape.hidden, shape.q_lora_rank, shape.kv_lora_rank
+    # (A quantized kernel's rows are codes: row_bytes.)
     if op == Op.MLA_QKV_A:
         if cutlass.const_expr(lora > 0):
-            prefetch_rows(ptrs[layer, LayerSlot.MLA_Q_A], h * 2, a0,
+            prefetch_rows(ptrs[layer, LayerSlot.MLA_Q_A], row_bytes(shape, h), a0,
                           cutlass.min(a1, lora))  # fmt: skip
-        prefetch_rows(ptrs[layer, LayerSlot.MLA_KV_A], h * 2,
+        prefetch_rows(ptrs[layer, LayerSlot.MLA_KV_A], row_bytes(shape, h),
                       cutlass.max(a0, lora) - lora, a1 - lora)  # fmt: skip
     elif op == Op.MLA_Q:
         d = shape.qk_head_dim
         k = lora if lora > 0 else h
-        prefetch_rows(ptrs[layer, LayerSlot.MLA_Q_B], d * k * 2, a0, a0 + 1)
+        prefetch_rows(ptrs[layer, LayerSlot.MLA_Q_B], d * row_bytes(shape, k), a0,
+                      a0 + 1)  # fmt: skip
     elif op == Op.MLA_COMBINE:
         v = shape.v_head_dim
         cols = v // shape.mla_v_parts
@@ -107,6 +110,6 @@ def _static_moe_rows(s: cutlass.Constexpr, ptrs: cute.Tensor, op, layer, a0, a1)
             if a0 == shape.num_slots:
                 lo, hi = a1 >> 16, a1 & 0xFFFF
                 base = ptrs[layer, LayerSlot.SHARED_GATE_UP]
-                prefetch_rows(base, h * 2, lo, hi)
+                prefetch_rows(base, row_bytes(shape, h), lo, hi)
                 s_i = shape.shared_intermediate
-                prefetch_rows(base, h * 2, lo + s_i, hi + s_i)
+                prefetch_rows(base, row_bytes(shape, h), lo + s_i, hi + s_i)
