@@ -140,17 +140,9 @@ def quant_words(s: KernelShape) -> int:
 def shared_w13(s: KernelShape, ptrs: cute.Tensor, layer):
     """A quantized mixture's shared expert's gate and up codes and their
     scales (SHARED_GATE_UP, SHARED_GATE_UP_SCALE)."""
-    h, inter = s.hidden, s.shared_intermediate
-    codes, scales = (
-        ptrs[layer, LayerSlot.SHARED_GATE_UP],
-        ptrs[layer, LayerSlot.SHARED_GATE_UP_SCALE],
-    )
-    k = h // 2 if s.int4_group else h
-    gate = gmem(Uint8, codes, (inter, k))
-    up = gmem(Uint8, codes + code_bytes(s, inter, h), (inter, k))
-    gate_s = weight_scales(s, scales, inter, h)
-    up_s = weight_scales(s, scales + scale_bytes(s, inter, h), inter, h)
-    return gate, up, gate_s, up_s
+    return _gate_up(s, ptrs[layer, LayerSlot.SHARED_GATE_UP],
+                    ptrs[layer, LayerSlot.SHARED_GATE_UP_SCALE],
+                    s.shared_intermediate)  # fmt: skip
 
 
 def expert_w13(s: KernelShape, ptrs: cute.Tensor, layer, expert):
@@ -161,6 +153,13 @@ def expert_w13(s: KernelShape, ptrs: cute.Tensor, layer, expert):
     scales = ptrs[layer, LayerSlot.W13_SCALE] + Int64(expert) * (
         2 * scale_bytes(s, inter, h)
     )
+    return _gate_up(s, codes, scales, inter)
+
+
+def _gate_up(s: KernelShape, codes, scales, inter: int):
+    """Gate and up codes (gate rows, then up rows, at ``codes``) and their
+    scales (at ``scales``, alike), ``inter`` rows each."""
+    h = s.hidden
     k = h // 2 if s.int4_group else h
     gate = gmem(Uint8, codes, (inter, k))
     up = gmem(Uint8, codes + code_bytes(s, inter, h), (inter, k))
