@@ -209,6 +209,15 @@ def test_shape_refuses_what_the_device_functions_cannot_run():
         dataclasses.replace(good, mla_groups=2)  # 64 heads a group
     with pytest.raises(ValueError, match="O_PROJ"):
         dataclasses.replace(good, head_dim=64)
+    # FP8: MLA_Q quantizes q_b's input in its stage, so without a q LoRA
+    # (q_proj on the hidden size) every request's row must fit it, and the
+    # fused q_a / kv_a's blocks must break at q_a's rows.
+    fp8 = dataclasses.replace(good, fp8=True, fp8_block=True)
+    assert dataclasses.replace(fp8, batch=16).quantized
+    with pytest.raises(ValueError, match="stages q_b's 7168-wide input"):
+        dataclasses.replace(fp8, q_lora_rank=0, batch=16)
+    with pytest.raises(ValueError, match="q_lora_rank 1472"):
+        dataclasses.replace(fp8, q_lora_rank=1472)
 
 
 # ------------------------------------------------------------ the table

@@ -219,6 +219,10 @@ WUK_GROUP = 4
 # The FP8 tensor-core GEMV's k per lane quad and step (gemv_mma.py): 4
 # lanes x 16 e4m3 codes, two m16n8k32 MMAs.
 FP8_K_BLOCK = 64
+# Shared memory for a normed copy of a projection's input (all requests):
+# each element is then normed once per instruction instead of once per
+# output row, and re-read from shared memory instead of L1 (ops/common.py).
+STAGE_BYTES = 64 * 1024
 # The largest batch bucket of an FP8 or INT4 kernel (compile_grid: clean up
 # to 16).
 QUANT_MAX_BATCH = 16
@@ -459,6 +463,13 @@ class KernelShape:
             raise ValueError(
                 f"q_lora_rank {self.q_lora_rank}: FP8 latent attention's q_a "
                 f"and kv_a share a fused layer's blocks at {FP8_GROUP} rows"
+            )
+        q_width = self.q_lora_rank or self.hidden
+        if self.mla and self.batch * q_width * 2 > STAGE_BYTES:
+            # (MLA_Q quantizes q_b's input in its stage: ops/mla_q.py.)
+            raise ValueError(
+                f"batch {self.batch}: FP8 latent attention stages q_b's "
+                f"{q_width}-wide input for every request in {STAGE_BYTES} bytes"
             )
         if self.batch > QUANT_MAX_BATCH:
             # (8B FP8's batch-64 build kept two words in local memory at

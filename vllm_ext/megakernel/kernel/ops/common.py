@@ -8,7 +8,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int64
 
-from vllm_ext.megakernel.kernel.shape import BATCH_GROUP, CONSUMERS_BARRIER
+from vllm_ext.megakernel.kernel.shape import (
+    BATCH_GROUP,
+    CONSUMERS_BARRIER,
+    STAGE_BYTES,
+)
 
 # The consumer threads: those that execute instructions (warps 0-7). The
 # default kernel adds a warpgroup for the producer and the controller
@@ -85,12 +89,6 @@ def row_rstd(x: cute.Tensor, rstd: cute.Tensor, eps: cutlass.Constexpr):
         if lane == 0:
             rstd[b] = cute.math.rsqrt(ss / Float32(k) + Float32(eps))
     consumer_sync()
-
-
-# Shared memory for a normed copy of a projection's input (all requests):
-# each element is then normed once per instruction instead of once per
-# output row, and re-read from shared memory instead of L1.
-STAGE_BYTES = 64 * 1024
 
 
 def stage_bytes(shape) -> int:

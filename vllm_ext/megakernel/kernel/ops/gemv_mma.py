@@ -201,22 +201,30 @@ def page_index(m, row, k, per_page: int, k_chunk: int):
     return (m * per_page + row) * k_chunk + k
 
 
+def asm_f32s(n: int, args, asm: str, constraints: str, loc=None, ip=None) -> tuple:
+    """Inline PTX with ``n`` fp32 outputs (the first ``n`` of
+    ``constraints``, ``=f``), returned as a tuple."""
+    out = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * n), args, asm, constraints,
+        has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+    )  # fmt: skip
+    return tuple(
+        Float32(llvm.extractvalue(T.f32(), out, [i], loc=loc, ip=ip)) for i in range(n)
+    )
+
+
 def _mma(shape_types: str, regs, acc, loc=None, ip=None) -> tuple:
     """``mma.sync.aligned.<shape_types>``: six 32-bit A and B registers,
     four fp32 accumulators in and out (a lane's fragments)."""
     args = [Int32(v).ir_value(loc=loc, ip=ip) for v in regs]
     args += [Float32(v).ir_value(loc=loc, ip=ip) for v in acc]
-    out = llvm.inline_asm(
-        llvm.StructType.get_literal([T.f32()] * 4), args,
+    return asm_f32s(
+        4, args,
         f"mma.sync.aligned.{shape_types} "
         "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
-        has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", loc, ip,
     )  # fmt: skip
-    return tuple(
-        Float32(llvm.extractvalue(T.f32(), out, [i], loc=loc, ip=ip)) for i in range(4)
-    )
 
 
 @dsl_user_op

@@ -44,7 +44,7 @@ from vllm_ext.megakernel.kernel.ops.common import (
     warp_sum,
 )
 from vllm_ext.megakernel.kernel.ops.gemv_int4 import unpack
-from vllm_ext.megakernel.kernel.ops.gemv_mma import E4M3_MAX, MIN_SCALE
+from vllm_ext.megakernel.kernel.ops.gemv_mma import E4M3_MAX, MIN_SCALE, asm_f32s
 from vllm_ext.megakernel.kernel.shape import FP8_GROUP, KernelShape
 
 
@@ -52,39 +52,27 @@ from vllm_ext.megakernel.kernel.shape import FP8_GROUP, KernelShape
 def e4m3x4_f32(w, *, loc=None, ip=None) -> tuple:
     """The four e4m3 codes of ``w`` (memory order, low byte first) as fp32
     (exact: e4m3 to f16 to f32)."""
-    out = llvm.inline_asm(
-        llvm.StructType.get_literal([T.f32()] * 4),
-        [Int32(w).ir_value(loc=loc, ip=ip)],
+    return asm_f32s(
+        4, [Int32(w).ir_value(loc=loc, ip=ip)],
         "{ .reg .b16 lo, hi; .reg .b32 a, b; .reg .f16 h0, h1, h2, h3; "
         "mov.b32 {lo, hi}, $4; "
         "cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; "
         "mov.b32 {h0, h1}, a; mov.b32 {h2, h3}, b; "
         "cvt.f32.f16 $0, h0; cvt.f32.f16 $1, h1; "
         "cvt.f32.f16 $2, h2; cvt.f32.f16 $3, h3; }",
-        "=f,=f,=f,=f,r",
-        has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+        "=f,=f,=f,=f,r", loc, ip,
     )  # fmt: skip
-    return tuple(
-        Float32(llvm.extractvalue(T.f32(), out, [i], loc=loc, ip=ip)) for i in range(4)
-    )
 
 
 @dsl_user_op
 def bf16x2_f32(w, *, loc=None, ip=None) -> tuple:
     """The bf16 pair in ``w`` (low half first) as two fp32 (exact)."""
-    out = llvm.inline_asm(
-        llvm.StructType.get_literal([T.f32()] * 2),
-        [Int32(w).ir_value(loc=loc, ip=ip)],
+    return asm_f32s(
+        2, [Int32(w).ir_value(loc=loc, ip=ip)],
         "{ .reg .b32 t; shl.b32 t, $2, 16; mov.b32 $0, t; "
         "and.b32 t, $2, 0xFFFF0000; mov.b32 $1, t; }",
-        "=f,=f,r",
-        has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+        "=f,=f,r", loc, ip,
     )  # fmt: skip
-    return tuple(
-        Float32(llvm.extractvalue(T.f32(), out, [i], loc=loc, ip=ip)) for i in range(2)
-    )
 
 
 @dsl_user_op

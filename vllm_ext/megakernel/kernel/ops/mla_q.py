@@ -130,12 +130,13 @@ def mla_q(
     # FP8: q_b's codes (``gemv_quant``), the staged input quantized in place
     # (per token, or per group of 128) with its scales past q_buf
     # (``q_scale_floats``); shape.py has every quantized batch stage it.
-    codes = gmem(Uint8, ptrs[layer, LayerSlot.MLA_Q_B], (heads * d, k))
-    ws = weight_scales(shape, ptrs[layer, LayerSlot.MLA_Q_B_SCALE], heads * d, k)
-    groups = input_groups(k, shape.fp8_block)
-    at = q_buf.iterator + b * d
-    qs = cute.make_tensor(at, cute.make_layout((b, groups), stride=(groups, 1)))
+    codes = ws = qs = None
     if cutlass.const_expr(shape.quantized):
+        codes = gmem(Uint8, ptrs[layer, LayerSlot.MLA_Q_B], (heads * d, k))
+        ws = weight_scales(shape, ptrs[layer, LayerSlot.MLA_Q_B_SCALE], heads * d, k)
+        groups = input_groups(k, shape.fp8_block)
+        at = q_buf.iterator + b * d
+        qs = cute.make_tensor(at, cute.make_layout((b, groups), stride=(groups, 1)))
         quantize_rows(q_stage, q_stage, qs, b, shape.fp8_block)
         consumer_sync()
     for head in cutlass.range(lo, hi):
