@@ -90,7 +90,9 @@ def model_ops(config: str) -> dict[str, bool]:
     from vllm_ext.megakernel.plan import load_spec
 
     spec = load_spec(config, torch.bfloat16)
-    quant = spec.quant.name if spec.quant is not None else ""
+    # (Quantized experts alone run on CUDA cores: no rule of their own.)
+    dense = spec.quant is not None and not spec.quant.experts_only
+    quant = spec.quant.name if dense else ""
     return {"moe": spec.moe is not None, "mla": spec.mla is not None,
             "fp8": quant.startswith("fp8"),
             "int4": quant.startswith("int4")}  # fmt: skip

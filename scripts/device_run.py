@@ -213,7 +213,9 @@ def saved_spec(meta: dict) -> ModelSpec:
     fields = dict(meta["spec"])
     fields["dtype"] = torch.bfloat16
     if fields.get("quant") is not None:  # saved as a dict
-        fields["quant"] = QuantFormat(**fields["quant"])
+        quant = dict(fields["quant"])
+        unquantized = frozenset(quant.pop("unquantized", ()))
+        fields["quant"] = QuantFormat(**quant, unquantized=unquantized)
     if fields.get("moe") is not None:  # saved as a dict
         moe = dict(fields["moe"], sparse_layers=tuple(fields["moe"]["sparse_layers"]))
         fields["moe"] = MoeSpec(**moe)

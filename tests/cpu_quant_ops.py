@@ -25,7 +25,8 @@ machine's build lacks or runs with other numerics (test code only).
   scales ``[E, N, K / group]``): a weight ``(q - 8) * s`` rounded to the
   activations' dtype, each GEMM summed in fp32 and rounded to it, SiLU of
   the gate times the up rounded to it, the top-k outputs weighted and
-  summed in fp32.
+  summed in fp32. DeepSeek's routing is let in, as vLLM's CPU FP8 experts
+  let it (its router runs before the experts).
 
 - FP8 128x128-block mixtures: vLLM's CPU experts (``CPUExpertsFp8``) need
   AMX and run W8A16. Always replaced, by the GPU's block-FP8 fused MoE
@@ -182,6 +183,7 @@ def int4_fused_experts(x, w13, w2, s13, s2, topk_weights, topk_ids) -> torch.Ten
 
 
 def _install_int4_experts(monkeypatch) -> None:
+    from vllm.model_executor.layers.fused_moe.config import RoutingMethodType
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUExpertsInt4
     from vllm.model_executor.layers.fused_moe.oracle import int_wna16
     from vllm.scalar_type import scalar_types
@@ -203,10 +205,19 @@ def _install_int4_experts(monkeypatch) -> None:
         # a checkpoint's groups of 32 meet no CPU backend of vLLM's.
         return activation_key is None and weight_key.dtype == scalar_types.uint4b8
 
+    def routing(method, *args):
+        # vLLM's, and DeepSeek's as its CPU FP8 experts take it: its router
+        # runs before the experts, which get the top-k weights and ids.
+        return method in (RoutingMethodType.Default, RoutingMethodType.Renormalize,
+                          RoutingMethodType.RenormalizeNaive,
+                          RoutingMethodType.DeepSeekV3)  # fmt: skip
+
     monkeypatch.setattr(CPUExpertsInt4, "_supports_current_device",
                         staticmethod(lambda: True))  # fmt: skip
     monkeypatch.setattr(CPUExpertsInt4, "_supports_quant_scheme",
                         staticmethod(int4_groups))  # fmt: skip
+    monkeypatch.setattr(CPUExpertsInt4, "_supports_routing_method",
+                        staticmethod(routing))  # fmt: skip
     monkeypatch.setattr(int_wna16, "_process_weights_cpu", keep_as_loaded)
     monkeypatch.setattr(CPUExpertsInt4, "apply", apply)
 

@@ -227,6 +227,8 @@ def test_megakernel_matches_default(demo_model, monkeypatch, arch, dtype):
 # DeepSeek-V3 as shipped (FP8 blocks in every linear layer and expert, kv_a's
 # 576 rows ending in half a block; latent attention on vLLM's CPU_MLA):
 # dense (q_proj) and deepseek_v3_fp8 (q LoRA, a mixture after a dense layer).
+# Kimi-K2-Thinking's layout on the DeepSeek-V3 MoE demo: INT4 routed experts,
+# the latent attention, dense MLP and shared expert in the model dtype.
 @pytest.mark.parametrize(
     "arch, fmt, dtype",
     [("llama", "pack-quantized", "float32"), ("llama", "gptq", "bfloat16"),
@@ -236,7 +238,8 @@ def test_megakernel_matches_default(demo_model, monkeypatch, arch, dtype):
      ("qwen3_moe", "fp8-channel", "float32"), ("qwen3_moe", "fp8-channel", "bfloat16"),
      ("qwen3_moe", "fp8-block", "bfloat16"),
      ("deepseek_v3", "fp8-block", "bfloat16"),
-     ("deepseek_v3_fp8", "fp8-block", "bfloat16")],
+     ("deepseek_v3_fp8", "fp8-block", "bfloat16"),
+     ("deepseek_v3_moe", "pack-quantized-experts", "float32")],
 )  # fmt: skip
 def test_quantized_checkpoint_matches_default(
     demo_model, monkeypatch, tmp_path, arch, fmt, dtype
@@ -935,7 +938,8 @@ def test_gpu_route_through_vllm_with_a_stand_in_kernel(
     "arch, fmt",
     [("llama", "fp8-channel"), ("llama", "fp8-block"), ("llama", "pack-quantized"),
      ("qwen3_moe", "fp8-block"), ("qwen3_moe", "pack-quantized"),
-     ("deepseek_v3_fp8", "fp8-block")],
+     ("deepseek_v3_fp8", "fp8-block"),
+     ("deepseek_v3_moe", "pack-quantized-experts")],
 )  # fmt: skip
 def test_gpu_route_runs_a_quantized_checkpoint(
     demo_model, stand_in_route, monkeypatch, tmp_path, arch, fmt
@@ -943,13 +947,14 @@ def test_gpu_route_runs_a_quantized_checkpoint(
     """A quantized checkpoint of the Llama demo (FP8 per-channel W8A8, FP8
     128 x 128 blocks, INT4 W4A16 in groups of 32), of the Qwen3-MoE demo
     (a dense layer, then a mixture; FP8 blocks, INT4) and DeepSeek-V3 as
-    shipped (FP8 blocks: latent attention, a shared expert), vLLM's CPU
+    shipped (FP8 blocks: latent attention, a shared expert) and with
+    Kimi-K2-Thinking's INT4 routed experts (the rest bf16), vLLM's CPU
     kernels stood in for where it has none, through the GPU route's host side
     (``stand_in_route``): quantized kernels (``KernelShape.quantized``)
     whose tables hold the codes and scales (FP8's vLLM's own, in place, the
     experts' too; INT4's packed two a byte from what vLLM loaded), no dense
-    copy of a linear weight or an expert; tokens and logprobs bit for bit
-    reference mode's, which reads the same codes dequantized."""
+    copy of a quantized linear weight or expert; tokens and logprobs bit for
+    bit reference mode's, which reads the same codes dequantized."""
     from tests import cpu_quant_ops
     from vllm_ext.demo_quant import quantize_checkpoint
 
@@ -962,21 +967,27 @@ def test_gpu_route_runs_a_quantized_checkpoint(
     mega, (ran, _, _) = _generate(model, "bfloat16", decode_backend="megakernel")
     assert mega == interpreted
     assert ran == sum(e.launch.launches for e in executors) > 0
-    blocks, int4 = fmt == "fp8-block", fmt == "pack-quantized"
+    blocks, int4 = fmt == "fp8-block", fmt.startswith("pack-quantized")
+    experts_only = fmt == "pack-quantized-experts"
     assert executors and all(e.shape.quantized for e in executors)
+    assert all(e.shape.experts_only == experts_only for e in executors)
     assert all(e.shape.fp8_block == blocks for e in executors)
     assert all(e.shape.int4_group == (32 if int4 else 0) for e in executors)
     codes = torch.uint8 if int4 else torch.float8_e4m3fn
     for lw in executors[0].weights.layers:
-        assert lw.qkv is None and lw.down is None and lw.o_proj is None
-        assert lw.quant.o_proj.codes.dtype == codes
         if lw.moe is not None:
             assert lw.moe.w13 is None and lw.moe.quant.w2.codes.dtype == codes
+        if experts_only:
+            assert lw.quant is None and lw.o_proj.dtype == torch.bfloat16
+            assert lw.mla.quant is None and lw.mla.q_b.dtype == torch.bfloat16
+            continue
+        assert lw.qkv is None and lw.down is None and lw.o_proj is None
+        assert lw.quant.o_proj.codes.dtype == codes
         if lw.mla is not None:
             assert lw.mla.q_b is None and lw.mla.quant.q_b.codes.dtype == codes
     layers = executors[0].weights.layers
     assert any(lw.moe is not None for lw in layers) == (arch != "llama")
-    assert any(lw.mla is not None for lw in layers) == (arch == "deepseek_v3_fp8")
+    assert any(lw.mla is not None for lw in layers) == arch.startswith("deepseek")
 
 
 @pytest.mark.parametrize(

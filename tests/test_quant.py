@@ -9,16 +9,23 @@ import pytest
 import torch
 
 from vllm_ext.demo_quant import (
+    EXPERTS_ONLY_IGNORE,
+    ROUTER,
     _gptq,
     _pack_quantized,
     quantization_config,
     quantize_int4,
 )
 from vllm_ext.quant import (
+    ATTENTION,
+    DENSE_MLP,
     FP8_BLOCK,
     FP8_W8A8,
     INT4_W4A16,
+    ROUTED_EXPERTS,
+    SHARED_EXPERTS,
     Int4Weight,
+    for_model,
     quant_format,
     quantize_input,
 )
@@ -40,7 +47,7 @@ def _ct(weights: dict, acts: dict | None = None, fmt: str = "pack-quantized"):
     [
         ({"quant_method": "gptq", "bits": 4, "group_size": 64, "sym": True,
           "desc_act": False}, "gptq", 64),
-        # Kimi-K2-Thinking's experts and attention: group 32.
+        # Kimi-K2-Thinking's experts: group 32.
         (_ct({"group_size": 32}), "compressed-tensors pack-quantized", 32),
         (_ct({"strategy": "channel", "group_size": None}),
          "compressed-tensors pack-quantized", -1),
@@ -249,14 +256,17 @@ def test_quantized_mixtures_taken_and_refused_by_name(config, refused):
         backend._check_gpu_kernel(None, spec)
 
 
-def test_the_gpu_kernel_takes_fp8_latent_attention_only():
-    """DeepSeek-V3 in FP8 blocks (latent attention, a shared expert) passes
-    the kernel's format check (it then needs a GPU: refused here for the
-    missing one); INT4 latent attention has no device functions: refused at
-    start-up by name, pointing at reference mode."""
+def test_the_gpu_kernel_takes_fp8_or_bf16_latent_attention():
+    """DeepSeek-V3 in FP8 blocks (latent attention, a shared expert) and
+    with Kimi-K2-Thinking's INT4 routed experts (the rest bf16) pass the
+    kernel's format check (it then needs a GPU: refused here for the
+    missing one). INT4 latent attention has no reference either: refused
+    with the spec, by name. INT4 leaving the attention alone in bf16 runs
+    in reference mode (each layer read as vLLM loaded it), and the kernel
+    refuses it at start-up by name."""
     from vllm_ext import backend
     from vllm_ext.demo_models import hf_config
-    from vllm_ext.model_spec import ModelSpec
+    from vllm_ext.model_spec import ModelSpec, UnsupportedModelError
 
     hf = hf_config("deepseek_v3_fp8")
     hf.quantization_config = DEEPSEEK_FP8
@@ -264,9 +274,63 @@ def test_the_gpu_kernel_takes_fp8_latent_attention_only():
     assert spec.mla is not None and spec.moe.shared_intermediate
     with pytest.raises(ValueError, match="needs .*GPU"):
         backend._check_gpu_kernel(None, spec)
-    int4 = dataclasses.replace(spec, quant=quant_format(_ct({"group_size": 32})))
-    with pytest.raises(ValueError, match="latent attention takes FP8 weights only"):
-        backend._check_gpu_kernel(None, int4)
+    hf.quantization_config = _ct({"group_size": 32}) | {"ignore": EXPERTS_ONLY_IGNORE}
+    thinking = ModelSpec.from_hf_config(hf, torch.bfloat16, 512)
+    assert thinking.quant.experts_only
+    with pytest.raises(ValueError, match="needs .*GPU"):
+        backend._check_gpu_kernel(None, thinking)
+    hf.quantization_config = _ct({"group_size": 32})
+    with pytest.raises(UnsupportedModelError, match="int4-w4a16 .* latent attention"):
+        ModelSpec.from_hf_config(hf, torch.bfloat16, 512)
+    hf.quantization_config = _ct({"group_size": 32}) | {"ignore": ["re:.*self_attn.*"]}
+    mixed = ModelSpec.from_hf_config(hf, torch.bfloat16, 512)
+    assert not mixed.quant.experts_only
+    with pytest.raises(ValueError, match="leaving attention in the model dtype"):
+        backend._check_gpu_kernel(None, mixed)
+
+
+@pytest.mark.parametrize(
+    "ignore, left",
+    [
+        (["lm_head", ROUTER], set()),
+        (EXPERTS_ONLY_IGNORE, {ATTENTION, DENSE_MLP, SHARED_EXPERTS}),
+        (["re:.*self_attn.*"], {ATTENTION}),
+        (["model.layers.0.self_attn.q_proj"], {f"some {ATTENTION}"}),
+        (["re:.*self_attn[.]o_proj$"], {f"some {ATTENTION}"}),
+        (["re:model[.]layers[.]0[.].*"], {f"some {k}" for k in (
+            ATTENTION, DENSE_MLP, SHARED_EXPERTS, ROUTED_EXPERTS)}),
+        (["re:.*experts.*"], {SHARED_EXPERTS, ROUTED_EXPERTS}),
+    ],
+    ids=["none", "kimi-k2-thinking", "attention", "one-layer", "one-module",
+         "first-layer", "all-experts"],
+)  # fmt: skip
+def test_ignore_lists_name_the_projections_left_unquantized(ignore, left):
+    """compressed-tensors' ``ignore`` as it matches vLLM's module names (a
+    ``re:`` pattern by ``re.match``, a name by equality): the kinds it
+    leaves in the model dtype, "some" where it names part of a kind."""
+    fmt = quant_format(_ct({"group_size": 32}) | {"ignore": ignore})
+    assert fmt.unquantized == left and not fmt.experts_only
+
+
+@pytest.mark.parametrize(
+    "ignore, kinds, experts_only",
+    [
+        (EXPERTS_ONLY_IGNORE, {ATTENTION, DENSE_MLP, SHARED_EXPERTS, ROUTED_EXPERTS},
+         True),
+        # Qwen3-MoE: no dense MLP, no shared expert.
+        (["re:.*self_attn.*"], {ATTENTION, ROUTED_EXPERTS}, True),
+        (["re:.*self_attn.*"], {ATTENTION, DENSE_MLP, ROUTED_EXPERTS}, False),
+        # A dense model: nothing but the routed experts' to keep.
+        (EXPERTS_ONLY_IGNORE, {ATTENTION, DENSE_MLP}, False),
+        (["lm_head"], {ATTENTION, ROUTED_EXPERTS}, False),
+    ],
+)  # fmt: skip
+def test_experts_only_is_judged_in_the_model(ignore, kinds, experts_only):
+    """``for_model``: the routed experts the one kind quantized among the
+    kinds the model has (a kind it lacks is no concern)."""
+    fmt = for_model(quant_format(_ct({"group_size": 32}) | {"ignore": ignore}), kinds)
+    assert fmt.experts_only == experts_only
+    assert fmt.unquantized <= kinds
 
 
 def _int4_experts(e: int, n: int, k: int, group: int = 32):
@@ -601,6 +665,19 @@ def test_planner_counts_int4_experts():
         assert experts(bf16_plan, op) > 0
         assert experts(int4_plan, op) * 32 == experts(bf16_plan, op) * 9
     assert int4_plan.weight_bytes() < bf16_plan.weight_bytes()
+    # The routed experts alone quantized: the rest counted as bf16's.
+    hf.quantization_config = _ct({"group_size": 32}) | {"ignore": EXPERTS_ONLY_IGNORE}
+    experts_only = ModelSpec.from_hf_config(hf, torch.bfloat16, 512)
+    assert experts_only.quant.experts_only
+    ours = plan(experts_only, 1, DEVICES["h200"])
+    for op in (Op.EXPERT_UP, Op.EXPERT_DOWN):
+        assert experts(ours, op) == experts(int4_plan, op)
+    rest = [
+        (bf16_plan.cost(i), ours.cost(i))
+        for i in (i for q in ours.queues for i in q)
+        if i.op in (Op.QKV, Op.O_PROJ, Op.GATE_UP, Op.DOWN)
+    ]
+    assert rest and all(a == b for a, b in rest)
 
 
 @pytest.mark.parametrize("shape", [(576, 256), (96, 200), (256, 512)])

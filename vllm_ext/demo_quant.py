@@ -8,10 +8,13 @@ and dynamic per-token activations (W8A8), as compressed-tensors
 Every linear layer of the decoder is quantized (attention, dense MLP,
 experts); the embedding, LM head, norms and MoE router stay as they are,
 as the real checkpoints leave them (``ignore: [lm_head]``, the router in
-higher precision). INT4: a weight is ``q * s``, ``s`` the group's largest
-magnitude over 7, rounded to bf16, ``q = round(w / s)`` in [-8, 7]. FP8:
-``s`` the output channel's largest magnitude over 448 (fp32), the weight
-``w / s`` rounded to e4m3.
+higher precision). ``pack-quantized-experts`` quantizes a mixture's routed
+experts only, as Kimi-K2-Thinking's checkpoint does (its ``ignore`` list
+leaves attention, dense MLPs and shared experts in the model dtype).
+INT4: a weight is ``q * s``, ``s`` the group's largest magnitude over 7,
+rounded to bf16, ``q = round(w / s)`` in [-8, 7]. FP8: ``s`` the output
+channel's largest magnitude over 448 (fp32), the weight ``w / s`` rounded
+to e4m3.
 
     python -m vllm_ext.demo_quant --src DEMO_MODEL --out DIR --format gptq
 """
@@ -20,19 +23,31 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 from pathlib import Path
 
 import torch
 
-FORMATS = ("pack-quantized", "gptq", "fp8-channel", "fp8-block")
-GROUP_SIZE = {"pack-quantized": 32, "gptq": 64}  # as the real checkpoints
+FORMATS = ("pack-quantized", "pack-quantized-experts", "gptq", "fp8-channel",
+           "fp8-block")  # fmt: skip
+# As the real checkpoints.
+GROUP_SIZE = {"pack-quantized": 32, "pack-quantized-experts": 32, "gptq": 64}
 # Weights left unquantized: vLLM's loaders keep these in the model dtype.
 KEEP = ("embed_tokens", "lm_head", "norm", "mlp.gate.", "e_score_correction_bias")
 # compressed-tensors' names of those layers: the LM head, and in a mixture
 # the router (a Linear too).
 IGNORE = ["lm_head"]
 ROUTER = "re:.*mlp[.]gate$"
+# Kimi-K2-Thinking's: everything but the routed experts.
+EXPERTS_ONLY_IGNORE = [
+    "lm_head",
+    "re:.*self_attn.*",
+    "re:.*shared_experts.*",
+    r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+]
+# A routed expert's weights (not a shared expert's).
+ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")
 
 
 def quantize_int4(
@@ -138,6 +153,9 @@ def quantization_config(fmt: str, layers: int = 0, mixture: bool = False) -> dic
             },
         }
     g = GROUP_SIZE[fmt]
+    ignore = IGNORE + [ROUTER] * mixture
+    if fmt == "pack-quantized-experts":
+        ignore = EXPERTS_ONLY_IGNORE + [ROUTER] * mixture
     if fmt == "gptq":
         return {"quant_method": "gptq", "bits": 4, "group_size": g, "sym": True,
                 "desc_act": False, "checkpoint_format": "gptq"}  # fmt: skip
@@ -145,7 +163,7 @@ def quantization_config(fmt: str, layers: int = 0, mixture: bool = False) -> dic
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
         "quantization_status": "compressed",
-        "ignore": IGNORE + [ROUTER] * mixture,
+        "ignore": ignore,
         "config_groups": {
             "group_0": {
                 "targets": ["Linear"],
@@ -178,12 +196,15 @@ def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str) -> Path:
             shutil.copy(f, out / f.name)
     tensors = {}
     quantize = {"gptq": _gptq, "pack-quantized": _pack_quantized,
+                "pack-quantized-experts": _pack_quantized,
                 "fp8-channel": _fp8_channel, "fp8-block": _fp8_block}[fmt]  # fmt: skip
+    experts_only = fmt == "pack-quantized-experts"
     for name, t in load_file(src / "model.safetensors").items():
         if (
             t.dim() == 2
             and name.endswith(".weight")
             and not any(keep in name for keep in KEEP)
+            and (ROUTED_EXPERT.search(name) or not experts_only)
         ):
             tensors.update(quantize(name, t))
         else:

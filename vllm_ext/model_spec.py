@@ -15,7 +15,16 @@ from typing import Any
 
 import torch
 
-from vllm_ext.quant import FP8_BLOCK, QuantFormat, quant_format
+from vllm_ext.quant import (
+    ATTENTION,
+    DENSE_MLP,
+    FP8_BLOCK,
+    ROUTED_EXPERTS,
+    SHARED_EXPERTS,
+    QuantFormat,
+    for_model,
+    quant_format,
+)
 
 # Architecture -> (has QKV bias, has per-head QK RMSNorm).
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
@@ -99,6 +108,18 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 # before splitting it (``DEFAULT_VOCAB_PADDING_SIZE``).
 VOCAB_PADDING = 64
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _projection_kinds(moe: MoeSpec | None) -> set[str]:
+    """The kinds of projections a model's decoder layers hold (quant.py)."""
+    kinds = {ATTENTION}
+    if moe is None or not all(moe.sparse_layers):
+        kinds.add(DENSE_MLP)
+    if moe is not None:
+        kinds.add(ROUTED_EXPERTS)
+        if moe.shared_intermediate:
+            kinds.add(SHARED_EXPERTS)
+    return kinds
 
 
 def _quant_format(hf_config: Any, need) -> QuantFormat | None:
@@ -225,6 +246,7 @@ class ModelSpec:
             "partial rotary embedding",
         )
         moe = _moe_spec(arch, hf_config, need) if arch in MOE_ARCHITECTURES else None
+        quant = for_model(quant, _projection_kinds(moe))
         return cls(
             architecture=arch,
             dtype=dtype,
@@ -297,11 +319,13 @@ def _deepseek_spec(cls, arch: str, hf_config: Any, dtype: torch.dtype, need):
     need(not getattr(c, "attention_bias", False), "attention bias")
     act = getattr(c, "hidden_act", "silu")
     need(act == "silu", f"activation {act!r}")
-    quant = _quant_format(c, need)
-    # DeepSeek-V3's and Kimi-K2's FP8 blocks; INT4 and per-channel FP8
-    # latent attention not yet.
+    moe = _deepseek_moe(c, need)
+    quant = for_model(_quant_format(c, need), _projection_kinds(moe))
+    # DeepSeek-V3's and Kimi-K2's FP8 blocks, or latent attention left in
+    # the model dtype (Kimi-K2-Thinking's INT4 experts); INT4 and
+    # per-channel FP8 latent attention not yet.
     need(
-        quant is None or quant.name == FP8_BLOCK,
+        quant is None or quant.name == FP8_BLOCK or ATTENTION in quant.unquantized,
         f"{quant and quant.name} ({quant and quant.checkpoint}) latent attention (yet)",
     )
     scale = (nope + rope_dim) ** -0.5
@@ -338,7 +362,7 @@ def _deepseek_spec(cls, arch: str, hf_config: Any, dtype: torch.dtype, need):
         qkv_bias=False,
         qk_norm=False,
         tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
-        moe=_deepseek_moe(c, need),
+        moe=moe,
         mla=mla,
         quant=quant,
     )

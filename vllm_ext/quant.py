@@ -14,6 +14,9 @@ to the model dtype (``s`` the group's scale), products summed in fp32.
 FP8 W8A8: each layer's input quantized per token to e4m3 as it enters
 (``quantize_input``), products of e4m3 operands summed in fp32 and scaled
 by both scales. Every other format is refused at start-up, by name.
+A compressed-tensors INT4 checkpoint may leave kinds of projections in
+the model dtype by its ``ignore`` list (Kimi-K2-Thinking quantizes its
+routed experts only): ``QuantFormat.unquantized`` names them.
 
 FP8 weights are read from vLLM's layers as it keeps them. INT4 weights
 are read back from vLLM's layers, whatever layout its kernel repacked them
@@ -25,6 +28,8 @@ by 1, the rest zeros), and the layer's group scales then give back the
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +46,14 @@ class QuantFormat:
     group_size: int  # along K; -1: one group per output row
     # How a quantized layer's input is quantized as it enters (None: not).
     activations: str | None = None  # PER_TOKEN or PER_TOKEN_GROUP
+    # Kinds of projections (ATTENTION .. ROUTED_EXPERTS) the checkpoint
+    # leaves in the model dtype (compressed-tensors' ``ignore``; "some
+    # <kind>" where it names some of a kind's layers only); once the model
+    # is known (``for_model``) only the kinds it has.
+    unquantized: frozenset[str] = frozenset()
+    # Set by ``for_model``: the routed experts are the one kind quantized
+    # (Kimi-K2-Thinking's INT4 checkpoint).
+    experts_only: bool = False
 
     def weight_bytes(self, rows: int, cols: int, scale_bytes: int) -> int:
         """Bytes of ``rows`` x ``cols`` of a quantized layer's weight with
@@ -64,6 +77,28 @@ FP8_BLOCK = "fp8-block128"  # DeepSeek-V3's: 128x128 weight blocks
 PER_TOKEN = "fp8-per-token"
 PER_TOKEN_GROUP = "fp8-per-token-group-128"
 BLOCK = 128
+# Kinds of decoder projections a checkpoint may leave in the model dtype.
+ATTENTION = "attention"
+DENSE_MLP = "dense MLPs"
+SHARED_EXPERTS = "shared experts"
+ROUTED_EXPERTS = "routed experts"
+# Each kind's module names as vLLM names its layers (compressed-tensors
+# matches ``ignore`` entries against them: a ``re:`` pattern by
+# ``re.match``, any other by equality), under a few layers' prefixes: an
+# entry matching a kind at some of them, or some of its modules, leaves
+# some of that kind unquantized.
+_KIND_MODULES = {
+    ATTENTION: ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                "self_attn.o_proj", "self_attn.q_a_proj", "self_attn.q_b_proj",
+                "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj"),
+    DENSE_MLP: ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+    SHARED_EXPERTS: ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj",
+                     "mlp.shared_experts.down_proj"),
+    ROUTED_EXPERTS: ("mlp.experts.0.gate_proj", "mlp.experts.0.up_proj",
+                     "mlp.experts.0.down_proj", "block_sparse_moe.experts.0.w1",
+                     "block_sparse_moe.experts.0.w2", "block_sparse_moe.experts.0.w3"),
+}  # fmt: skip
+_LAYER_PREFIXES = ("model.layers.0.", "model.layers.1.", "model.layers.60.")
 
 
 def quant_format(hf_quant_config: Any) -> QuantFormat | None:
@@ -146,7 +181,44 @@ def _compressed_tensors(cfg: dict) -> QuantFormat:
     if strategy not in ("group", "channel"):
         raise ValueError(f"compressed-tensors INT4 with strategy {strategy!r}")
     size = int(weights.get("group_size") or -1) if strategy == "group" else -1
-    return QuantFormat(INT4_W4A16, PACK_QUANTIZED, 4, size)
+    left = _ignored_kinds(cfg.get("ignore") or [])
+    return QuantFormat(INT4_W4A16, PACK_QUANTIZED, 4, size, unquantized=left)
+
+
+def _ignored_kinds(ignore: list[str]) -> frozenset[str]:
+    """The kinds of projections ``ignore`` leaves in the model dtype (the
+    LM head and a mixture's router are not among the kinds): a kind whose
+    every module it names, or "some <kind>"."""
+    left = set()
+    for kind, modules in _KIND_MODULES.items():
+        names = [p + m for p in _LAYER_PREFIXES for m in modules]
+        hits = sum(any(_ignores(entry, n) for entry in ignore) for n in names)
+        if hits == len(names):
+            left.add(kind)
+        elif hits:
+            left.add(f"some {kind}")
+    return frozenset(left)
+
+
+def _ignores(entry: str, name: str) -> bool:
+    """Whether an ``ignore`` entry names module ``name``, as compressed-
+    tensors matches them."""
+    if entry.startswith("re:"):
+        return re.match(entry[3:], name) is not None
+    return entry == name
+
+
+def for_model(quant: QuantFormat | None, kinds: set[str]) -> QuantFormat | None:
+    """``quant`` in a model whose projections are of ``kinds``: its
+    ``unquantized`` those of them the checkpoint leaves in the model dtype,
+    and ``experts_only`` where that is every kind but the routed experts."""
+    if quant is None:
+        return None
+    left = frozenset(k for k in quant.unquantized if k.removeprefix("some ") in kinds)
+    experts_only = (
+        bool(left) and ROUTED_EXPERTS in kinds and left == (kinds - {ROUTED_EXPERTS})
+    )
+    return dataclasses.replace(quant, unquantized=left, experts_only=experts_only)
 
 
 def _compressed_tensors_fp8(cfg: dict, weights: dict, acts: dict | None):

@@ -121,15 +121,17 @@ def quantized_layer(lw: LayerWeights, spec: ModelSpec) -> LayerWeights:
     128 blocks (``quant.quantize_blocks``) or groups (INT4 W4A16,
     ``quant.quantize_int4``) quantized, a mixture's experts each alike
     (the router left in the model dtype), the dense fields their
-    dequantization (what reference mode reads)."""
+    dequantization (what reference mode reads). ``experts_only``: the
+    routed experts alone."""
     group = spec.quant.group_size
+    experts_only = spec.quant.experts_only
     formats = {FP8_W8A8: quantize_rows, FP8_BLOCK: quantize_blocks,
                INT4_W4A16: lambda w: quantize_int4(w, group)}  # fmt: skip
     if spec.quant.name not in formats:
         raise ValueError(f"random {spec.quant.name} weights")
     quantize = formats[spec.quant.name]
     mla = lw.mla
-    if mla is not None:
+    if mla is not None and not experts_only:
         if spec.quant.name == INT4_W4A16:
             raise ValueError("random INT4 weights: no latent attention")
         # q_a and kv_a: views of one fused layer's codes and scales, as vLLM
@@ -145,10 +147,12 @@ def quantized_layer(lw: LayerWeights, spec: ModelSpec) -> LayerWeights:
             kv_a=kv_a.dequantize(), q_b=q.q_b.dequantize(), quant=q,
         )  # fmt: skip
     names = [n for n in QUANT_LINEARS if getattr(lw, n) is not None]
-    codes = QuantLinears(
-        *(quantize(getattr(lw, n)) if n in names else None for n in QUANT_LINEARS)
-    )
-    dense = {n: getattr(codes, n).dequantize() for n in names}
+    codes, dense = None, {}
+    if not experts_only:
+        codes = QuantLinears(
+            *(quantize(getattr(lw, n)) if n in names else None for n in QUANT_LINEARS)
+        )
+        dense = {n: getattr(codes, n).dequantize() for n in names}
     moe = lw.moe
     if moe is not None:
 
@@ -158,7 +162,7 @@ def quantized_layer(lw: LayerWeights, spec: ModelSpec) -> LayerWeights:
                                  torch.stack([q.scale for q in each]))  # fmt: skip
 
         shared = {}
-        if moe.shared_gate_up is not None:
+        if moe.shared_gate_up is not None and not experts_only:
             shared = {n: quantize(getattr(moe, n))
                       for n in ("shared_gate_up", "shared_down")}  # fmt: skip
         e = QuantExperts(stacked(moe.w13), stacked(moe.w2), **shared)

@@ -180,6 +180,8 @@ class DecodeWeights:
         fp8 = spec.quant is not None and spec.quant.name in (FP8_W8A8, FP8_BLOCK)
         int4 = spec.quant is not None and spec.quant.name == INT4_W4A16
         read = fp8_codes if fp8 else lambda m, dims: pack_int4(int4_linear(m, dims))
+        # (Routed experts only: attention and dense MLPs in the model dtype.)
+        codes_of_layers = (fp8 or int4) and not spec.quant.experts_only
         layers = []
         for i, layer in enumerate(stage_layers(model)):
             attn = layer.self_attn
@@ -193,7 +195,7 @@ class DecodeWeights:
             if not sparse:
                 modules |= {"gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
             codes = None
-            if fp8 or int4:
+            if codes_of_layers:
                 # Read once: the kernel's operands, and reference mode's dense
                 # weights their dequantization (what linear_weight reads).
                 codes = QuantLinears(

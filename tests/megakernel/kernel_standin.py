@@ -265,8 +265,14 @@ class KernelStandIn:
         def at(slot, shape, present=True):
             return self._weight(row[slot], f"layer {i} {slot.name}", shape, present)
 
-        if s.quant is not None:
+        if s.quant is not None and not s.quant.experts_only:
             return self._quant_layer(i, row)
+        moe = None
+        if sparse and s.quant is not None:  # the routed experts alone are codes
+            moe = self._moe(i, row, dense=False, bf16_shared=True)
+            moe = self._quant_moe(i, row, moe, shared=False)
+        elif sparse:
+            moe = self._moe(i, row)
         return LayerWeights(
             input_norm=at(LayerSlot.INPUT_NORM, (h,)),
             qkv=at(LayerSlot.QKV, (qkv_rows, h), gqa),
@@ -277,9 +283,59 @@ class KernelStandIn:
             post_norm=at(LayerSlot.POST_NORM, (h,)),
             gate_up=at(LayerSlot.GATE_UP, (2 * inter, h), not sparse),
             down=at(LayerSlot.DOWN, (h, inter), not sparse),
-            moe=self._moe(i, row) if sparse else None,
+            moe=moe,
             mla=None if gqa else self._mla(i, row),
         )
+
+    def _codes(self, i: int, row):
+        """A reader of row ``row``'s quantized weights: ``read(codes,
+        scales, n, k, lead=())`` gives the codes at column ``codes`` and
+        their scales at ``scales`` (FP8's e4m3 ``[N, K]`` and fp32 a row or
+        128 x 128 block; INT4's packed bytes ``[N, K / 2]`` and bf16 a row
+        and group)."""
+        s = self.program.spec
+        blocks = s.quant.name == FP8_BLOCK  # a scale a 128 x 128 block
+
+        def at(slot, shape, dtype):
+            return self._weight(row[slot], f"layer {i} {slot.name}", shape, True,
+                                dtype)  # fmt: skip
+
+        def read(codes, scales, n, k, lead=()):
+            if s.quant.name == INT4_W4A16:
+                group = s.quant.group_size
+                return PackedInt4(at(codes, (*lead, n, k // 2), torch.uint8),
+                                  at(scales, (*lead, n, k // group), BF16))  # fmt: skip
+            grid = (-(-n // 128), -(-k // 128)) if blocks else (n,)
+            return Fp8Weight(at(codes, (*lead, n, k), torch.float8_e4m3fn),
+                             at(scales, (*lead, *grid), FP32))  # fmt: skip
+
+        return read
+
+    def _quant_moe(self, i: int, row, moe: MoeWeights, shared: bool) -> MoeWeights:
+        """``moe`` with its experts' codes and scales where the bf16 experts
+        would be (W13, W2) and in W13_SCALE / W2_SCALE; ``shared``: the
+        shared expert's too (SHARED_*_SCALE)."""
+        s, fp8 = self.program.spec, self._codes(i, row)
+        h = s.hidden_size
+        e, ei = s.moe.num_experts, s.moe.expert_intermediate
+        si = s.moe.shared_intermediate
+        codes = {}
+        if si and shared:
+            codes = dict(
+                shared_gate_up=fp8(LayerSlot.SHARED_GATE_UP,
+                                   LayerSlot.SHARED_GATE_UP_SCALE, 2 * si, h),
+                shared_down=fp8(LayerSlot.SHARED_DOWN,
+                                LayerSlot.SHARED_DOWN_SCALE, h, si),
+            )  # fmt: skip
+        experts = QuantExperts(
+            w13=fp8(LayerSlot.W13, LayerSlot.W13_SCALE, 2 * ei, h, (e,)),
+            w2=fp8(LayerSlot.W2, LayerSlot.W2_SCALE, h, ei, (e,)),
+            **codes,
+        )
+        return dataclasses.replace(
+            moe, w13=experts.w13.dequantize(), w2=experts.w2.dequantize(),
+            quant=experts, **{n: w.dequantize() for n, w in codes.items()},
+        )  # fmt: skip
 
     def _quant_layer(self, i: int, row) -> LayerWeights:
         """A quantized layer (``KernelShape.quantized``): each linear
@@ -291,23 +347,13 @@ class KernelStandIn:
         h, inter, d = s.hidden_size, s.intermediate_size, s.head_dim
         qkv_rows = s.q_size + 2 * s.kv_size
 
-        def at(slot, shape, present=True, dtype=BF16):
-            return self._weight(row[slot], f"layer {i} {slot.name}", shape, present,
-                                dtype)  # fmt: skip
+        def at(slot, shape, present=True):
+            return self._weight(row[slot], f"layer {i} {slot.name}", shape, present)
 
-        blocks = s.quant.name == FP8_BLOCK  # a scale a 128 x 128 block
         sparse = s.moe is not None and s.moe.sparse_layers[i]
         gqa = s.mla is None
         o_cols = s.q_size if gqa else s.mla.num_heads * s.mla.v_head_dim
-
-        def fp8(codes, scales, n, k, lead=()):
-            if s.quant.name == INT4_W4A16:
-                group = s.quant.group_size
-                return PackedInt4(at(codes, (*lead, n, k // 2), dtype=torch.uint8),
-                                  at(scales, (*lead, n, k // group)))  # fmt: skip
-            grid = (-(-n // 128), -(-k // 128)) if blocks else (n,)
-            return Fp8Weight(at(codes, (*lead, n, k), dtype=torch.float8_e4m3fn),
-                             at(scales, (*lead, *grid), dtype=FP32))  # fmt: skip
+        fp8 = self._codes(i, row)
 
         f = QuantLinears(
             qkv=fp8(LayerSlot.QKV, LayerSlot.QKV_SCALE, qkv_rows, h) if gqa else None,
@@ -319,28 +365,7 @@ class KernelStandIn:
         )  # fmt: skip
         moe = None
         if sparse:
-            # The experts' codes and scales where the bf16 experts would be
-            # (W13, W2) and in W13_SCALE / W2_SCALE.
-            e, ei = s.moe.num_experts, s.moe.expert_intermediate
-            si = s.moe.shared_intermediate
-            shared = {}
-            if si:
-                shared = dict(
-                    shared_gate_up=fp8(LayerSlot.SHARED_GATE_UP,
-                                       LayerSlot.SHARED_GATE_UP_SCALE, 2 * si, h),
-                    shared_down=fp8(LayerSlot.SHARED_DOWN,
-                                    LayerSlot.SHARED_DOWN_SCALE, h, si),
-                )  # fmt: skip
-            experts = QuantExperts(
-                w13=fp8(LayerSlot.W13, LayerSlot.W13_SCALE, 2 * ei, h, (e,)),
-                w2=fp8(LayerSlot.W2, LayerSlot.W2_SCALE, h, ei, (e,)),
-                **shared,
-            )
-            moe = dataclasses.replace(
-                self._moe(i, row, dense=False), w13=experts.w13.dequantize(),
-                w2=experts.w2.dequantize(), quant=experts,
-                **{n: w.dequantize() for n, w in shared.items()},
-            )  # fmt: skip
+            moe = self._quant_moe(i, row, self._moe(i, row, dense=False), shared=True)
         mla = None
         if not gqa:
             # q_a, kv_a and q_b's codes and scales (FP8); kv_b in bf16.
@@ -373,10 +398,14 @@ class KernelStandIn:
             quant=f,
         )
 
-    def _moe(self, i: int, row, dense: bool = True) -> MoeWeights:
+    def _moe(
+        self, i: int, row, dense: bool = True, bf16_shared: bool | None = None
+    ) -> MoeWeights:
         """A sparse layer's mixture (the correction bias: the launcher's
         fp32 copy, as TOPK reads it); ``dense=False``: its experts are
-        codes (``_quant_layer`` reads them)."""
+        codes (``_quant_moe`` reads them), and unless ``bf16_shared`` its
+        shared expert too."""
+        shared_bf16 = dense if bf16_shared is None else bf16_shared
         moe, h = self.program.spec.moe, self.program.spec.hidden_size
         e, inter = moe.num_experts, moe.expert_intermediate
         shared = moe.shared_intermediate
@@ -393,9 +422,9 @@ class KernelStandIn:
             w13=at(LayerSlot.W13, (e, 2 * inter, h)) if dense else None,
             w2=at(LayerSlot.W2, (e, h, inter)) if dense else None,
             shared_gate_up=at(LayerSlot.SHARED_GATE_UP, (2 * shared, h), shared > 0)
-            if dense else None,
+            if shared_bf16 else None,
             shared_down=at(LayerSlot.SHARED_DOWN, (h, shared), shared > 0)
-            if dense else None,
+            if shared_bf16 else None,
         )  # fmt: skip
 
     def _mla(self, i: int, row, dense: bool = True) -> MlaWeights:

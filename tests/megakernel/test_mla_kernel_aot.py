@@ -62,7 +62,16 @@ from vllm_ext.megakernel.plan import spec_or_exit
 from vllm_ext.megakernel.planner import plan
 from vllm_ext.megakernel.variants import KERNEL
 from vllm_ext.model_spec import ModelSpec
-from vllm_ext.quant import FP8_BLOCK, PER_TOKEN_GROUP, QuantFormat
+from vllm_ext.quant import (
+    ATTENTION,
+    DENSE_MLP,
+    FP8_BLOCK,
+    INT4_W4A16,
+    PACK_QUANTIZED,
+    PER_TOKEN_GROUP,
+    SHARED_EXPERTS,
+    QuantFormat,
+)
 from vllm_ext.reference import ReferenceExecutor
 from vllm_ext.testing import (
     BLOCK_SIZE,
@@ -413,4 +422,69 @@ def test_fp8_latent_attention_compiles_clean(batch, arch, tmp_path):
     check_sass(built)
     assert built.e4m3_converts > 0
     print(f"fp8 mla b{batch} {arch}: {built.registers} at launch, "
+          f"{built.max_register} used")  # fmt: skip
+
+
+# Kimi-K2-Thinking's format: INT4 in groups of 32, the routed experts alone.
+INT4_EXPERTS = QuantFormat(
+    INT4_W4A16, PACK_QUANTIZED, 4, 32,
+    unquantized=frozenset({ATTENTION, DENSE_MLP, SHARED_EXPERTS}), experts_only=True,
+)  # fmt: skip
+
+
+def test_int4_experts_beside_bf16_latent_attention():
+    """Kimi-K2-Thinking's layout on the DeepSeek-V3 demo (a dense layer,
+    then a mixture with a shared expert): the table holds the routed
+    experts' packed codes in W13 / W2 and their scales in W13_SCALE /
+    W2_SCALE; the latent attention's, the dense MLP's and the shared
+    expert's weights are bf16, with no scale; the stand-in reads the
+    experts' codes only, and a step of 3 requests in a bucket of 4 equals
+    reference mode's."""
+    spec = dataclasses.replace(mla_spec(torch.bfloat16, 96), quant=INT4_EXPERTS)
+    weights = random_weights(spec, seed=1)
+    program = plan(spec, 4, SMALL, with_lm_head=True)
+    standin = KernelStandIn(program, weights)
+    ex = KernelExecutor(program, weights, standin, block_size=BLOCK_SIZE,
+                        max_blocks=4)  # fmt: skip
+    shape = ex.shape
+    assert shape.mla and shape.quantized and not shape.dense_quantized
+    assert shape.int4_group == 32 and ex.ptrs_host.shape[1] == QUANT_MOE_SLOTS
+    for i, lw in enumerate(weights.layers):
+        row = ex.ptrs_host[i]
+        assert lw.quant is None and lw.mla.quant is None
+        assert row[LayerSlot.MLA_Q_B] == lw.mla.q_b.data_ptr()
+        assert not row[LayerSlot.MLA_Q_A_SCALE : LayerSlot.MLA_Q_B_SCALE + 1].any()
+        if lw.moe is not None:
+            e = lw.moe.quant
+            assert e.shared_gate_up is None and e.w13.codes.dtype == torch.uint8
+            assert row[LayerSlot.W13] == e.w13.codes.data_ptr()
+            assert row[LayerSlot.W2_SCALE] == e.w2.scale.data_ptr()
+            assert row[LayerSlot.SHARED_DOWN] == lw.moe.shared_down.data_ptr()
+            assert not row[LayerSlot.SHARED_GATE_UP_SCALE]
+    inputs = random_decode_inputs(spec, 3, seed=5)
+    ref_inputs = dataclasses.replace(
+        inputs, kv_caches=tuple(c.clone() for c in inputs.kv_caches)
+    )
+    register_executor(standin, ex, inputs.kv_caches)
+    for lw in weights.layers:  # (a table entry pointing at one fails)
+        if lw.moe is not None:
+            for t in (lw.moe.w13, lw.moe.w2):
+                standin.tensors.pop(t.data_ptr(), None)
+    got = ex.step(inputs)
+    want = ReferenceExecutor(spec, weights).step(ref_inputs)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=0, atol=0.0625)
+
+
+def test_int4_experts_beside_bf16_latent_attention_compile_clean(tmp_path):
+    """The same on Blackwell at 4 requests: the experts' INT4 GEMV on CUDA
+    cores beside the bf16 latent attention, clean SASS within the register
+    share. (Real shapes, Kimi-K2-Thinking: scripts/compile_grid.py.)"""
+    spec = dataclasses.replace(mla_spec(torch.bfloat16, 96), quant=INT4_EXPERTS)
+    shape = KernelShape.from_program(plan(spec, 4, H200, with_lm_head=True),
+                                     BLOCK_SIZE)  # fmt: skip
+    assert shape.mla and shape.experts_only and ring_slots(shape) > 0
+    built = build("sm_100a", tmp_path, shape)
+    check_sass(built)
+    print(f"int4 experts mla b4 sm_100a: {built.registers} at launch, "
           f"{built.max_register} used")  # fmt: skip

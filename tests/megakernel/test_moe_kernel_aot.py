@@ -53,6 +53,8 @@ from vllm_ext.megakernel.planner import plan
 from vllm_ext.megakernel.variants import KERNEL
 from vllm_ext.model_spec import ModelSpec
 from vllm_ext.quant import (
+    ATTENTION,
+    DENSE_MLP,
     FP8_BLOCK,
     FP8_W8A8,
     INT4_W4A16,
@@ -293,13 +295,16 @@ def test_a_swapped_table_entry_fails(slot):
 
 
 # FP8 128 x 128 blocks (Qwen3-30B-A3B-FP8's, DeepSeek-V3's format), FP8 per
-# channel (W8A8 per token) and INT4 W4A16 in groups of 32 (Kimi-K2-Thinking's
-# experts').
+# channel (W8A8 per token) and INT4 W4A16 in groups of 32, in every
+# projection and (Kimi-K2-Thinking's) in the routed experts only.
 QUANT_MOE = {
     "fp8-block": QuantFormat(FP8_BLOCK, "fp8", 8, 128, PER_TOKEN_GROUP),
     "fp8-channel": QuantFormat(FP8_W8A8, "compressed-tensors float-quantized", 8,
                                -1, PER_TOKEN),
     "int4": QuantFormat(INT4_W4A16, PACK_QUANTIZED, 4, 32),
+    "int4-experts": QuantFormat(INT4_W4A16, PACK_QUANTIZED, 4, 32,
+                                unquantized=frozenset({ATTENTION, DENSE_MLP}),
+                                experts_only=True),
 }  # fmt: skip
 
 
@@ -311,7 +316,9 @@ def test_quantized_mixture_through_the_table(fmt):
     outputs into for EXPERT_DOWN, and the slots' arrival counts, zero); the
     stand-in reads the codes only (no dense expert is registered), and a
     step of 3 requests in a bucket of 4 equals reference mode's (inputs
-    quantized as each GEMM takes them, weights dequantized)."""
+    quantized as each GEMM takes them, weights dequantized). With the
+    routed experts alone quantized, the rest of the table is a bf16
+    kernel's (no scale: the attention's and dense MLP's weights bf16)."""
     spec = dataclasses.replace(demo_spec("qwen3_moe"), quant=QUANT_MOE[fmt])
     weights = random_weights(spec, seed=1)
     program = plan(spec, 4, SMALL, with_lm_head=True)
@@ -322,13 +329,25 @@ def test_quantized_mixture_through_the_table(fmt):
     assert shape.moe and shape.quantized and ex.ptrs_host.shape[1] == QUANT_MOE_SLOTS
     sparse = spec.moe.sparse_layers.index(True)
     lw, row = weights.layers[sparse], ex.ptrs_host[sparse]
-    assert lw.quant.gate_up is None and row[LayerSlot.GATE_UP] == 0
+    assert row[LayerSlot.GATE_UP] == 0
+    experts_only = fmt == "int4-experts"
+    assert shape.dense_quantized != experts_only
+    if experts_only:
+        dense = spec.moe.sparse_layers.index(False)
+        assert weights.layers[dense].quant is None and lw.quant is None
+        for i, w in ((sparse, lw), (dense, weights.layers[dense])):
+            assert ex.ptrs_host[i, LayerSlot.QKV] == w.qkv.data_ptr()
+            assert w.qkv.dtype == torch.bfloat16
+            scales = ex.ptrs_host[i, LayerSlot.QKV_SCALE : LayerSlot.DOWN_SCALE + 1]
+            assert not scales.any()
+    else:
+        assert lw.quant.gate_up is None
     for slot, scale, w in (
         (LayerSlot.W13, LayerSlot.W13_SCALE, lw.moe.quant.w13),
         (LayerSlot.W2, LayerSlot.W2_SCALE, lw.moe.quant.w2),
     ):
         assert row[slot] == w.codes.data_ptr() and row[scale] == w.scale.data_ptr()
-    fp8 = fmt != "int4"
+    fp8 = fmt.startswith("fp8")
     assert (row[LayerSlot.XQ] != 0) == fp8 and (row[LayerSlot.ARRIVE] != 0) == fp8
     if fp8:
         assert not ex.ws["arrive"].any()

@@ -291,6 +291,8 @@ def save_program(path: Path, program, shape: KernelShape, full=None) -> None:
     def fields(spec) -> dict:
         out = dataclasses.asdict(spec)
         out.pop("dtype")  # the kernel runs bf16
+        if out["quant"] is not None:  # (torch.load takes no frozenset)
+            out["quant"]["unquantized"] = sorted(out["quant"]["unquantized"])
         return out
 
     meta = {"queues": table, "lengths": lengths, "batch": program.batch,

@@ -218,7 +218,8 @@ class Program:
                 return 0
             return self.cost(instr).weight_bytes
         lo, hi = instr.arg0, instr.arg1
-        return self.num_slots * self._linear_bytes(hi - lo, moe.expert_intermediate)
+        inter = moe.expert_intermediate
+        return self.num_slots * self._linear_bytes(hi - lo, inter, routed=True)
 
     @cached_property
     def _costs(self) -> dict[Instruction, Cost]:
@@ -233,11 +234,14 @@ class Program:
             c = self._costs[instr] = self._cost(instr)
         return c
 
-    def _linear_bytes(self, rows: int, cols: int) -> int:
-        """Bytes of ``rows`` x ``cols`` of a projection's weight: the model
-        dtype's, or a quantized checkpoint's with its scales."""
+    def _linear_bytes(self, rows: int, cols: int, routed: bool = False) -> int:
+        """Bytes of ``rows`` x ``cols`` of a projection's weight (``routed``:
+        a routed expert's): the model dtype's, or a quantized checkpoint's
+        with its scales (``experts_only``: the routed experts' only)."""
         e, quant = self.spec.dtype.itemsize, self.spec.quant
-        return rows * cols * e if quant is None else quant.weight_bytes(rows, cols, e)
+        if quant is None or (quant.experts_only and not routed):
+            return rows * cols * e
+        return quant.weight_bytes(rows, cols, e)
 
     def _cost(self, instr: Instruction) -> Cost:
         s, b = self.spec, self.batch
@@ -295,11 +299,12 @@ class Program:
         # expected occupancy).
         if instr.op == Op.EXPERT_UP and moe is not None:
             lo, hi = unpack_cols(instr.arg1)
-            w = self._linear_bytes(2 * (hi - lo), h) + h * e
+            routed = instr.arg0 != self.shared_slot
+            w = self._linear_bytes(2 * (hi - lo), h, routed) + h * e
             return Cost(w, b * h * e + b * (hi - lo) * e)
         if instr.op == Op.EXPERT_DOWN and moe is not None:
             inter, shared = moe.expert_intermediate, moe.shared_intermediate
-            w = self.num_slots * self._linear_bytes(hi - lo, inter)
+            w = self.num_slots * self._linear_bytes(hi - lo, inter, routed=True)
             if shared:
                 w += self._linear_bytes(hi - lo, shared)
             acts = b * (moe.top_k * inter + shared) * e

@@ -320,18 +320,19 @@ class KernelExecutor:
 
     def _quant_row(self, i: int, lw: LayerWeights) -> dict:
         """A quantized layer's codes and scales (shape.py's QKV_SCALE ..
-        ARRIVE); a sparse layer's experts' in place of its dense MLP's."""
-        f, ws = lw.quant, self.ws
+        ARRIVE); a sparse layer's experts' in place of its dense MLP's.
+        (``experts_only``: the experts', the rest as a bf16 kernel's.)"""
+        f, ws, dense = lw.quant, self.ws, self.shape.dense_quantized
         row = {}
         for slot, scale, w in (
             (LayerSlot.QKV, LayerSlot.QKV_SCALE, f.qkv),
             (LayerSlot.O_PROJ, LayerSlot.O_PROJ_SCALE, f.o_proj),
             (LayerSlot.GATE_UP, LayerSlot.GATE_UP_SCALE, f.gate_up),
             (LayerSlot.DOWN, LayerSlot.DOWN_SCALE, f.down),
-        ):
+        ) if dense else ():  # fmt: skip
             row[slot] = None if w is None else w.codes
             row[scale] = None if w is None else w.scale
-        if lw.mla is not None:
+        if lw.mla is not None and dense:
             m = lw.mla.quant
             row |= {
                 LayerSlot.MLA_Q_A: None if m.q_a is None else m.q_a.codes,
@@ -543,7 +544,11 @@ def _check_weights(w: DecodeWeights, shape: KernelShape) -> None:
     """bf16 weights, or (``shape.fp8``) FP8 W8A8 layers' codes and scales in
     the kernel's layout (``QuantLinears``) in place of the linear weights."""
     tensors = {"embed": w.embed, "final_norm": w.final_norm, "lm_head": w.lm_head}
-    linears = QUANT_LINEARS if shape.quantized else ()
+    linears = QUANT_LINEARS if shape.dense_quantized else ()
+    # (experts_only: the routed experts' codes, the rest bf16.)
+    codes = ("w13", "w2") if shape.quantized else ()
+    if shape.dense_quantized:
+        codes += ("shared_gate_up", "shared_down")
     for i, lw in enumerate(w.layers):
         if shape.quantized:
             _check_quant(i, lw, shape)
@@ -554,11 +559,11 @@ def _check_weights(w: DecodeWeights, shape: KernelShape) -> None:
         # (A quantized kernel reads codes in place of these: _check_quant.)
         if lw.moe is not None:
             for name in ("router", "w13", "w2", "shared_gate_up", "shared_down"):
-                if not (shape.quantized and name != "router"):
+                if name not in codes:
                     tensors[f"layer {i} moe.{name}"] = getattr(lw.moe, name)
         if lw.mla is not None:
             for name in ("q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "kv_b"):
-                if not (shape.quantized and name in ("q_a", "q_b", "kv_a")):
+                if not (shape.dense_quantized and name in ("q_a", "q_b", "kv_a")):
                     tensors[f"layer {i} mla.{name}"] = getattr(lw.mla, name)
     bad = [n for n, t in tensors.items() if t is not None and t.dtype != torch.bfloat16]
     if bad:
@@ -572,8 +577,9 @@ def _check_quant(i: int, lw: LayerWeights, shape: KernelShape) -> None:
     """A quantized kernel's operands: FP8's e4m3 codes ``[N, K]`` with fp32
     row (or block) scales; INT4's packed codes ``[N, K / 2]`` uint8 with
     bf16 group scales; a sparse layer's experts' ``[E, ...]`` in place of
-    its dense MLP's."""
-    if lw.quant is None:
+    its dense MLP's. (``experts_only``: the experts' only.)"""
+    dense = shape.dense_quantized
+    if dense and lw.quant is None:
         raise MegakernelError(
             f"megakernel: layer {i}: a quantized kernel reads the layer's codes "
             "and scales (LayerWeights.quant), and it has none"
@@ -581,8 +587,8 @@ def _check_quant(i: int, lw: LayerWeights, shape: KernelShape) -> None:
     h, q, inter = shape.hidden, shape.q_size, shape.intermediate
     dims = {"qkv": (q + 2 * shape.kv_heads * shape.head_dim, h), "o_proj": (h, q),
             "gate_up": (2 * inter, h), "down": (h, inter)}  # fmt: skip
-    operands = {name: (getattr(lw.quant, name), ()) for name in QUANT_LINEARS}
-    if lw.mla is not None:
+    operands = {name: (getattr(lw.quant, name), ()) for name in QUANT_LINEARS if dense}
+    if lw.mla is not None and dense:
         m = lw.mla.quant
         if m is None:
             raise MegakernelError(
@@ -590,7 +596,7 @@ def _check_quant(i: int, lw: LayerWeights, shape: KernelShape) -> None:
                 "attention's codes and scales (MlaWeights.quant), and it has none"
             )
         lora, lat = shape.q_lora_rank, shape.latent_width
-        del operands["qkv"]
+        operands.pop("qkv")
         dims |= {"q_a": (lora, h), "kv_a": (lat, h),
                  "q_b": (shape.mla_heads * shape.qk_head_dim, lora or h)}  # fmt: skip
         operands |= {"kv_a": (m.kv_a, ()), "q_b": (m.q_b, ())}
@@ -603,10 +609,11 @@ def _check_quant(i: int, lw: LayerWeights, shape: KernelShape) -> None:
                 "codes and scales (MoeWeights.quant), and the layer has none"
             )
         e, ei = shape.num_experts, shape.expert_intermediate
-        del operands["gate_up"], operands["down"]
+        operands.pop("gate_up", None)
+        operands.pop("down", None)
         dims |= {"w13": (2 * ei, h), "w2": (h, ei)}
         operands |= {"w13": (lw.moe.quant.w13, (e,)), "w2": (lw.moe.quant.w2, (e,))}
-        if shape.shared_intermediate:
+        if shape.shared_intermediate and dense:
             si = shape.shared_intermediate
             dims |= {"shared_gate_up": (2 * si, h), "shared_down": (h, si)}
             operands |= {"shared_gate_up": (lw.moe.quant.shared_gate_up, ()),

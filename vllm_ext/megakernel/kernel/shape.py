@@ -237,6 +237,13 @@ def quant_refusal(quant) -> str | None:
     or None), or None: its device functions are FP8 W8A8's, FP8 blocks' and
     INT4 W4A16's in groups of ``INT4_GROUPS`` (the one list the build CLI
     and the backend ask)."""
+    if quant is not None and quant.unquantized and not quant.experts_only:
+        return (
+            f"{quant.name} checkpoints leaving "
+            f"{', '.join(sorted(quant.unquantized))} in the model dtype: the "
+            "kernel's quantized projections are all of a model's or its routed "
+            "experts' only"
+        )
     if quant is None or quant.name in (FP8_W8A8, FP8_BLOCK):
         return None
     if quant.name == INT4_W4A16 and quant.group_size in INT4_GROUPS:
@@ -350,6 +357,10 @@ class KernelShape:
     # scales along k. QKV, O_PROJ, GATE_UP and DOWN read 4-bit codes (two a
     # byte) on tensor cores at every batch (gemv_int4.py).
     int4_group: int = 0
+    # With a format: the routed experts are the one kind quantized (Kimi-K2-
+    # Thinking's INT4 experts; quant.QuantFormat.experts_only): attention,
+    # dense MLPs and shared experts read bf16 as in a bf16 kernel.
+    experts_only: bool = False
     # Test only, never served: "" or one of PLANTED_BUGS, a deliberately
     # wrong kernel the GPU check must reject. Only the build CLI's
     # --plant-bug sets it (not from_program, not VLLM_MEGAKERNEL_VARIANTS).
@@ -449,23 +460,27 @@ class KernelShape:
         kind = "FP8" if self.fp8 else "INT4"
         if self.fp8 and self.int4_group:
             raise ValueError("a kernel's weights are FP8 or INT4, not both")
+        if self.experts_only and not (self.int4_group and self.moe):
+            # (FP8 checkpoints quantize every projection: quant.py.)
+            raise ValueError("experts_only: INT4 experts of a mixture")
         if self._variants() or self.tp_size > 1:
             raise ValueError(
                 f"{kind} weights run in the default kernel on one GPU only (no "
                 f"{kind} tensor parallel device functions yet)"
             )
-        if self.mla and not self.fp8:
+        mla = self.mla and self.dense_quantized
+        if mla and not self.fp8:
             raise ValueError(
                 "INT4 weights: latent attention's quantized device functions "
                 "are FP8's only"
             )
-        if self.mla and self.q_lora_rank % FP8_GROUP:
+        if mla and self.q_lora_rank % FP8_GROUP:
             raise ValueError(
                 f"q_lora_rank {self.q_lora_rank}: FP8 latent attention's q_a "
                 f"and kv_a share a fused layer's blocks at {FP8_GROUP} rows"
             )
         q_width = self.q_lora_rank or self.hidden
-        if self.mla and self.batch * q_width * 2 > STAGE_BYTES:
+        if mla and self.batch * q_width * 2 > STAGE_BYTES:
             # (MLA_Q quantizes q_b's input in its stage: ops/mla_q.py.)
             raise ValueError(
                 f"batch {self.batch}: FP8 latent attention stages q_b's "
@@ -485,7 +500,13 @@ class KernelShape:
             )
         widths = (self.hidden, self.q_heads * self.head_dim, self.intermediate)
         group = FP8_GROUP if self.fp8_block else self.int4_group
-        for name in ("expert_intermediate", "shared_intermediate"):
+        experts = ("expert_intermediate",)
+        if self.dense_quantized:
+            experts += ("shared_intermediate",)
+        elif self.hidden % group:
+            raise ValueError(f"hidden {self.hidden}: {kind} experts' inputs are "
+                             f"whole groups of {group}")  # fmt: skip
+        for name in experts:
             if group and getattr(self, name) % group:
                 raise ValueError(
                     f"{name} {getattr(self, name)}: {kind} experts' widths are "
@@ -496,7 +517,7 @@ class KernelShape:
             multiple = FP8_GROUP
         elif self.int4_group:
             multiple = INT4_K_BLOCK
-        if any(k % multiple for k in widths):
+        if self.dense_quantized and any(k % multiple for k in widths):
             raise ValueError(
                 f"{kind} GEMV widths {widths}: multiples of {multiple} (the k per "
                 "lane quad; with FP8 blocks, their k groups)"
@@ -504,8 +525,15 @@ class KernelShape:
 
     @property
     def quantized(self) -> bool:
-        """QKV, O_PROJ, GATE_UP and DOWN read codes with scales (FP8, INT4)."""
+        """The routed experts (and unless ``experts_only`` every other
+        projection but the LM head) read codes with scales (FP8, INT4)."""
         return self.fp8 or self.int4_group > 0
+
+    @property
+    def dense_quantized(self) -> bool:
+        """QKV, O_PROJ, GATE_UP and DOWN, a latent attention's projections
+        and a shared expert read codes with scales."""
+        return self.quantized and not self.experts_only
 
     @property
     def xact_groups(self) -> int:
@@ -699,6 +727,7 @@ class KernelShape:
             fp8=fp8,
             fp8_block=fp8 and s.quant.name == FP8_BLOCK,
             int4_group=s.quant.group_size if int4 else 0,
+            experts_only=s.quant is not None and s.quant.experts_only,
             **gqa,
             **moe,
             **mla,

@@ -282,7 +282,7 @@ def _shared(s: cutlass.Constexpr, ptrs, layer, col, b0, acc, lane,
     shape: KernelShape = s
     si = shape.shared_intermediate
     group = acc.shape[0]
-    if cutlass.const_expr(shape.quantized):
+    if cutlass.const_expr(shape.dense_quantized):
         dot = cute.make_rmem_tensor((group,), Float32)
         dot.fill(0.0)
         _qdots(shape, ptrs, layer, ptrs[layer, LayerSlot.SHARED_DOWN],

@@ -243,7 +243,7 @@ def _shared(s: cutlass.Constexpr, ptrs, layer, slot, lo, hi, rstd, x_stage, x_sc
     outputs for EXPERT_DOWN, ``quantize_slot``)."""
     shape: KernelShape = s
     b = shape.batch
-    if cutlass.const_expr(shape.quantized):
+    if cutlass.const_expr(shape.dense_quantized):
         gate, up, gate_s, up_s = shared_w13(shape, ptrs, layer)
         _quant_up(shape, ptrs, layer, slot, gate, up, gate_s, up_s, None, b, lo, hi,
                   rstd, x_stage, x_scales)  # fmt: skip

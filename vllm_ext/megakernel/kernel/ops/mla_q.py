@@ -131,7 +131,7 @@ def mla_q(
     # (per token, or per group of 128) with its scales past q_buf
     # (``q_scale_floats``); shape.py has every quantized batch stage it.
     codes = ws = qs = None
-    if cutlass.const_expr(shape.quantized):
+    if cutlass.const_expr(shape.dense_quantized):
         codes = gmem(Uint8, ptrs[layer, LayerSlot.MLA_Q_B], (heads * d, k))
         ws = weight_scales(shape, ptrs[layer, LayerSlot.MLA_Q_B_SCALE], heads * d, k)
         groups = input_groups(k, shape.fp8_block)
@@ -141,7 +141,7 @@ def mla_q(
         consumer_sync()
     for head in cutlass.range(lo, hi):
         first = head * d
-        if cutlass.const_expr(shape.quantized):
+        if cutlass.const_expr(shape.dense_quantized):
             qgemv(shape, codes, codes, q_stage, qs, ws, ws, first, first + d,
                   _store_q(q_buf, first), False)  # fmt: skip
         else:

@@ -35,7 +35,7 @@ def _store(out: cute.Tensor, offset):
 def mla_qkv_a(s: cutlass.Constexpr, ptrs: cute.Tensor, layer, lo, hi, rstd, x_stage,
               x_scales):  # fmt: skip
     shape: KernelShape = s
-    if cutlass.const_expr(shape.quantized):
+    if cutlass.const_expr(shape.dense_quantized):
         _quantized(shape, ptrs, layer, lo, hi, rstd, x_stage, x_scales)
     else:
         _bf16(shape, ptrs, layer, lo, hi, rstd, x_stage)

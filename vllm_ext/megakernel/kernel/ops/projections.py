@@ -57,7 +57,7 @@ def _residual_projection(
             dst[i, row] = y.to(BFloat16)
 
     wscale = None
-    if cutlass.const_expr(shape.quantized):
+    if cutlass.const_expr(shape.dense_quantized):
         wscale = weight_scales(shape, ptrs[layer, scale], h, k)
     _plain_gemv(shape, w, xs, rstd, lo, hi, epilogue, w_stage, op, wscale)
 
@@ -122,7 +122,7 @@ def gate_up(
 
     if cutlass.const_expr(reads_pages(w_stage, Op.GATE_UP)):
         ws, ws2 = None, None
-        if cutlass.const_expr(shape.quantized):
+        if cutlass.const_expr(shape.dense_quantized):
             scales = ptrs[layer, LayerSlot.GATE_UP_SCALE]
             ws = weight_scales(shape, scales, inter, h)
             # The up rows' scales (bytes; with blocks, whole blocks of gate;

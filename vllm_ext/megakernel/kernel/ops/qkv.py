@@ -123,7 +123,7 @@ def qkv(
     if cutlass.const_expr(stages_input(shape)):
         stage_normed(x, norm, rstd, x_stage)
     wscale = None
-    if cutlass.const_expr(shape.quantized):
+    if cutlass.const_expr(shape.dense_quantized):
         wscale = weight_scales(shape, ptrs[layer, LayerSlot.QKV_SCALE], rows, h)
     if cutlass.const_expr(shape.fp8):
         if cutlass.const_expr(stages_input(shape)):

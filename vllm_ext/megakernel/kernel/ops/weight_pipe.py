@@ -165,7 +165,7 @@ def geometry(s: KernelShape) -> dict[Op, Tile]:
     else:
         # A row (pair) wider than a page: that opcode reads global memory.
         geo = {op: _row_tile(*t) for op, t in rows.items() if fits_page(t[0], t[1])}
-    if s.fp8 or s.int4_group:  # tensor cores at every batch; the LM head bf16
+    if s.dense_quantized:  # tensor cores at every batch; the LM head bf16
         for op in QUANT_OPS:
             geo[op] = _mma_tile(*rows[op], fp8=s.fp8, int4=bool(s.int4_group))
     return geo
@@ -199,8 +199,9 @@ def red_elems(shape: KernelShape) -> int:
     batch] for split rows; an FP8 kernel's inputs' scales after it
     (``gemv_mma.fp8_scale_floats``)."""
     scratch = 2 * NUM_WARPS * 2 * shape.batch
-    if shape.mma_gemv or shape.fp8 or shape.int4_group:
-        scratch = max(scratch, scratch_floats(shape.batch, bool(shape.int4_group)))
+    if shape.mma_gemv or shape.dense_quantized:
+        int4 = shape.dense_quantized and shape.int4_group > 0
+        scratch = max(scratch, scratch_floats(shape.batch, int4))
     fp8 = fp8_scale_floats(shape.batch, shape.fp8_groups) if shape.fp8 else 0
     return scratch + fp8
 
