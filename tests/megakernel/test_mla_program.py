@@ -4,7 +4,8 @@ Kimi-K2): planned, verified, interpreted bit for bit under every
 interleaving, equal to the plain forward (reference.mla_attention) within
 the stated tolerances, the latent rows it appends included; a missing
 dependency caught by the verifier; every weight counted once by the cost
-model; the batch-1 split of the real shapes.
+model; the batch-1 split of the real shapes; a verify step's latent cache
+bytes counted as the kernel's passes read them.
 
 The models: DeepSeek-V3's layout shrunk (4 heads, kv_lora_rank 512 and
 rope 64 as the real ones, nope/v 32), a q LoRA or one q_proj, two layers: a
@@ -16,10 +17,11 @@ import dataclasses
 import pytest
 import torch
 
+from vllm_ext.megakernel import planner
 from vllm_ext.megakernel.cost import DEVICES
 from vllm_ext.megakernel.interpret import ProgramExecutor, ProgramInterpreter
 from vllm_ext.megakernel.isa import Op
-from vllm_ext.megakernel.planner import mla_split, plan
+from vllm_ext.megakernel.planner import mla_passes, mla_split, plan
 from vllm_ext.megakernel.verify import VerificationError, verify
 from vllm_ext.model_spec import ModelSpec
 from vllm_ext.reference import ReferenceExecutor
@@ -244,3 +246,103 @@ def test_the_kernel_takes_mla_programs():
     program = plan(mla_spec(torch.bfloat16, layers=1), 1, DEVICE)
     shape = KernelShape.from_program(program, 16)
     assert shape.mla and shape.mla_groups == program.mla_head_groups
+
+
+@pytest.mark.parametrize("per_group", [1, 2, 4, 8, 16, 24, 32])
+@pytest.mark.parametrize("query_rows", [1, 2, 3, 4, 8])
+def test_mla_passes_are_the_kernels(per_group, query_rows):
+    """The cost model's passes over a request's latent rows
+    (``planner.mla_passes``) are the kernel's (kernel/ops/mla_attn.py): a
+    pass a tile of heads with a row a request, else the loop over the
+    request's rows x heads in passes of ``pass_tiles`` tiles; a request of
+    fewer rows (a ragged step's last) as many as its own rows need."""
+    from vllm_ext.megakernel.kernel.ops import mla_attn
+
+    assert planner.MLA_HEAD_ROWS == mla_attn.HEAD_ROWS
+    assert planner.MLA_PASS_TILES == mla_attn.PASS_TILES
+    if query_rows == 1:
+        assert mla_passes(per_group, 1, 1) == len(mla_attn.heads_per_tile(per_group))
+        return
+    m_rows = mla_attn.pass_tiles(per_group, query_rows) * mla_attn.HEAD_ROWS
+    for rows in range(1, query_rows + 1):
+        kernel = len(range(0, per_group * rows, m_rows))
+        assert mla_passes(per_group, rows, query_rows) == kernel
+
+
+def attn_cache_bytes(program) -> tuple[int, int]:
+    """(read at execution, hinted) bytes of every attention chunk's cache
+    rows in a step: its bytes at the program's context less those at none
+    (queries and partials do not depend on it)."""
+    ops = (Op.ATTN, Op.MLA_ATTN)
+    chunks = [i for _, _, i in program.in_global_order() if i.op in ops]
+    empty = dataclasses.replace(program, context=0)
+    late = sum(program.cost(i).other_bytes - empty.cost(i).other_bytes
+               for i in chunks)  # fmt: skip
+    early = sum(program.cost(i).early_bytes - empty.cost(i).early_bytes
+                for i in chunks)  # fmt: skip
+    return late, early
+
+
+# (config, query rows, the cache read at q rows of one request over one
+# row's): DeepSeek-V3's 16 heads a group fill a tile a row, two a pass;
+# Kimi-K2's 8 fill half a tile; Llama-3.2-1B's grouped-query ATTN reads a
+# request's cache once a row (plan() keeps query_rows 1).
+READS = [
+    ("deepseek-v3", 2, 1),
+    ("deepseek-v3", 3, 2),
+    ("deepseek-v3", 4, 2),
+    ("deepseek-v3", 8, 4),
+    ("kimi-k2", 4, 1),
+    ("kimi-k2", 8, 2),
+    ("llama-3.2-1b", 4, 4),
+]
+
+
+@pytest.mark.parametrize("config, query_rows, reads", READS)
+def test_a_verify_steps_rows_share_the_latent_cache_reads(
+    config, query_rows, reads, monkeypatch
+):
+    """One request of ``query_rows`` rows (batch 1 of a verify step):
+    without hints every byte is read at execution, as many times as the
+    kernel passes over the request's rows; with the real shapes' first
+    layer at 132 SMs. Two requests read twice one's; a ragged step's last
+    request of one row, a row's more."""
+    from vllm_ext.megakernel.plan import load_spec
+
+    monkeypatch.setattr(planner, "KV_HINT_BYTES", 0)
+    spec = load_spec(config, torch.bfloat16).with_layers(1)
+    device = DEVICES["h200"]
+    one = attn_cache_bytes(plan(spec, 1, device))
+    verify_step = plan(spec, query_rows, device, query_rows=query_rows)
+    assert verify_step.query_rows == (1 if spec.mla is None else query_rows)
+    assert one[0] > 0 and one[1] == 0
+    assert attn_cache_bytes(verify_step) == (reads * one[0], 0)
+    two = plan(spec, 2 * query_rows, device, query_rows=query_rows)
+    assert attn_cache_bytes(two) == (2 * reads * one[0], 0)
+    ragged = plan(spec, query_rows + 1, device, query_rows=query_rows)
+    assert attn_cache_bytes(ragged) == ((reads + 1) * one[0], 0)
+
+
+@pytest.mark.parametrize("query_rows", [2, 4])
+@pytest.mark.parametrize("context, within", [(1024, True), (16384, False)])
+def test_a_verify_steps_rows_spend_the_hint_budget(query_rows, context, within):
+    """The hints' walk meets a request's blocks once a row (kernel/ops/
+    kv_hint.py): DeepSeek-V3 at 1024 tokens a request (a sharer's slice of
+    a chunk 9 KiB a row) hints one request's rows as one row's; at 16384
+    (144 KiB, past the 96 KiB budget) the repeats leave a row's share of
+    the budget to new blocks, and the rest is read at execution."""
+    from vllm_ext.megakernel.plan import load_spec
+
+    spec = load_spec("deepseek-v3", torch.bfloat16).with_layers(1)
+    device = DEVICES["h200"]
+    one = plan(spec, 1, device)
+    rows = plan(spec, query_rows, device, query_rows=query_rows)
+    one, rows = (attn_cache_bytes(dataclasses.replace(p, context=context))
+                 for p in (one, rows))  # fmt: skip
+    if within:
+        assert rows[1] == one[1] > 0
+        # (DeepSeek-V3: two passes at 4 rows, the second over hinted rows.)
+        assert rows[0] == one[0] == 0
+    else:
+        assert rows[1] == one[1] // query_rows
+        assert rows[0] > mla_passes(16, query_rows, query_rows) * one[0]

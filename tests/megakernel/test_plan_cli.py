@@ -194,3 +194,52 @@ def test_verify_steps_plan_a_row_per_token():
     bad = run("--config", "llama-3.2-1b", "--batch", "1",
               "--tokens-per-request", str(MAX_QUERY_LEN + 1))  # fmt: skip
     assert bad.returncode == 2 and "--tokens-per-request" in bad.stderr
+
+
+def test_latent_verify_steps_plan_the_shared_pass(tmp_path):
+    """``--tokens-per-request`` 1 + k on a latent attention (DeepSeek-V3's
+    first two layers, both dense): the program of batch x (1 + k) rows is
+    built for 1 + k rows a request (MLA_ATTN's shared pass), and each k's
+    floor and predicted step are printed; the floor stays one step's."""
+    config = {**configs.load("deepseek-v3"), "num_hidden_layers": 2}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    out = {}
+    for tokens in (1, 2, 4):
+        result = run("--config", str(path), "--batch", "1", "--json",
+                     "--tokens-per-request", str(tokens))  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+        lines = result.stdout.split("{")[0]
+        assert "floor_us" in lines and "predicted_us" in lines
+        out[tokens] = json.loads(result.stdout.strip().splitlines()[-1])
+        assert out[tokens]["rows"] == out[tokens]["query_rows"] == tokens
+        assert 0 < out[tokens]["floor_us"] < out[tokens]["predicted_us"]
+    assert out[1]["floor_us"] == out[2]["floor_us"] == out[4]["floor_us"]
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_latent_verify_steps_interpret(tmp_path, tokens):
+    """``--interleavings`` with ``--tokens-per-request``: a latent
+    attention's verify step (two requests of ``tokens`` rows: the shared
+    pass reads the step's query map) interpreted under two interleavings,
+    bit for bit alike and close to the plain forward (a DeepSeek-V3 layout
+    shrunk to 4 heads, test_mla_program.py's)."""
+    from transformers import DeepseekV3Config
+
+    DeepseekV3Config(
+        architectures=["DeepseekV3ForCausalLM"], vocab_size=256, hidden_size=256,
+        intermediate_size=512, moe_intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512,
+        qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+        n_shared_experts=1, first_k_dense_replace=1, rms_norm_eps=1e-6,
+        max_position_embeddings=256, q_lora_rank=96,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ).to_json_file(tmp_path / "config.json")  # fmt: skip
+    result = run("--config", str(tmp_path / "config.json"), "--batch", "2",
+                 "--tokens-per-request", str(tokens), "--interleavings", "2",
+                 "--json")  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["rows"] == 2 * tokens and summary["query_rows"] == tokens
+    assert summary["interleavings_ok"] is True

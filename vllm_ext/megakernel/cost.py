@@ -57,6 +57,12 @@ A design tool, not a claim. Its assumptions, all here:
   its slice of the chunk's blocks, up to ``KV_HINT_BYTES``; the rows read
   at execution are the rest (``Cost.early_bytes``: what the SM hints).
   The controller's own time to walk the block table is not modelled.
+  A chunk's rows count as the kernel reads them: ATTN a request's once a
+  query row (a verify step's rows each their own); MLA_ATTN once a pass
+  over the request (``planner.mla_passes``: a row's pass, or in a verify
+  step's shared pass the request's rows and the group's heads together,
+  up to two tiles of 16 a pass). The walk meets a request's blocks once a
+  row, so a verify step's rows spend the hint budget on repeats.
 * The weight-read floor is all weight bytes at the full copy bandwidth.
 
 GPU measurements update ``DEVICES``. Its figures are predictions

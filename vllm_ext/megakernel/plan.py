@@ -2,11 +2,16 @@
 """Plan, verify and cost the megakernel program of a model.
 
     python -m vllm_ext.megakernel.plan --config CONFIG.json --batch B \\
-        --arch sm_90a [--device h100|h200|b200] [--json] [--interleavings N]
+        --arch sm_90a [--device h100|h200|b200] [--json] [--interleavings N] \\
+        [--tokens-per-request 1+k]
 
 ``--config`` takes a Hugging Face config.json (or the name of one in
-vllm_ext/configs). ``--interleavings N`` also runs the program through the
-reference interpreter on random weights under N random interleavings and
+vllm_ext/configs). ``--tokens-per-request`` plans a speculative verify step
+of k drafts: B x (1 + k) rows, a latent attention's rows of a request
+sharing its passes over the cache (``query_rows``); the floor and the
+predicted step printed are that step's. ``--interleavings N`` also runs the
+program through the reference interpreter on random weights under N random
+interleavings (on a verify step's inputs with ``--tokens-per-request``) and
 checks each against a plain PyTorch forward (and the interleavings against
 each other, bit for bit). With ``--json`` the last line is one JSON object.
 Exit codes: 0 verified (and interleavings agree), 1 not, 2 bad input.
@@ -76,18 +81,19 @@ def print_summary(result: dict, as_json: bool) -> None:
 
 
 def check_interleavings(
-    program, n: int, full_spec: ModelSpec, seed: int = 0
+    program, n: int, full_spec: ModelSpec, seed: int = 0, tokens: int = 1
 ) -> tuple[bool, float]:
     """Interpret ``program`` (shrunk to INTERPRET_LAYERS layers; with
     tensor parallel, every rank of it) on random weights under ``n``
-    interleavings; compare with ReferenceExecutor of ``full_spec`` (the
+    interleavings, on a verify step's inputs of ``tokens`` rows a request
+    (1: a decode step); compare with ReferenceExecutor of ``full_spec`` (the
     whole model). Returns (all bitwise-equal and close to the reference,
     max abs error)."""
     import dataclasses
 
     from vllm_ext.megakernel.interpret import RankSetInterpreter
     from vllm_ext.reference import ReferenceExecutor
-    from vllm_ext.testing import random_decode_inputs, random_weights
+    from vllm_ext.testing import random_verify_inputs, random_weights
 
     spec = dataclasses.replace(
         full_spec.with_layers(min(full_spec.num_layers, INTERPRET_LAYERS)),
@@ -95,8 +101,8 @@ def check_interleavings(
     )
     tp = program.spec.tp_size
     small = plan(shard_spec(spec, tp), program.batch, program.device,
-                 qkv_parts=program.qkv_parts,
-                 combine_parts=program.combine_parts)  # fmt: skip
+                 qkv_parts=program.qkv_parts, combine_parts=program.combine_parts,
+                 query_rows=program.query_rows)  # fmt: skip
     verify(small)
     weights = random_weights(spec, seed=seed)
     # Every rank (one, without tensor parallel) in one process, each on its
@@ -104,7 +110,7 @@ def check_interleavings(
     shards = [shard_weights(weights, spec, tp, r) for r in range(tp)]
     outs = []
     for k in range(n):
-        inputs = random_decode_inputs(spec, program.batch, seed=seed)
+        inputs = random_verify_inputs(spec, program.batch, tokens, seed=seed)
         ranks = [
             dataclasses.replace(
                 inputs, kv_caches=rank_caches(inputs.kv_caches, spec, tp, r)
@@ -112,8 +118,10 @@ def check_interleavings(
             for r in range(tp)
         ]
         outs.append(RankSetInterpreter(small, shards, seed=k).step(ranks)[0])
+    # (The plain forward appends every row's entry before it attends, each
+    # row over its own length: a verify step in one call.)
     expected = ReferenceExecutor(spec, weights).step(
-        random_decode_inputs(spec, program.batch, seed=seed)
+        random_verify_inputs(spec, program.batch, tokens, seed=seed)
     )
     same = all(torch.equal(outs[0], o) for o in outs[1:])
     err = float((outs[0].float() - expected.float()).abs().max())
@@ -195,8 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = args.batch * args.tokens_per_request
     t0 = time.perf_counter()
     try:
+        # (plan() keeps query_rows 1 without a latent attention: a
+        # grouped-query ATTN reads a request's cache once a row.)
         program = plan(spec, rows, device, with_lm_head=args.lm_head,
-                       qkv_parts=parts)  # fmt: skip
+                       qkv_parts=parts,
+                       query_rows=args.tokens_per_request)  # fmt: skip
     except ValueError as e:  # whole heads the model cannot take (planner.py)
         print(f"plan: {e}", file=sys.stderr)
         return 2
@@ -229,9 +240,12 @@ def main(argv: list[str] | None = None) -> int:
         "plan_s": round(plan_s, 3),
     }
     if spec.mla is not None:
-        # The latent attention's split (planner.mla_split).
+        # The latent attention's split (planner.mla_split) and the rows a
+        # request its MLA_ATTN passes over the cache together.
         result.update(
-            mla_head_groups=program.mla_head_groups, mla_v_parts=program.mla_v_parts
+            mla_head_groups=program.mla_head_groups,
+            mla_v_parts=program.mla_v_parts,
+            query_rows=program.query_rows,
         )
     if spec.moe is not None:
         # What a step of a mixture reads depends on the routing: each sparse
@@ -252,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
             weight_bytes_per_sm=[min(pred.sm_weight_bytes), max(pred.sm_weight_bytes)],
         )
     if args.interleavings and verified:
-        ok, err = check_interleavings(program, args.interleavings, full)
+        ok, err = check_interleavings(
+            program, args.interleavings, full, tokens=args.tokens_per_request
+        )
         result.update(interleavings_ok=ok, interleavings=args.interleavings)
         result["interleavings_max_abs_err"] = err
 

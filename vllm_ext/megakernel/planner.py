@@ -68,6 +68,12 @@ MAX_ATTN_CHUNKS = 16
 # (``Program.context``; plans do not depend on it: chunks are sized at run
 # time from each sequence's length).
 NOMINAL_CONTEXT = 1024
+# MLA_ATTN's M tile (a group's heads x a request's rows) and the tiles one
+# pass over a request's latent rows holds (kernel/ops/mla_attn.py's
+# HEAD_ROWS and PASS_TILES; a test keeps them equal, and this module free of
+# the kernel's imports).
+MLA_HEAD_ROWS = 16
+MLA_PASS_TILES = 2
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -115,8 +121,9 @@ class Program:
     # run's context where its prediction stands beside it.
     context: int = NOMINAL_CONTEXT
     # Query rows a request the latent attention is built for (1 + drafts of
-    # a verify step): above 1, MLA_ATTN reads a request's cache once for
-    # all its rows (the step's query map). 1 in a grouped-query program.
+    # a verify step): above 1, MLA_ATTN's passes over a request's cache
+    # serve all its rows (the step's query map; ``mla_passes``). 1 in a
+    # grouped-query program.
     query_rows: int = 1
 
     @property
@@ -333,12 +340,21 @@ class Program:
         if instr.op == Op.MLA_APPEND:
             return Cost(rank * e, 2 * b * mla.latent_width * e)
         if instr.op == Op.MLA_ATTN:
-            # The chunk's latent rows at the context, as ATTN's.
+            # A request's latent rows in the chunk at the context, as ATTN's,
+            # read once a pass (``mla_passes``): with a verify step's rows a
+            # request (the last request fewer), its rows share the passes.
             group = mla.num_heads // self.mla_head_groups
             tokens = math.ceil(self.context / self.attn_chunks)
-            rows = b * tokens * mla.latent_width * e
+            chunk = tokens * mla.latent_width * e
+            q = self.query_rows
+            requests, last = divmod(b, q)
+            passes = requests * mla_passes(group, q, q)
+            if last:
+                requests, passes = requests + 1, passes + mla_passes(group, last, q)
             queries = b * group * (rank + rope) * e
-            late, early = _hinted(rows, rows, self.mla_head_groups)
+            # (The hint walks rows, each over its request's blocks.)
+            late, early = _hinted(passes * chunk, requests * chunk,
+                                  self.mla_head_groups, b * chunk)  # fmt: skip
             return Cost(0, late + queries + b * group * (rank + 1) * 4, early)
         if instr.op == Op.MLA_COMBINE:
             cols = mla.v_head_dim // self.mla_v_parts
@@ -347,15 +363,36 @@ class Program:
         raise ValueError(f"no cost for {instr}")
 
 
-def _hinted(reads: int, blocks: int, sharers: int) -> tuple[int, int]:
+def _hinted(
+    reads: int, blocks: int, sharers: int, walked: int | None = None
+) -> tuple[int, int]:
     """An attention chunk that reads ``reads`` bytes of cache blocks of
     ``blocks`` bytes (all heads), shared by ``sharers`` SMs that each hint
     a slice of every block up to ``KV_HINT_BYTES`` (cost.py,
     kernel/ops/kv_hint.py): the bytes it still reads from HBM once its wait
-    is met, and those it hints."""
-    early = min(blocks // sharers, KV_HINT_BYTES)
+    is met, and those it hints. ``walked``: the block bytes the hints' walk
+    meets, repeats included (``blocks`` if None): it walks rows, so a
+    verify step's rows of one request meet its blocks once each and spend
+    the budget on repeats that read nothing more."""
+    walked = blocks if walked is None else walked
+    early = min(blocks // sharers, KV_HINT_BYTES * blocks // walked if walked else 0)
     covered = min(1.0, early * sharers / blocks) if blocks else 1.0
     return round(reads * (1 - covered)), early
+
+
+def mla_passes(per_group: int, rows: int, query_rows: int) -> int:
+    """MLA_ATTN's passes over a request's chunk of latent rows (each loads
+    every block of it once) for a group of ``per_group`` heads and ``rows``
+    rows of the request, in a program of ``query_rows`` (kernel/ops/
+    mla_attn.py): with a row a request, a pass a tile of heads; with a
+    verify step's shared pass, the rows x heads in tiles of
+    ``MLA_HEAD_ROWS``, up to ``MLA_PASS_TILES`` tiles a pass (DeepSeek-V3's
+    16 heads a group: one pass for 2 rows, two for 4; Kimi-K2's 8: one for
+    up to 4)."""
+    tiles = 1
+    if query_rows > 1:
+        tiles = min(math.ceil(per_group * query_rows / MLA_HEAD_ROWS), MLA_PASS_TILES)
+    return math.ceil(per_group * rows / (tiles * MLA_HEAD_ROWS))
 
 
 _MLA_OPS = (Op.MLA_QKV_A, Op.MLA_Q, Op.MLA_APPEND, Op.MLA_ATTN, Op.MLA_COMBINE)
