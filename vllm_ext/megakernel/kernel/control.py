@@ -94,6 +94,7 @@ class InstrRing:
     words: cute.Tensor  # [QUEUE_SLOTS, WORDS] int32
     ready: cute.Tensor  # [QUEUE_SLOTS] int64: queue_ready (the controller)
     empty: cute.Tensor  # [QUEUE_SLOTS] int64: queue_empty (consumer thread 0)
+    length: cute.Tensor  # [1] int32: the queue's length (the consumers' bound)
 
     @classmethod
     def allocate(cls, smem) -> InstrRing:
@@ -103,16 +104,19 @@ class InstrRing:
             ),
             smem.allocate_tensor(Int64, cute.make_layout(QUEUE_SLOTS), 8),
             smem.allocate_tensor(Int64, cute.make_layout(QUEUE_SLOTS), 8),
+            smem.allocate_tensor(Int32, cute.make_layout(1), 4),
         )
 
 
 def ring_bytes() -> list[int]:
-    return [4 * QUEUE_SLOTS * WORDS, 8 * QUEUE_SLOTS, 8 * QUEUE_SLOTS]
+    return [4 * QUEUE_SLOTS * WORDS, 8 * QUEUE_SLOTS, 8 * QUEUE_SLOTS, 4]
 
 
 @cute.jit
-def ring_init(r: cutlass.Constexpr):
-    """Thread 0, before the start-up CTA barrier: one arrival each."""
+def ring_init(r: cutlass.Constexpr, length):
+    """Thread 0, before the start-up CTA barrier: one arrival each, and the
+    queue's length."""
+    r.length[0] = length
     for i in cutlass.range_constexpr(QUEUE_SLOTS):
         cute.arch.mbarrier_init(r.ready.iterator + i, 1)
         cute.arch.mbarrier_init(r.empty.iterator + i, 1)

@@ -413,7 +413,7 @@ class Megakernel:
                 )  # fmt: skip
             ring = InstrRing.allocate(smem)
             if tidx == 0:
-                ring_init(ring)
+                ring_init(ring, lengths[sm])
                 if cutlass.const_expr(slots > 0):
                     pipe_init(pipe)
             # The one CTA-wide barrier: the mbarriers are initialised.
@@ -430,7 +430,7 @@ class Megakernel:
                                block_table_stride)  # fmt: skip
             else:
                 cute.arch.setmaxregister_increase(CONSUMER_REGS)
-                _consumer_loop(s, q, lengths[sm], args, scratch, pipe, ring)
+                _consumer_loop(s, q, args, scratch, pipe, ring)
 
 
 def rank_views(
@@ -492,16 +492,20 @@ class _Args:
 
 
 @cute.jit
-def _consumer_loop(s: cutlass.Constexpr, q: cutlass.Constexpr, length,
-                   a: cutlass.Constexpr, m: cutlass.Constexpr,
-                   pipe: cutlass.Constexpr, ring: cutlass.Constexpr):  # fmt: skip
+def _consumer_loop(s: cutlass.Constexpr, q: cutlass.Constexpr, a: cutlass.Constexpr,
+                   m: cutlass.Constexpr, pipe: cutlass.Constexpr,
+                   ring: cutlass.Constexpr):  # fmt: skip
     """The consumers: each instruction once the controller published it;
     ``page`` counts the weight pages of the instructions before it."""
     tidx, _, _ = cute.arch.thread_idx()
     paged = isinstance(pipe, Pipe)
     ins = cute.make_rmem_tensor((WORDS,), Int32)
     page = Int32(0)
-    for pc in cutlass.range(length):
+    pc = Int32(0)
+    # The bound is read from shared memory each pass: a register held
+    # across the ops was spilled where they fill the consumers' 224
+    # (Kimi-K2 FP8 at batch 4, sm_100a).
+    while pc < ring.length[0]:
         wait_instruction(s, ring, pc, ins, a.max_spins, a.sm, a.ptrs, a.glob)
         op, layer, a0, a1 = ins[0], ins[1], ins[2], ins[3]
         w_stage = pipe
@@ -516,6 +520,7 @@ def _consumer_loop(s: cutlass.Constexpr, q: cutlass.Constexpr, length,
             release_instruction(ring, pc)
         if cutlass.const_expr(paged):
             page = page + instr_pages(s, op, a0, a1)
+        pc = pc + 1
 
 
 @cute.jit
