@@ -43,7 +43,9 @@ like the dense cases (the references quantize the linears' inputs as the
 kernel does), its weight guard over the codes and scales the kernel reads;
 it is timed against the per-op step with vLLM's FP8 linears in torch
 (``per_op.FP8_BASELINE``: torch._scaled_mm, named apart: it opens no
-bucket) and the floor of its FP8 weight bytes. A quantized mixture (FP8
+bucket) and the floor of its FP8 weight bytes. FP8-block and INT4 cases
+likewise, against PyTorch's blockwise scaled GEMM and tinygemm
+(``per_op.QUANT_BASELINES``, named apart too). A quantized mixture (FP8
 blocks or INT4 routed experts) is checked the same way, its weight guard
 over the experts' codes and scales, FP8's ARRIVE counts zero after each
 step; it has no per-op MoE step (QUANT_MOE_BASELINE): correctness only.
@@ -76,7 +78,7 @@ import mla_per_op  # noqa: E402
 import torch  # noqa: E402
 from flashinfer_baseline import flashinfer_attend  # noqa: E402
 from flashinfer_mla import FlashInferMla, flashinfer_attention  # noqa: E402
-from per_op import FP8_BASELINE, per_op_step  # noqa: E402
+from per_op import QUANT_BASELINES, per_op_step  # noqa: E402
 
 from vllm_ext.megakernel.calibrate import (  # noqa: E402
     LATENCIES_US,
@@ -112,7 +114,7 @@ from vllm_ext.megakernel.planner import plan, qkv_parts_to_fill  # noqa: E402
 from vllm_ext.megakernel.variants import KERNEL  # noqa: E402
 from vllm_ext.megakernel.verify import stuck_heads  # noqa: E402
 from vllm_ext.model_spec import MlaSpec, ModelSpec, MoeSpec  # noqa: E402
-from vllm_ext.quant import FP8_W8A8, QuantFormat  # noqa: E402
+from vllm_ext.quant import QuantFormat  # noqa: E402
 from vllm_ext.runner import DecodeInputs  # noqa: E402
 from vllm_ext.testing import (  # noqa: E402
     BLOCK_SIZE,
@@ -197,9 +199,9 @@ VERIFY_BASELINE = "vllm-default-split-kv-rows-as-requests"
 # step and breakdown still timed, no per-op figure).
 QUANT_MOE_BASELINE = "none (quantized experts: no fair baseline without vLLM's kernels)"
 # The per-op steps whose figures the report's main table shows: vLLM's
-# default decode, and an FP8 case's (the same step, its linears by
-# torch._scaled_mm: named below the table).
-MAIN_TABLE_BASELINES = (FAIR_BASELINE, FP8_BASELINE)
+# default decode, and a quantized case's (the same step, its linears by
+# PyTorch's quantized GEMMs: named below the table).
+MAIN_TABLE_BASELINES = (FAIR_BASELINE, *QUANT_BASELINES.values())
 # Wall-clock budget of the whole check. The machine's start takes 1-2 of the
 # 15 lent minutes, so a call runs at most 6 minutes and a second one still
 # fits; what the deadline cuts is listed, and the report is written as each
@@ -1068,17 +1070,16 @@ def graphed(fn):
 
 def per_op_baseline(spec: ModelSpec) -> str | None:
     """The name of a decode case's per-op step: vLLM's default decode
-    (measured.FAIR_BASELINE), or for an FP8 W8A8 model the same step with
-    its linears by torch._scaled_mm (per_op.FP8_BASELINE), which stands for
-    vLLM's CUTLASS FP8 GEMMs without being them: it opens no bucket. None
-    for another format (FP8 blocks): per_op_step has no linears for it and
-    refuses it, which the timing reports as its per_op_error; and for a
+    (measured.FAIR_BASELINE), or for a quantized dense model the same step
+    with its linears by PyTorch's GEMM of its format (per_op.QUANT_BASELINES:
+    torch._scaled_mm, the blockwise F.scaled_mm, tinygemm), which stands for
+    vLLM's GEMMs without being them: it opens no bucket. None for a
     quantized mixture, timed with no per-op step (``per_op_moe``)."""
     if spec.quant is None:
         return FAIR_BASELINE
-    if spec.quant.name != FP8_W8A8 or spec.moe is not None:
+    if spec.moe is not None:
         return None
-    return FP8_BASELINE
+    return QUANT_BASELINES.get(spec.quant.name)
 
 
 def per_op_moe(spec: ModelSpec) -> str | None:
@@ -1737,17 +1738,18 @@ def markdown(report: dict) -> str:
     }
     lines += ["", f"per-op attention: {', '.join(sorted(attention)) or '-'}"]
     # A per-op figure in the main table against another step than vLLM's
-    # default decode (an FP8 case's) says so.
-    named = [
-        name
-        for name, c in report["cases"].items()
-        if isinstance(c.get("timing"), dict)
-        and c["timing"].get("per_op_baseline") == FP8_BASELINE
-    ]
-    if named:
-        lines.append(f"per-op step of {', '.join(named)}: {FP8_BASELINE} (vLLM's "
-                     "FP8 linears by torch._scaled_mm, not its CUTLASS GEMM; "
-                     "opens no bucket)")  # fmt: skip
+    # default decode (a quantized case's) says so.
+    for baseline in QUANT_BASELINES.values():
+        named = [
+            name
+            for name, c in report["cases"].items()
+            if isinstance(c.get("timing"), dict)
+            and c["timing"].get("per_op_baseline") == baseline
+        ]
+        if named:
+            lines.append(f"per-op step of {', '.join(named)}: {baseline} (vLLM's "
+                         "quantized linears by PyTorch's GEMM of the format, not "
+                         "vLLM's kernel; opens no bucket)")  # fmt: skip
     unmatched = [
         name
         for name, c in report["cases"].items()

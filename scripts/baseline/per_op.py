@@ -20,6 +20,19 @@ against vLLM on a GPU):
   and fast accumulation (``fp8_linear``): PyTorch's FP8 GEMM, not vLLM's
   CUTLASS one, so the step is named apart (``FP8_BASELINE``) and opens no
   bucket (``measured.FAIR_BASELINE``).
+- an FP8-block model's linears (``quant.FP8_BLOCK``: 128 x 128 weight
+  blocks, inputs per token in groups of 128): vLLM's
+  ``W8A8BlockFp8LinearOp``, the input quantized by its group quantization,
+  then CUTLASS's blockwise scaled GEMM on Hopper. Here: the same
+  quantization in torch (``quantize_per_token_group``), then PyTorch's
+  blockwise scaled GEMM (``F.scaled_mm`` with 1 x 128 and 128 x 128 scales:
+  cuBLASLt; ``fp8_block_linear``). Named apart (``FP8_BLOCK_BASELINE``).
+- an INT4 W4A16 model's linears (``quant.INT4_W4A16``): vLLM's Machete or
+  Marlin GEMM. Here: PyTorch's tinygemm (``torch._weight_int4pack_mm``:
+  bf16 activations, a weight ``(q - 8) * s`` with zero offsets 0, as
+  Marlin's; ``int4_linear``) on the codes packed once (``int4_operand``).
+  Named apart (``INT4_BASELINE``). Neither replacement is vLLM's kernel,
+  and neither has been timed against it.
 - the elementwise work between them (residual add + RMSNorm, QK-norm, RoPE
   with its cos/sin lookup, SiLU-mul): Inductor-fused kernels of the model
   compiled piecewise, split at attention. Here: the same pieces compiled by
@@ -66,7 +79,7 @@ import torch.nn.functional as F
 
 from vllm_ext.model_spec import ModelSpec
 from vllm_ext.paged_kv import write_kv
-from vllm_ext.quant import FP8_W8A8
+from vllm_ext.quant import BLOCK, FP8_BLOCK, FP8_W8A8, INT4_W4A16, PackedInt4
 from vllm_ext.reference import decode_attention, moe_mlp
 from vllm_ext.runner import DecodeInputs
 from vllm_ext.weights import QUANT_LINEARS, DecodeWeights, LayerWeights
@@ -79,13 +92,23 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 Mixture = Callable[[int, torch.Tensor], torch.Tensor]
 
 
-# What the GPU check names the per-op step of an FP8 W8A8 model (its linears
-# by ``fp8_linear``): not vLLM's CUTLASS GEMM, so not measured.FAIR_BASELINE.
+# What the GPU check names the per-op step of a quantized model (its linears
+# by PyTorch's quantized GEMMs): none is vLLM's kernel, so none is
+# measured.FAIR_BASELINE.
 FP8_BASELINE = "per-op-fp8-scaled-mm"
+FP8_BLOCK_BASELINE = "per-op-fp8-blockwise-scaled-mm"
+INT4_BASELINE = "per-op-int4-tinygemm"
+QUANT_BASELINES = {FP8_W8A8: FP8_BASELINE, FP8_BLOCK: FP8_BLOCK_BASELINE,
+                   INT4_W4A16: INT4_BASELINE}  # fmt: skip
+# tinygemm's k tiles a packed row is laid out in (torchao's default): K a
+# multiple of 16 times it.
+INT4_INNER_K_TILES = 8
 # A linear layer's weight as the pieces take it: a tensor in the model dtype
-# (``F.linear``), or an FP8 layer's (e4m3 codes [N, K], fp32 row scales [N])
-# pair (``fp8_linear``). Tensors, not an ``Fp8Weight``: the compiled pieces
-# take the weights as arguments, so one graph serves every layer.
+# (``F.linear``), or a quantized layer's pair: FP8's (e4m3 codes [N, K],
+# fp32 scales: [N] a row, ``fp8_linear``; [N / 128, K / 128] a block,
+# ``fp8_block_linear``), INT4's tinygemm operands (``int4_operand``).
+# Tensors, not an ``Fp8Weight``: the compiled pieces take the weights as
+# arguments, so one graph serves every layer.
 Weight = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
@@ -119,20 +142,101 @@ def fp8_linear(
                             use_fast_accum=True)  # fmt: skip
 
 
+def quantize_per_token_group(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] (K whole groups) quantized per token in groups of 128 as
+    vLLM's ``per_token_group_quant_fp8``: (codes [M, K], fp32 scales [M, K /
+    128]), each group's scale its amax / 448, at least 1 / (448 * 512), the
+    group divided by it. The codes times the scales are
+    ``quant.quantize_input``'s, bit for bit."""
+    fp8 = torch.float8_e4m3fn
+    top = torch.finfo(fp8).max
+    groups = x.view(x.shape[0], -1, BLOCK)
+    amax = groups.abs().amax(dim=-1, keepdim=True).float()
+    scale = (amax / top).clamp(min=1.0 / (top * 512.0))
+    codes = (groups / scale).clamp(-top, top).to(fp8)
+    return codes.view(x.shape), scale[..., 0]
+
+
+def fp8_block_linear(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """An FP8-block linear on ``x`` [M, K] (model dtype) as a GPU runs it:
+    ``x`` quantized per token in groups of 128, then one blockwise-scaled
+    FP8 GEMM (each K block's fp32 sums times the token group's and the
+    weight block's scales; cuBLASLt's layouts: the groups' scales outer-dim
+    major, the weight's ``[N / 128, K / 128]`` transposed), out in ``x``'s
+    dtype."""
+    q, s = quantize_per_token_group(x)
+    y = F.scaled_mm(q, codes.t(), s.t().contiguous().t(), F.ScalingType.BlockWise1x128,
+                    scale.t(), F.ScalingType.BlockWise128x128,
+                    output_dtype=x.dtype)  # fmt: skip
+    return y if bias is None else y + bias
+
+
+def int4_operand(w: PackedInt4) -> tuple[torch.Tensor, torch.Tensor]:
+    """tinygemm's operands of an INT4 layer's weight: its codes (the value
+    plus 8) packed by torch (on a GPU from bytes of two, the even code in the
+    high nibble; on a CPU, from the codes), and its scales beside zero
+    offsets, ``[K / group, N, 2]`` in the model dtype. Packed once, at
+    set-up: tinygemm's weight is then ``(q - 8) * s``, Marlin's."""
+    u = w.unpacked()
+    q, s = u.codes, u.scales
+    if q.is_cuda:
+        pairs = (q[:, 0::2] << 4 | q[:, 1::2]).contiguous()
+        packed = torch._convert_weight_to_int4pack(pairs, INT4_INNER_K_TILES)
+    else:
+        packed = torch._convert_weight_to_int4pack_for_cpu(
+            q.to(torch.int32), INT4_INNER_K_TILES
+        )
+    scales_zeros = torch.stack([s, torch.zeros_like(s)], -1).transpose(0, 1)
+    return packed, scales_zeros.contiguous()
+
+
+def int4_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_zeros: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """An INT4 W4A16 linear by tinygemm on ``int4_operand``'s operands (its
+    CPU kernel here), out in ``x``'s dtype."""
+    group = x.shape[-1] // scales_zeros.shape[0]
+    mm = torch._weight_int4pack_mm if x.is_cuda else torch._weight_int4pack_mm_for_cpu
+    y = mm(x, packed, group, scales_zeros)
+    return y if bias is None else y + bias
+
+
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None):
-    """``F.linear``, or ``fp8_linear`` for an FP8 layer's (codes, scale)."""
-    if isinstance(w, tuple):
-        return fp8_linear(x, *w, bias)
-    return F.linear(x, w, bias)
+    """``F.linear``, or a quantized layer's pair by its format's GEMM."""
+    if not isinstance(w, tuple):
+        return F.linear(x, w, bias)
+    if w[0].dtype != torch.float8_e4m3fn:
+        return int4_linear(x, *w, bias)
+    if w[1].dim() == 2:
+        return fp8_block_linear(x, *w, bias)
+    return fp8_linear(x, *w, bias)
 
 
 def operand(lw: LayerWeights, name: str) -> Weight:
     """Layer ``lw``'s linear weight ``name`` as its GEMM reads it: an FP8
-    layer's (codes, scale), else the dense tensor."""
-    if lw.quant is not None and name in QUANT_LINEARS:
-        f = getattr(lw.quant, name)
+    layer's (codes, scale), an INT4 layer's tinygemm operands (packed here:
+    once per layer at set-up, ``operands``), else the dense tensor."""
+    f = getattr(lw.quant, name, None) if name in QUANT_LINEARS else None
+    if isinstance(f, PackedInt4):
+        return int4_operand(f)
+    if f is not None:
         return f.codes, f.scale
     return getattr(lw, name)
+
+
+def operands(weights: DecodeWeights) -> Callable[[int, str], Weight | None]:
+    """``weight(i, name)``: layer i's ``operand`` ``name`` (a linear's),
+    each taken once."""
+    taken = [{n: operand(lw, n) for n in QUANT_LINEARS} for lw in weights.layers]
+    return lambda i, name: taken[i][name]
 
 
 def reference_mixture(spec: ModelSpec, weights: DecodeWeights) -> Mixture:
@@ -184,10 +288,12 @@ def per_op_step(
     out: the GEMMs and attention alone, a floor for any per-op decode (an
     FP8 model's per-token quantization stays: its GEMMs' operand).
 
-    An FP8 W8A8 model (``spec.quant``) runs its linears by ``fp8_linear``
-    on its layers' codes and scales (``LayerWeights.quant``; the dense fields,
-    their dequantization, are not read)."""
-    _check_fp8(spec, weights)
+    A quantized model (``spec.quant``: FP8 W8A8, FP8 blocks, INT4) runs its
+    linears by its format's GEMM (``linear``) on its layers' codes and scales
+    (``LayerWeights.quant``; the dense fields, their dequantization, are not
+    read)."""
+    _check_quant(spec, weights)
+    weight = operands(weights)
     dt, eps, d = spec.dtype, spec.rms_norm_eps, spec.head_dim
     nq, nkv, inter = spec.num_q_heads, spec.num_kv_heads, spec.intermediate_size
 
@@ -221,23 +327,24 @@ def per_op_step(
 
     def pre(i: int) -> tuple:
         lw = weights.layers[i]
-        return (lw.input_norm, operand(lw, "qkv"), lw.qkv_bias, lw.q_norm,
+        return (lw.input_norm, weight(i, "qkv"), lw.qkv_bias, lw.q_norm,
                 lw.k_norm)  # fmt: skip
 
     return piecewise_step(weights, inputs, attend, pre_attn, post_attn, norm, pre,
-                          compile_options, mixture)  # fmt: skip
+                          compile_options, mixture, weight)  # fmt: skip
 
 
-def _check_fp8(spec: ModelSpec, weights: DecodeWeights) -> None:
-    """A quantized model's step needs FP8 W8A8 codes and scales in every
-    layer (``random_weights`` of its spec), and dense layers."""
+def _check_quant(spec: ModelSpec, weights: DecodeWeights) -> None:
+    """A quantized model's step needs its codes and scales in every layer
+    (``random_weights`` of its spec), and dense layers."""
     if spec.quant is None:
         return
-    if spec.quant.name != FP8_W8A8:
-        raise ValueError(f"per-op step: no {spec.quant.name} linears (FP8 W8A8's only)")
+    if spec.quant.name not in QUANT_BASELINES:
+        raise ValueError(f"per-op step: no {spec.quant.name} linears")
     if spec.moe is not None or any(lw.quant is None for lw in weights.layers):
-        raise ValueError("per-op step: an FP8 W8A8 model's dense layers need "
-                         "their codes and scales (LayerWeights.quant)")  # fmt: skip
+        raise ValueError(f"per-op step: a {spec.quant.name} model's dense "
+                         "layers need their codes and scales "
+                         "(LayerWeights.quant)")  # fmt: skip
 
 
 def dense_mlp(norm: Callable, inter: int, dt: torch.dtype, elementwise: bool = True):
@@ -265,12 +372,20 @@ def piecewise_step(
     pre: Callable[[int], tuple],
     compile_options: dict[str, Any] | None,
     mixture: Mixture | None,
+    weight: Callable[[int, str], Weight | None] | None = None,
 ) -> Callable[[], torch.Tensor]:
     """The step of pieces split at attention (module docstring), for any
     attention: ``pre_attn(h, residual, positions, cos_sin, *pre(i))``
     returns layer i's attention inputs then the residual, ``attend(i,
     *inputs)`` o_proj's input, ``post_attn`` as ``dense_mlp``'s; a sparse
-    layer's MLP is ``mixture``, between compiled pieces."""
+    layer's MLP is ``mixture``, between compiled pieces. ``weight(i,
+    name)``: layer i's o_proj, gate_up and down (``operands``; by default
+    the layers' dense weights)."""
+    layers = weights.layers
+    if weight is None:
+
+        def weight(i: int, name: str) -> Weight | None:
+            return getattr(layers[i], name)
 
     def first(ids, positions, cos_sin, embed, *pre_w):
         return pre_attn(embed[ids], None, positions, cos_sin, *pre_w)
@@ -301,11 +416,9 @@ def piecewise_step(
             for f in (first, middle, last, final, moe_in, moe_out)
         )
 
-    def post(lw: LayerWeights) -> tuple:
-        return (operand(lw, "o_proj"), lw.post_norm, operand(lw, "gate_up"),
-                operand(lw, "down"))  # fmt: skip
-
-    layers = weights.layers
+    def post(i: int) -> tuple:
+        return (weight(i, "o_proj"), layers[i].post_norm, weight(i, "gate_up"),
+                weight(i, "down"))  # fmt: skip
 
     def step() -> torch.Tensor:
         ids, pos, cos_sin = inputs.input_ids, inputs.positions.long(), weights.cos_sin
@@ -315,12 +428,12 @@ def piecewise_step(
             nxt = i + 1 if i + 1 < len(layers) else None
             if lw.moe is None and nxt is None:
                 return last(o, residual, weights.final_norm, weights.lm_head,
-                            *post(lw))  # fmt: skip
+                            *post(i))  # fmt: skip
             if lw.moe is None:
-                *q, residual = middle(o, residual, pos, cos_sin, *post(lw), *pre(nxt))
+                *q, residual = middle(o, residual, pos, cos_sin, *post(i), *pre(nxt))
                 continue
             assert mixture is not None
-            x, residual = moe_in(o, residual, operand(lw, "o_proj"), lw.post_norm)
+            x, residual = moe_in(o, residual, weight(i, "o_proj"), lw.post_norm)
             y = mixture(i, x)
             if nxt is None:
                 return final(y, residual, weights.final_norm, weights.lm_head)

@@ -486,6 +486,25 @@ def test_a_quantized_mixture_guards_the_codes_the_kernel_reads(harness):
     assert d.per_op_baseline(spec) is None
 
 
+def test_each_dense_quantized_format_has_a_named_per_op_step():
+    """A dense FP8, FP8-block or INT4 case is timed against the per-op step
+    with PyTorch's GEMM of its format, each named apart from vLLM's default
+    decode (none opens a bucket)."""
+    from vllm_ext.megakernel.measured import FAIR_BASELINE
+
+    d = _device_run()
+    llama = make_spec("llama", torch.bfloat16)
+    names = {
+        h["quant"].name: d.per_op_baseline(dataclasses.replace(llama, quant=h["quant"]))
+        for h in (FP8_LLAMA, BLOCKS_LLAMA, INT4_LLAMA)
+    }
+    assert names == {FP8_W8A8: "per-op-fp8-scaled-mm",
+                     FP8_BLOCK: "per-op-fp8-blockwise-scaled-mm",
+                     INT4_W4A16: "per-op-int4-tinygemm"}  # fmt: skip
+    assert FAIR_BASELINE not in names.values()
+    assert d.per_op_baseline(llama) == FAIR_BASELINE
+
+
 @pytest.mark.parametrize(
     "harness, kind",
     [(MOE_FP8, "expert_scale"), (MOE_INT4, "expert_scale"), (MOE_FP8, "arrive_left"),
@@ -836,7 +855,7 @@ def test_report_table():
     report["cases"]["llama-3.1-8b-fp8-b1"] = {
         "correctness": {"ok": True},
         "timing": {"megakernel_ms": 0.9, "per_op_graph_ms": 1.35,
-                   "per_op_baseline": d.FP8_BASELINE}}  # fmt: skip
+                   "per_op_baseline": d.QUANT_BASELINES[FP8_W8A8]}}  # fmt: skip
     table = d.markdown(report)
     assert "| llama-3.1-8b-fp8-b1 | True | 0.900 | 1.350 | - |" in table
     assert "per-op step of llama-3.1-8b-fp8-b1: per-op-fp8-scaled-mm" in table

@@ -13,10 +13,16 @@ from tests.utils import load_script
 from vllm_ext.demo_models import hf_config
 from vllm_ext.model_spec import ModelSpec
 from vllm_ext.quant import (
+    FP8_BLOCK,
     FP8_W8A8,
+    INT4_W4A16,
+    PACK_QUANTIZED,
     PER_TOKEN,
+    PER_TOKEN_GROUP,
     QuantFormat,
+    quantize_blocks,
     quantize_input,
+    quantize_int4,
     quantize_rows,
 )
 from vllm_ext.reference import ReferenceExecutor, linear
@@ -236,3 +242,112 @@ def test_an_fp8_step_needs_the_codes():
     inputs = random_decode_inputs(spec, 1, seed=5)
     with pytest.raises(ValueError, match="codes and scales"):
         per_op.per_op_step(spec, bare, inputs, per_op.paged_attend(bare, inputs))
+
+
+FP8_BLOCKS = QuantFormat(FP8_BLOCK, "fp8", 8, 128, PER_TOKEN_GROUP)
+INT4 = QuantFormat(INT4_W4A16, PACK_QUANTIZED, 4, 32)
+
+
+def _blockwise_scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, *,
+                         output_dtype):  # fmt: skip
+    """``F.scaled_mm``'s 1 x 128 by 128 x 128 contract as cuBLASLt takes it
+    (no CPU kernel has it): ``a`` [M, K] e4m3 with ``scale_a`` [M, K / 128]
+    outer-dim major, ``b`` [K, N] (a row-major [N, K] transposed) with
+    ``scale_b`` [K / 128, N / 128]; each K block's fp32 sums times both
+    scales, summed in fp32, out in ``output_dtype``."""
+    import torch.nn.functional as F
+
+    m, k = a.shape
+    n = b.shape[1]
+    assert (recipe_a, recipe_b) == (F.ScalingType.BlockWise1x128,
+                                    F.ScalingType.BlockWise128x128)  # fmt: skip
+    assert scale_a.shape == (m, k // 128) and scale_a.stride(0) == 1
+    assert scale_b.shape == (k // 128, n // 128) and b.stride(0) == 1
+    out = torch.zeros(m, n)
+    for kb in range(k // 128):
+        cols = slice(kb * 128, (kb + 1) * 128)
+        part = a[:, cols].float() @ b[cols].float()
+        out += part * scale_a[:, kb, None] * scale_b[kb].repeat_interleave(128)
+    return out.to(output_dtype)
+
+
+def test_per_token_group_quantization_is_the_references():
+    """The FP8-block baseline's input quantization (vLLM's group
+    quantization in torch) is the references' and the kernel's, bit for
+    bit: groups of very different magnitudes, and a zero group."""
+    per_op = _per_op()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 512, generator=g) * torch.logspace(-4, 3, 512)[None, :]
+    x = x.to(torch.bfloat16)
+    x[1, 128:256] = 0
+    codes, scale = per_op.quantize_per_token_group(x)
+    assert codes.dtype == torch.float8_e4m3fn and scale.shape == (3, 4)
+    dequantized = codes.float().view(3, 4, 128) * scale[..., None]
+    assert torch.equal(dequantized.view(3, 512), quantize_input(x, FP8_BLOCKS))
+    assert scale[1, 1].item() == torch.tensor(1 / (448 * 512)).item()
+
+
+def test_an_fp8_block_linear_is_the_references(monkeypatch):
+    """One FP8-block linear through ``F.scaled_mm``'s blockwise contract
+    (emulated: no CPU kernel has it; the emulation also checks the scales'
+    layouts cuBLASLt takes) against the reference's group-quantized input
+    times the dequantized blocks: within one bf16 rounding of each output."""
+    per_op = _per_op()
+    monkeypatch.setattr(per_op.F, "scaled_mm", _blockwise_scaled_mm)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 512, generator=g).to(torch.bfloat16)
+    w = quantize_blocks(torch.randn(384, 512, generator=g) * 0.05)
+    got = per_op.fp8_block_linear(x, w.codes, w.scale)
+    want = linear(quantize_input(x, FP8_BLOCKS), w.dequantize(), None)
+    err = (got.float() - want).abs() / (want.abs() + want.abs().max() / 64)
+    assert got.dtype == torch.bfloat16 and err.max() <= 2**-8 * 1.01
+
+
+def test_an_int4_linear_is_marlins_weight():
+    """tinygemm on ``int4_operand``'s packing (its CPU kernel here) reads
+    each weight as ``(q - 8) * s`` rounded to bf16, Marlin's, exactly: the
+    identity through it gives the dequantized weight bit for bit; on random
+    inputs its products and sums (bf16 on this CPU kernel) stay within 1%
+    of the largest output."""
+    per_op = _per_op()
+    g = torch.Generator().manual_seed(2)
+    w = quantize_int4((torch.randn(256, 512, generator=g) * 0.05).bfloat16(), 32)
+    packed, scales_zeros = per_op.int4_operand(w)
+    assert scales_zeros.shape == (512 // 32, 256, 2) and not scales_zeros[..., 1].any()
+    eye = torch.eye(512, dtype=torch.bfloat16)
+    got = per_op.int4_linear(eye, packed, scales_zeros).t()
+    assert torch.equal(got, w.dequantize())
+    x = torch.randn(3, 512, generator=g).to(torch.bfloat16)
+    want = linear(x, w.dequantize(), None)
+    assert _rel(per_op.int4_linear(x, packed, scales_zeros).float(), want) < 1e-2
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "int4"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_quantized_per_op_step_is_the_reference_step(monkeypatch, fmt, compiled):
+    """An FP8-block and an INT4 model's per-op steps (their linears by the
+    blockwise scaled GEMM, emulated, and by tinygemm) compute the reference
+    forward's step from the layers' codes and scales (the dense fields NaN),
+    each still three compiled graphs (a quantized weight is a pair of tensor
+    arguments; INT4's packed once at set-up)."""
+    per_op = _per_op()
+    monkeypatch.setattr(per_op.F, "scaled_mm", _blockwise_scaled_mm)
+    quant = FP8_BLOCKS if fmt == "fp8-block" else INT4
+    spec = dataclasses.replace(make_spec("llama", torch.bfloat16), quant=quant)
+    weights = random_weights(spec, seed=3)
+    inputs = random_decode_inputs(spec, 3, seed=5)
+    mine = _clone(inputs)
+    ref = _reference_logits(spec, weights, inputs)
+    nan = dataclasses.replace(weights, layers=tuple(
+        dataclasses.replace(lw, **{n: torch.full_like(getattr(lw, n), float("nan"))
+                                   for n in QUANT_LINEARS})
+        for lw in weights.layers))  # fmt: skip
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    options = {"backend": "aot_eager"} if compiled else None
+    step = per_op.per_op_step(spec, nan, mine, per_op.paged_attend(nan, mine),
+                              compile_options=options)  # fmt: skip
+    assert _rel(step(), ref) < (FP8_TOL if fmt == "fp8-block" else 2 * TOL)
+    if compiled:
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3
+        assert not torch._dynamo.utils.counters["graph_break"]
