@@ -200,37 +200,6 @@ def test_an_fp8_linear_is_the_references():
         assert err.max() <= 2**-8 * 1.01  # (fp32 sums in another order: slack)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_fp8_per_op_step_is_the_reference_step(compiled):
-    """An FP8 W8A8 model's per-op step (its linears by torch._scaled_mm on
-    the layers' e4m3 codes and row scales, inputs quantized per token; the
-    CPU's _scaled_mm here, the GPU's on the H200) computes the reference
-    forward's step (inputs quantized by quantize_input, dequantized
-    weights). It reads the codes and scales: the dense fields are NaN.
-    (A QKV bias through the FP8 GEMM: test_an_fp8_linear_is_the_references.)"""
-    per_op = _per_op()
-    spec = dataclasses.replace(make_spec("llama", torch.bfloat16), quant=FP8)
-    weights = random_weights(spec, seed=3)
-    inputs = random_decode_inputs(spec, 3, seed=5)
-    mine = _clone(inputs)
-    ref = _reference_logits(spec, weights, inputs)
-    nan = dataclasses.replace(weights, layers=tuple(
-        dataclasses.replace(lw, **{n: torch.full_like(getattr(lw, n), float("nan"))
-                                   for n in QUANT_LINEARS})
-        for lw in weights.layers))  # fmt: skip
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    options = {"backend": "aot_eager"} if compiled else None
-    step = per_op.per_op_step(spec, nan, mine, per_op.paged_attend(nan, mine),
-                              compile_options=options)  # fmt: skip
-    assert _rel(step(), ref) < FP8_TOL
-    for got, want in zip(mine.kv_caches, inputs.kv_caches, strict=True):
-        assert _rel(got.float(), want.float()) < 2**-7
-    if compiled:  # (an FP8 weight is a pair of tensor arguments: still one graph)
-        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3
-        assert not torch._dynamo.utils.counters["graph_break"]
-
-
 def test_an_fp8_step_needs_the_codes():
     """FP8 weights without their codes (the dense dequantization alone) are
     refused, not run as bf16 GEMMs: that would time another model."""
@@ -307,8 +276,8 @@ def test_an_int4_linear_is_marlins_weight():
     """tinygemm on ``int4_operand``'s packing (its CPU kernel here) reads
     each weight as ``(q - 8) * s`` rounded to bf16, Marlin's, exactly: the
     identity through it gives the dequantized weight bit for bit; on random
-    inputs its products and sums (bf16 on this CPU kernel) stay within 1%
-    of the largest output."""
+    inputs its outputs stay within 1% of the largest (this CPU kernel's
+    precision, not fp32 sums: 4% of a small output at K = 32)."""
     per_op = _per_op()
     g = torch.Generator().manual_seed(2)
     w = quantize_int4((torch.randn(256, 512, generator=g) * 0.05).bfloat16(), 32)
@@ -322,17 +291,20 @@ def test_an_int4_linear_is_marlins_weight():
     assert _rel(per_op.int4_linear(x, packed, scales_zeros).float(), want) < 1e-2
 
 
-@pytest.mark.parametrize("fmt", ["fp8-block", "int4"])
+@pytest.mark.parametrize("fmt", ["fp8-channel", "fp8-block", "int4"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_quantized_per_op_step_is_the_reference_step(monkeypatch, fmt, compiled):
-    """An FP8-block and an INT4 model's per-op steps (their linears by the
-    blockwise scaled GEMM, emulated, and by tinygemm) compute the reference
-    forward's step from the layers' codes and scales (the dense fields NaN),
-    each still three compiled graphs (a quantized weight is a pair of tensor
-    arguments; INT4's packed once at set-up)."""
+    """An FP8 W8A8, an FP8-block and an INT4 model's per-op steps (their
+    linears by torch._scaled_mm, the CPU's here and the GPU's on the H200;
+    by the blockwise scaled GEMM, emulated; by tinygemm) compute the
+    reference forward's step (inputs quantized by quantize_input,
+    dequantized weights) from the layers' codes and scales: the dense fields
+    are NaN. Each still three compiled graphs (a quantized weight is a pair
+    of tensor arguments; INT4's packed once at set-up). (A QKV bias through
+    the FP8 GEMM: test_an_fp8_linear_is_the_references.)"""
     per_op = _per_op()
     monkeypatch.setattr(per_op.F, "scaled_mm", _blockwise_scaled_mm)
-    quant = FP8_BLOCKS if fmt == "fp8-block" else INT4
+    quant = {"fp8-channel": FP8, "fp8-block": FP8_BLOCKS, "int4": INT4}[fmt]
     spec = dataclasses.replace(make_spec("llama", torch.bfloat16), quant=quant)
     weights = random_weights(spec, seed=3)
     inputs = random_decode_inputs(spec, 3, seed=5)
@@ -347,7 +319,10 @@ def test_quantized_per_op_step_is_the_reference_step(monkeypatch, fmt, compiled)
     options = {"backend": "aot_eager"} if compiled else None
     step = per_op.per_op_step(spec, nan, mine, per_op.paged_attend(nan, mine),
                               compile_options=options)  # fmt: skip
-    assert _rel(step(), ref) < (FP8_TOL if fmt == "fp8-block" else 2 * TOL)
+    # (INT4: tinygemm's CPU kernel, 1% of a linear's largest output, above.)
+    assert _rel(step(), ref) < (2 * TOL if fmt == "int4" else FP8_TOL)
+    for got, want in zip(mine.kv_caches, inputs.kv_caches, strict=True):
+        assert _rel(got.float(), want.float()) < 2**-7
     if compiled:
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3
         assert not torch._dynamo.utils.counters["graph_break"]
