@@ -93,6 +93,20 @@ def test_only_faster_buckets_open_and_only_as_a_prefix(table):
     assert "batch 4: 0.950 vs 0.900 ms (margin 5%)" in why and "report.json" in why
 
 
+def test_a_quantized_model_has_a_key_of_its_format(table):
+    """Every config's model keys, a quantized checkpoint's by its format and
+    the kinds of projections it leaves bf16 (Kimi-K2-Thinking's: a set),
+    none the same; none of them opens a bucket measured for another."""
+    names = ("kimi-k2", "kimi-k2-fp8", "kimi-k2-thinking", "llama-3.1-8b",
+             "llama-3.1-8b-fp8", "llama-3.1-8b-w4a16")  # fmt: skip
+    keys = {measured.model_key(_spec(n)) for n in names}
+    assert len(keys) == len(names)
+    thinking = _spec("kimi-k2-thinking")
+    assert thinking.quant.experts_only
+    assert measured.model_key(thinking) == measured.model_key(_spec("kimi-k2-thinking"))
+    assert measured.max_batch(GPU, thinking, SOURCES, table)[0] == 0
+
+
 @pytest.mark.parametrize(
     "gpu, name, sources",
     [

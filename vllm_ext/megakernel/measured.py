@@ -85,7 +85,9 @@ def model_key(spec: ModelSpec) -> str:
     """Every field of the model's shape that the kernel is built for."""
     fields = dataclasses.asdict(spec)
     fields["dtype"] = str(spec.dtype)
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+    # (A quantized checkpoint's kinds left unquantized: a set, as a list.)
+    text = json.dumps(fields, sort_keys=True, default=sorted)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def load(table: Path | None = None) -> list[Measurement]:
