@@ -364,6 +364,24 @@ def test_quantized_mixture_through_the_table(fmt):
     torch.testing.assert_close(got, want, rtol=0, atol=TOL[torch.bfloat16])
 
 
+def test_experts_only_is_int4_experts_of_a_mixture():
+    """``KernelShape.experts_only`` takes INT4 routed experts (FP8
+    checkpoints quantize every projection); a dense kernel has no experts
+    to quantize alone; its dense projections then need no INT4 widths."""
+    spec = dataclasses.replace(demo_spec("qwen3_moe"), quant=QUANT_MOE["int4-experts"])
+    shape = KernelShape.from_program(plan(spec, 4, SMALL), BLOCK_SIZE)
+    assert shape.experts_only and shape.quantized and not shape.dense_quantized
+    with pytest.raises(ValueError, match="experts_only: INT4 experts of a mixture"):
+        dataclasses.replace(shape, fp8=True, int4_group=0)
+    dense = KernelShape.from_program(plan(demo_spec("llama"), 4, SMALL), BLOCK_SIZE)
+    with pytest.raises(ValueError, match="experts_only: INT4 experts of a mixture"):
+        dataclasses.replace(dense, int4_group=32, experts_only=True)
+    # (An intermediate of 96 is no whole number of the INT4 GEMV's k blocks.)
+    assert dataclasses.replace(shape, intermediate=96).experts_only
+    with pytest.raises(ValueError, match="INT4 GEMV widths"):
+        dataclasses.replace(shape, intermediate=96, experts_only=False)
+
+
 # (format, batch, arch): FP8 blocks at 16 requests (experts' inputs staged
 # in passes: stage_rows), INT4 at 1 on Blackwell. CI time.
 QUANT_GRID = [("fp8-block", 16, "sm_90a"), ("int4", 1, "sm_100a")]
