@@ -33,6 +33,7 @@ from vllm_ext.megakernel.planner import batch_buckets
 from vllm_ext.model_spec import ModelSpec, sliding_window_refusal
 from vllm_ext.parallel import shard_spec, stage_spec
 from vllm_ext.plugin import ATTENTION_BACKEND
+from vllm_ext.quant import FP8_BLOCK
 from vllm_ext.runner import MAX_QUERY_LEN, DecodeExecutor, decode_inputs
 from vllm_ext.weights import DecodeWeights, stage_layers
 
@@ -611,6 +612,22 @@ def _check_gpu_kernel(vllm_config: VllmConfig, spec: ModelSpec) -> None:
         )
 
 
+def _quantized_tp_refusal(spec: ModelSpec) -> str | None:
+    """The kind of quantized checkpoint the backend refuses at this tensor
+    parallel size, or None. (A mixture whatever this stage's layers: with
+    pipeline parallelism too, a later stage may hold its experts.)"""
+    quant = spec.quant
+    if quant is None or spec.tp_size == 1:
+        return None
+    if quant.name == FP8_BLOCK:
+        return quant.name
+    if spec.moe is not None:
+        return f"{quant.name} mixture-of-experts"
+    if spec.mla is not None:
+        return f"{quant.name} latent-attention"
+    return None
+
+
 def _check_deployment(vllm_config: VllmConfig, spec: ModelSpec) -> None:
     parallel = vllm_config.parallel_config
     model = vllm_config.model_config
@@ -619,6 +636,7 @@ def _check_deployment(vllm_config: VllmConfig, spec: ModelSpec) -> None:
     moe_backend = getattr(vllm_config.kernel_config, "moe_backend", "auto")
     speculative = vllm_config.speculative_config
     aux_drafter = speculative is not None and speculative.method == "eagle3"
+    quant_tp = _quantized_tp_refusal(spec)
     unsupported = {
         # vLLM shards a mixture's experts over the data-parallel ranks and
         # exchanges tokens between them in each MoE layer; the kernel runs
@@ -641,10 +659,13 @@ def _check_deployment(vllm_config: VllmConfig, spec: ModelSpec) -> None:
         f"--quantization {model.quantization}": (
             model.quantization is not None and spec.quant is None
         ),
-        # (Not yet checked against vLLM's sharded scales.)
-        f"{spec.quant and spec.quant.name} checkpoints with tensor parallelism": (
-            spec.quant is not None and spec.tp_size > 1
-        ),
+        # A rank reads its shard's codes and scales as vLLM loaded them;
+        # checked against vLLM's TP 2 for dense GQA models with FP8
+        # per-channel and INT4 checkpoints (tests/test_e2e_parallel.py).
+        # Not the rest: vLLM's CPU workers run FP8 blocks W8A16 and INT4
+        # experts W4A8, not a GPU's numerics, and take no per-channel FP8
+        # experts; quantized latent attention at TP has not run.
+        f"{quant_tp} checkpoints with tensor parallelism": quant_tp is not None,
         # (A stage's streams are its own layers', which vLLM relays between
         # stages; not built, nor checked at TP.)
         "EAGLE-3 with tensor or pipeline parallelism": (

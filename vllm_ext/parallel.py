@@ -16,6 +16,11 @@ A rank's program is planned from the rank's spec (``shard_spec``) and reads
 the rank's weights as vLLM loaded them; its ALL_REDUCE instructions
 (isa.py) add the ranks' partial sums. ``shard_weights`` cuts one-rank
 weights the same way, for checks that run every rank in one process.
+A quantized layer's scales go with its codes, as vLLM's parameters load
+them: split by output rows, a row's scales (FP8 per channel, INT4 groups)
+or a 128-row block's (FP8 blocks) go with the rows; split by input columns
+(o_proj, down), FP8 per-channel scales are every row's, INT4 groups and
+FP8 blocks are cut with their columns.
 
 A pipeline stage (``stage_spec``) holds the layers vLLM gives it
 (``get_pp_indices``): its program runs them, embedding only on the first
@@ -130,7 +135,8 @@ def shard_weights(weights, spec: ModelSpec, tp: int, rank: int):
     """One-rank ``DecodeWeights`` of ``spec`` cut as vLLM's parallel layers
     load them on ``rank`` of ``tp`` (module docstring), for the rank sets
     the interpreter runs in one process."""
-    from vllm_ext.weights import DecodeWeights, LayerWeights, MoeWeights
+    from vllm_ext.quant import BLOCK, Fp8Weight
+    from vllm_ext.weights import DecodeWeights, LayerWeights, MoeWeights, QuantLinears
 
     assert isinstance(weights, DecodeWeights)
 
@@ -159,9 +165,53 @@ def shard_weights(weights, spec: ModelSpec, tp: int, rank: int):
         k, v = (x.narrow(0, kv_rank * kv_n * d, kv_n * d) for x in (k, v))
         return torch.cat([rows(q, tp), k, v])
 
+    def quant_rows(w, cut):
+        # A column-parallel layer's codes, and the scales of its rows: a
+        # scale a row, or (FP8 blocks) one a block of 128 rows, whose rows
+        # a rank must hold whole (vLLM refuses the checkpoint otherwise).
+        if w is None:
+            return None
+        if not (isinstance(w, Fp8Weight) and w.scale.dim() == 2):
+            return type(w)(cut(w.codes), cut(w.scale))
+        held = cut(torch.arange(w.codes.shape[0]))
+        starts = held[::BLOCK]
+        whole = (starts[:, None] + torch.arange(BLOCK)).flatten()
+        if (starts % BLOCK).any() or not torch.equal(held, whole):
+            raise ValueError(
+                f"FP8 blocks: rank {rank} of {tp} holds rows of a 128-row block "
+                "without the rest"
+            )
+        return Fp8Weight(cut(w.codes), w.scale[starts // BLOCK].contiguous())
+
+    def quant_cols(w):
+        # A row-parallel layer's K columns; INT4 groups and FP8 blocks cut
+        # with them (per-channel FP8: every row's scale).
+        codes = rows(w.codes, tp, 1)
+        if w.scale.dim() == 1:
+            return type(w)(codes, w.scale)
+        if w.scale.shape[1] % tp:
+            raise ValueError(
+                f"{w.scale.shape[1]} scale groups along K do not split over {tp} ranks"
+            )
+        return type(w)(codes, rows(w.scale, tp, 1))
+
     layers = []
     for w in weights.layers:
-        moe, mla = w.moe, w.mla
+        moe, mla, q = w.moe, w.mla, w.quant
+        if (moe is not None and moe.quant is not None) or (
+            mla is not None and mla.quant is not None
+        ):
+            raise ValueError(
+                "quantized mixtures and latent attention: their codes are not "
+                "cut by rank"
+            )
+        if q is not None:
+            q = QuantLinears(
+                qkv=quant_rows(q.qkv, qkv_rows),
+                o_proj=quant_cols(q.o_proj),
+                gate_up=quant_rows(q.gate_up, lambda t: halves(t, 0)),
+                down=None if q.down is None else quant_cols(q.down),
+            )
         if moe is not None:
             moe = MoeWeights(
                 router=moe.router,
@@ -188,6 +238,7 @@ def shard_weights(weights, spec: ModelSpec, tp: int, rank: int):
                 down=rows(w.down, tp, 1),
                 moe=moe,
                 mla=mla,
+                quant=q,
             )
         )
     start, end = vocab_range(spec.vocab_size, tp, rank)

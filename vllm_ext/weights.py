@@ -428,6 +428,11 @@ def int4_linear(layer: torch.nn.Module, shape: tuple[int, int]) -> Int4Weight:
             "set VLLM_CPU_INT4_W4A8=0"
         )
     scales = int4_scales(layer, n)
+    if scales.device.type == "cpu" and torch.cpu._is_amx_tile_supported():
+        # vLLM's CPU INT4 kernel runs AMX tiles in bf16 without asking the
+        # kernel for them (oneDNN asks at its first bf16 GEMM): read back
+        # before vLLM's first forward, it faults (SIGILL) unless asked here.
+        torch.cpu._init_amx()
     dense = _read_back(
         lambda x: layer.quant_method.apply(layer, x), k, scales.dtype,
         scales.device,

@@ -3,7 +3,8 @@
 (kernel/ranks.py's ``OneLaunchRanks``, what the GPU check runs on its one
 GPU), through the CPU stand-in (kernel_standin.py's ``RankSetStandIn``):
 each rank's table, stacked with the others', holds its shard of the
-weights, its partial sums, its vocabulary start and PEERS (every rank's
+weights (a quantized layer's codes and scales, cut as vLLM cuts them), its
+partial sums, its vocabulary start and PEERS (every rank's
 counters and partial sums); the stand-in reads everything through the
 tables and runs the ranks together. Its outputs are bit for bit those of
 the ranks interpreted directly (interpret.RankSetInterpreter, on the same
@@ -23,20 +24,44 @@ from vllm_ext.megakernel.cost import DEVICES
 from vllm_ext.megakernel.interpret import RankSetInterpreter, pad_inputs
 from vllm_ext.megakernel.kernel.launcher import KernelExecutor, MegakernelError
 from vllm_ext.megakernel.kernel.ranks import OneLaunchRanks
-from vllm_ext.megakernel.kernel.shape import GlobalSlot
+from vllm_ext.megakernel.kernel.shape import GlobalSlot, KernelShape
 from vllm_ext.megakernel.planner import plan
 from vllm_ext.parallel import rank_caches, shard_spec, shard_weights
+from vllm_ext.quant import (
+    FP8_BLOCK,
+    FP8_W8A8,
+    INT4_W4A16,
+    PACK_QUANTIZED,
+    PER_TOKEN,
+    PER_TOKEN_GROUP,
+    QuantFormat,
+)
 from vllm_ext.testing import BLOCK_SIZE, random_decode_inputs, random_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 DEVICE = dataclasses.replace(DEVICES["h200"], num_sms=8)
 TP = 2
+FP8 = QuantFormat(FP8_W8A8, "compressed-tensors float-quantized", 8, -1, PER_TOKEN)
+FP8_BLOCKS = QuantFormat(FP8_BLOCK, "fp8", 8, 128, PER_TOKEN_GROUP)
+INT4 = QuantFormat(INT4_W4A16, PACK_QUANTIZED, 4, 32)
 SPECS = {
     "llama": lambda: make_spec("llama", torch.bfloat16),
     "qwen3_moe": lambda: spec_of("qwen3_moe", torch.bfloat16),
     "mla": lambda: mla_spec(torch.bfloat16),
+    # Dense quantized ranks (parallel.shard_weights cuts codes and scales as
+    # vLLM loads them): FP8 per channel and INT4 on Llama's shapes; FP8
+    # blocks on Qwen3's, whose rank holds whole blocks of q, k and v rows
+    # (Llama's 64-row k heads split a block: vLLM refuses, and so does
+    # shard_weights).
+    "llama-fp8": lambda: _quantized("llama", FP8),
+    "llama-int4": lambda: _quantized("llama", INT4),
+    "qwen3-fp8-blocks": lambda: _quantized("qwen3", FP8_BLOCKS),
 }
+
+
+def _quantized(arch: str, fmt):
+    return dataclasses.replace(make_spec(arch, torch.bfloat16), quant=fmt)
 
 
 def _contiguous(x):
@@ -142,3 +167,19 @@ def test_a_rank_alone_does_not_launch():
     with pytest.raises(MegakernelError, match="vocabulary shard"):
         KernelExecutor(program, dataclasses.replace(shard, vocab_range=None), None,
                        block_size=BLOCK_SIZE, max_blocks=4)  # fmt: skip
+
+
+def test_what_quantized_ranks_refuse():
+    """FP8 blocks a rank would hold part of (Llama's 64-row k heads: vLLM
+    refuses the checkpoint too), and a quantized mixture, whose experts'
+    codes ``shard_weights`` does not cut and whose kernel the shape
+    refuses at TP."""
+    blocks = _quantized("llama", FP8_BLOCKS)
+    with pytest.raises(ValueError, match="128-row block without the rest"):
+        shard_weights(random_weights(blocks, seed=1), blocks, TP, 0)
+    moe = dataclasses.replace(SPECS["qwen3_moe"](), quant=FP8)
+    with pytest.raises(ValueError, match="quantized mixtures"):
+        shard_weights(random_weights(moe, seed=1), moe, TP, 0)
+    program = plan(shard_spec(moe, TP), 2, DEVICE, with_lm_head=True)
+    with pytest.raises(ValueError, match="dense GQA models only"):
+        KernelShape.from_program(program, BLOCK_SIZE)

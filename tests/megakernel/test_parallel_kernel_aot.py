@@ -17,6 +17,10 @@ kernel/ops/all_reduce.py, kernel/control.py).
   records the same counts.
   Real shapes (Llama-3.1-70B, DeepSeek-V3 and Kimi-K2 at TP 8):
   scripts/compile_grid.py --tp 8, recorded in docs/perf.md.
+* A dense quantized rank (the Llama demo in FP8 per channel and INT4 at
+  TP 2, sm_90a): the same system-scope operations beside its format's
+  tensor-core GEMVs (Llama-3.1-8B FP8 and W4A16, Qwen3-8B FP8 blocks at
+  TP 2: compile_grid.py, docs/perf.md).
 * The partial sums' rows and the build CLI's refusals.
 
 Nothing here has run on a GPU.
@@ -41,9 +45,12 @@ from vllm_ext.megakernel.kernel.shape import (
 from vllm_ext.megakernel.planner import plan
 from vllm_ext.model_spec import ModelSpec
 from vllm_ext.parallel import shard_spec
+from vllm_ext.quant import FP8_W8A8, INT4_W4A16, PACK_QUANTIZED, PER_TOKEN, QuantFormat
 
 H200 = DEVICES["h200"]
 TP = 2
+FP8 = QuantFormat(FP8_W8A8, "compressed-tensors float-quantized", 8, -1, PER_TOKEN)
+INT4 = QuantFormat(INT4_W4A16, PACK_QUANTIZED, 4, 32)
 # (demo architecture, batch, arch, ranks in one launch): see the docstring.
 GRID = [("qwen3_moe", 4, "sm_100a", 1)]
 
@@ -68,6 +75,21 @@ def test_tensor_parallel_compiles_clean(case, tmp_path):
     # ranks' adds, rather than a release fence each, which would wait for
     # the previous rank's add to complete over NVLink).
     assert built.acquire_loads == 3
+
+
+@pytest.mark.parametrize("fmt", [FP8, INT4], ids=["fp8", "int4"])
+def test_quantized_tensor_parallel_compiles_clean(fmt, tmp_path):
+    spec = ModelSpec.from_hf_config(hf_config("llama"), torch.bfloat16)
+    spec = shard_spec(dataclasses.replace(spec, quant=fmt), TP)
+    program = plan(spec, 4, H200, with_lm_head=True)
+    built = build("sm_90a", tmp_path, KernelShape.from_program(program, 16))
+    check_sass(built, tp=TP)
+    # The four projections' MMAs (FP8: two a k block each; INT4: eight),
+    # FP8's e4m3 conversions of its inputs.
+    if fmt is FP8:
+        assert built.mma_ops >= 2 * 2 * 4 and built.e4m3_converts > 0
+    else:
+        assert built.mma_ops >= 8 * 4 and built.e4m3_converts == 0
 
 
 def test_partial_rows_are_the_interpreters_points():

@@ -463,10 +463,16 @@ class KernelShape:
         if self.experts_only and not (self.int4_group and self.moe):
             # (FP8 checkpoints quantize every projection: quant.py.)
             raise ValueError("experts_only: INT4 experts of a mixture")
-        if self._variants() or self.tp_size > 1:
+        if self._variants():
+            raise ValueError(f"{kind} weights run in the default kernel only")
+        if self.tp_size > 1 and (self.moe or self.mla):
+            # (A dense rank's O_PROJ and DOWN write partial sums through the
+            # same epilogue as bf16's; a mixture's and a latent attention's
+            # quantized shards are neither cut by parallel.shard_weights nor
+            # checked.)
             raise ValueError(
-                f"{kind} weights run in the default kernel on one GPU only (no "
-                f"{kind} tensor parallel device functions yet)"
+                f"{kind} weights at tensor parallel: dense GQA models only, not "
+                "a mixture of experts or latent attention"
             )
         mla = self.mla and self.dense_quantized
         if mla and not self.fp8:
