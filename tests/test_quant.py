@@ -366,9 +366,42 @@ def test_int4_experts_read_as_compressed_tensors_unpacks_them():
     up, down = int4_experts(experts, e, h, inter)
     assert torch.equal(up.dequantize().view(e, 2 * inter, h), w13)
     assert torch.equal(down.dequantize().view(e, h, inter), w2)
+    # Read in place: the words' bytes, no copy.
+    assert up.codes.data_ptr() == w13p.data_ptr()
     experts.w2_weight_packed = w2p.transpose(1, 2).contiguous()  # K-first
-    with pytest.raises(ValueError, match="INT4 w2 experts are held as"):
+    with pytest.raises(ValueError, match="INT4 w2 experts are held as.*triton"):
         int4_experts(experts, e, h, inter)
+
+
+def test_int4_experts_read_as_vllms_triton_experts_keep_them():
+    """vLLM's Triton WNA16 experts (``--moe-backend triton``; on a GPU vLLM
+    otherwise repacks them for Marlin) keep the words as bytes: its own
+    conversion (``convert_to_wna16_moe_kernel_format``) run here, read in
+    place, dequantizes to compressed-tensors' weights bit for bit."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import (
+        WNA16MoEBackend,
+        convert_to_wna16_moe_kernel_format,
+    )
+
+    from vllm_ext.quant import int4_experts
+
+    e, h, inter = 3, 64, 96
+    w13p, w13s, w13 = _int4_experts(e, 2 * inter, h)
+    w2p, w2s, w2 = _int4_experts(e, h, inter)
+    w13b, w2b, w13s, w2s, *_ = convert_to_wna16_moe_kernel_format(
+        WNA16MoEBackend.TRITON, None, None, torch.bfloat16, w13p, w2p, w13s, w2s
+    )
+    assert w13b.dtype == torch.uint8 and w13b.shape == (e, 2 * inter, h // 2)
+    experts = SimpleNamespace(
+        w13_weight_packed=w13b, w13_weight_scale=w13s,
+        w2_weight_packed=w2b, w2_weight_scale=w2s, quant_method=object(),
+    )  # fmt: skip
+    up, down = int4_experts(experts, e, h, inter)
+    assert up.codes.data_ptr() == w13b.data_ptr()
+    assert torch.equal(up.dequantize().view(e, 2 * inter, h), w13)
+    assert torch.equal(down.dequantize().view(e, h, inter), w2)
 
 
 def _gptq_experts(e: int, n: int, k: int):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -506,13 +507,16 @@ def int4_experts(
     experts: torch.nn.Module, num_experts: int, hidden: int, inter: int
 ) -> tuple[PackedInt4, PackedInt4]:
     """A W4A16 mixture's experts as the kernel reads them (``PackedInt4``,
-    two codes a byte: a copy): ``w13`` (gate rows, then up rows; ``[E, 2I,
-    H / 2]`` bytes) and ``w2`` (``[E, H, I / 2]``), from
-    the packed words (``[E, N, K / 8]`` int32, code ``i`` of a word in bits
-    ``4i`` to ``4i + 3``, the value plus 8) and group scales
-    (``[E, N, K / group]``), compressed-tensors' or GPTQ's
-    (``INT4_EXPERT_NAMES``). A layout other than that (a kernel's repacked
-    tiles) is refused by name, and so are expert biases."""
+    two codes a byte), in place: ``w13`` (gate rows, then up rows; ``[E,
+    2I, H / 2]`` bytes) and ``w2`` (``[E, H, I / 2]``), from the packed
+    words (``[E, N, K / 8]`` int32, code ``i`` of a word in bits ``4i`` to
+    ``4i + 3``, the value plus 8: on a little-endian machine the same bytes
+    as ``PackedInt4``'s) or vLLM's Triton WNA16 experts' view of them as
+    bytes (``[E, N, K / 2]`` uint8, what ``--moe-backend triton`` keeps), and
+    group scales (``[E, N, K / group]``), compressed-tensors' or GPTQ's
+    (``INT4_EXPERT_NAMES``). A layout other than that (Marlin's repacked
+    tiles, vLLM's default on a GPU) is refused by name, and so are expert
+    biases."""
     out = []
     for name, n, k in (("w13", 2 * inter, hidden), ("w2", hidden, inter)):
         packed = scales = None
@@ -521,11 +525,13 @@ def int4_experts(
             scales = getattr(experts, f"{name}_{scale}", None)
             if packed is not None:
                 break
+        layouts = {torch.int32: (num_experts, n, k // 8),
+                   torch.uint8: (num_experts, n, k // 2)}  # fmt: skip
         if (
             packed is None
             or scales is None
-            or packed.dtype != torch.int32
-            or tuple(packed.shape) != (num_experts, n, k // 8)
+            or layouts.get(packed.dtype) != tuple(packed.shape)
+            or not packed.is_contiguous()
             or scales.dim() != 3
             or tuple(scales.shape[:2]) != (num_experts, n)
             or k % scales.shape[2]
@@ -538,18 +544,19 @@ def int4_experts(
                 f"megakernel: {type(experts).__name__}'s INT4 {name} experts are "
                 f"held as {layout} (repacked by vLLM's "
                 f"{type(experts.quant_method).__name__} for its kernel?); the "
-                f"backend reads [E, N, K / 8] int32 words as loaded"
+                "backend reads [E, N, K / 8] int32 words as loaded, or their "
+                "bytes as vLLM's Triton experts keep them (--moe-backend triton)"
             )
         if getattr(experts, f"{name}_bias", None) is not None:
             raise ValueError(
                 f"megakernel: {type(experts).__name__}'s INT4 {name} experts "
                 "have biases, which the backend does not add"
             )
-        shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-        codes = (packed.detach().unsqueeze(-1) >> shifts) & 0xF
-        weight = Int4Weight(codes.view(num_experts, n, k).to(torch.uint8),
-                            scales.detach().contiguous())  # fmt: skip
-        out.append(pack_int4(weight))
+        # (Words as bytes: code 2j in byte j's low nibble, little-endian.)
+        assert sys.byteorder == "little"
+        out.append(
+            PackedInt4(packed.detach().view(torch.uint8), scales.detach().contiguous())
+        )
     return out[0], out[1]
 
 
