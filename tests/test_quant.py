@@ -289,6 +289,24 @@ def test_the_gpu_kernel_takes_fp8_or_bf16_latent_attention():
         backend._check_gpu_kernel(None, mixed)
 
 
+def test_a_grouped_query_mix_of_quantized_and_bf16_is_refused_by_name():
+    """An INT4 checkpoint leaving its attention bf16 beside INT4 MLPs (a
+    Llama; the Qwen3-MoE demo, whose first layer's MLP is dense) is refused
+    at start-up, by name, on both routes: a grouped-query model's layers
+    are read all as codes, or all bf16 with the routed experts alone
+    quantized (test_experts_only_is_judged_in_the_model)."""
+    from vllm_ext.demo_models import hf_config
+    from vllm_ext.model_spec import ModelSpec, UnsupportedModelError
+
+    mixed = _ct({"group_size": 32}) | {"ignore": ["re:.*self_attn.*"]}
+    with pytest.raises(UnsupportedModelError, match="leaving attention in the model"):
+        _llama_spec(mixed)
+    hf = hf_config("qwen3_moe")
+    hf.quantization_config = mixed
+    with pytest.raises(UnsupportedModelError, match="not the routed experts alone"):
+        ModelSpec.from_hf_config(hf, torch.bfloat16, 512)
+
+
 @pytest.mark.parametrize(
     "ignore, left",
     [

@@ -247,6 +247,14 @@ class ModelSpec:
         )
         moe = _moe_spec(arch, hf_config, need) if arch in MOE_ARCHITECTURES else None
         quant = for_model(quant, _projection_kinds(moe))
+        # (weights.from_vllm_model reads a grouped-query model's projections
+        # all as codes, or with the routed experts alone quantized, all bf16.)
+        need(
+            quant is None or not quant.unquantized or quant.experts_only,
+            f"{quant and quant.name} checkpoints leaving "
+            f"{', '.join(sorted(quant.unquantized)) if quant else ''} in the model "
+            "dtype beside quantized projections (not the routed experts alone)",
+        )
         return cls(
             architecture=arch,
             dtype=dtype,
