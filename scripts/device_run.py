@@ -1737,26 +1737,22 @@ def markdown(report: dict) -> str:
         if isinstance(c.get("timing"), dict) and c["timing"].get("per_op_attention")
     }
     lines += ["", f"per-op attention: {', '.join(sorted(attention)) or '-'}"]
+
+    def timed_with(key: str, value: str) -> list[str]:
+        return [
+            name
+            for name, c in report["cases"].items()
+            if isinstance(c.get("timing"), dict) and c["timing"].get(key) == value
+        ]
+
     # A per-op figure in the main table against another step than vLLM's
     # default decode (a quantized case's) says so.
     for baseline in QUANT_BASELINES.values():
-        named = [
-            name
-            for name, c in report["cases"].items()
-            if isinstance(c.get("timing"), dict)
-            and c["timing"].get("per_op_baseline") == baseline
-        ]
-        if named:
+        if named := timed_with("per_op_baseline", baseline):
             lines.append(f"per-op step of {', '.join(named)}: {baseline} (vLLM's "
                          "quantized linears by PyTorch's GEMM of the format, not "
                          "vLLM's kernel; opens no bucket)")  # fmt: skip
-    unmatched = [
-        name
-        for name, c in report["cases"].items()
-        if isinstance(c.get("timing"), dict)
-        and c["timing"].get("per_op_moe") == QUANT_MOE_BASELINE
-    ]
-    if unmatched:
+    if unmatched := timed_with("per_op_moe", QUANT_MOE_BASELINE):
         lines.append(f"per-op MoE of {', '.join(unmatched)}: {QUANT_MOE_BASELINE}")
     sanitizer = "; ".join(
         f"{tool} {r['status']}"
